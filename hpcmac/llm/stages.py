@@ -265,9 +265,9 @@ def rank_budgets(
     rank_avail : available memory in bytes measured by each rank on its host.
     hostfile : hosts with ``memory_gb`` (GiB); a host's memory is divided among
         the ranks on it. Ranks are matched to hosts by name; when some rank's
-        host is not in the hostfile, ranks are matched by slot order (rank 0 on
-        the first host's first slot), as mpirun places them by default. A host
-        without ``memory_gb`` falls back to the measured available memory.
+        host is not in the hostfile, the i-th distinct host (in rank order) is
+        taken to be the hostfile's i-th host, as mpirun fills hosts in order. A
+        rank without a ``memory_gb`` falls back to the measured memory.
     """
     p = len(rank_hosts)
     per_host: dict[str, int] = {}
@@ -280,18 +280,19 @@ def rank_budgets(
     for h in rank_hosts:
         match = [e for e in hostfile if _same_host(e.name, h)]
         entry.append(match[0] if match else None)
-    counts = dict(per_host)
     if any(e is None for e in entry):
-        # by slot order
-        entry, counts = [], {}
-        order = [e for e in hostfile for _ in range(e.slots)]
-        for r in range(p):
-            e = order[r % len(order)]
-            entry.append(e)
+        # names differ (ssh aliases, addresses): the i-th distinct host of the
+        # ranks is the hostfile's i-th host, as mpirun places ranks by slot
+        distinct = list(dict.fromkeys(rank_hosts))
+        pos = {h: i for i, h in enumerate(distinct)}
+        entry = [hostfile[pos[h]] if pos[h] < len(hostfile) else None for h in rank_hosts]
+    counts: dict[str, int] = {}
+    for e in entry:
+        if e is not None:
             counts[e.name] = counts.get(e.name, 0) + 1
     out = []
     for r, e in enumerate(entry):
-        if e.memory_gb is None:
+        if e is None or e.memory_gb is None:
             out.append(measured[r])
         else:
             out.append(e.memory_gb * GIB / counts[e.name])
