@@ -174,9 +174,13 @@ class _SeqSampler:
         self.rng = np.random.default_rng(params.seed)
 
     def sample(self, logits: np.ndarray) -> int:
+        p = self.params
+        if p.temperature <= 0 and p.repetition_penalty == 1.0:
+            tok = int(np.argmax(logits))  # greedy: the first maximum, as numpy and torch pick
+            self.history.append(tok)
+            return tok
         from hpcmac.llm import sampling
 
-        p = self.params
         tok = sampling.sample(
             logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
             repetition_penalty=p.repetition_penalty, history=self.history, rng=self.rng,
@@ -373,7 +377,7 @@ def _serve(st: _StageState, t_start: float) -> None:
 
 class _Seq:
     __slots__ = ("idx", "req", "tokens", "n_prompt", "fed", "slot", "waiting", "finish",
-                 "t_admit", "t_first", "t_done")
+                 "t_admit", "t_first", "t_done", "last_mb")
 
     def __init__(self, idx: int, req: Request):
         self.idx, self.req = idx, req
@@ -382,6 +386,7 @@ class _Seq:
         self.fed = 0
         self.slot = -1
         self.waiting = False  # a sampled token is on its way back
+        self.last_mb = -1  # the last micro-batch it was in
         self.finish = ""
         self.t_admit = self.t_first = self.t_done = 0.0
 
@@ -421,23 +426,21 @@ class _Scheduler:
             self.ctrl["add"].append((s.idx, list(s.req.prompt), s.req.sampling))
 
     def form(self) -> list[tuple[_Seq, int]]:
+        """The next micro-batch: ready sequences, least recently served first.
+
+        At most ``ceil(active / micro_batches)`` sequences and ``prefill_chunk``
+        tokens (a decoding sequence brings one token, a prompt a chunk of it).
+        """
         plan = self.st.plan
         cap = max(1, math.ceil(len(self.active) / plan.micro_batches))
         budget = max(plan.chunk, cap)
         out, used = [], 0
-        ready = [s for s in self.active if s.ready]
-        # decoding sequences first (one token each), then prompt chunks
-        for s in ready:
-            if len(out) < cap and len(s.tokens) - s.fed == 1 and s.fed >= s.n_prompt:
-                out.append((s, 1))
-                used += 1
-        for s in ready:
+        for s in sorted((s for s in self.active if s.ready), key=lambda s: s.last_mb):
             if len(out) >= cap or used >= budget:
                 break
-            if s.fed < s.n_prompt:
-                n = min(len(s.tokens) - s.fed, budget - used)
-                out.append((s, n))
-                used += n
+            n = min(len(s.tokens) - s.fed, budget - used)
+            out.append((s, n))
+            used += n
         return out
 
     def send_ctrl(self) -> None:
@@ -461,6 +464,7 @@ class _Scheduler:
             meta[k] = (s.idx, s.slot, n, s.fed, int(sample))
             toks.extend(s.tokens[s.fed : s.fed + n])
             s.fed += n
+            s.last_mb = self.mb_id
             if sample:
                 s.waiting = True
                 sampled.append(s)
