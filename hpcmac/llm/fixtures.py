@@ -120,9 +120,10 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
         elif arch == "llama" and name.endswith("k_proj.weight"):
             t = _permute(t, cfg.n_kv_heads)
         gname = gguf_name(name)
-        if t.ndim == 2 and qtype != "F32":
+        block = gguf.GGML_QUANT_SIZES[gtype][0]
+        if t.ndim == 2 and qtype != "F32" and t.shape[1] % block == 0:
             data = gguf.quants.quantize(t, gtype)
-            w.add_tensor(gname, data, raw_shape=t.shape, raw_dtype=gtype)
+            w.add_tensor(gname, data, raw_dtype=gtype)
         else:
             w.add_tensor(gname, t.astype(np.float32))
     w.write_header_to_file()
