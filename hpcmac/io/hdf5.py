@@ -22,7 +22,6 @@ import numpy as np
 
 from hpcmac.comm.grid import Grid
 from hpcmac.errors import UsageError
-from hpcmac.linalg import layout
 from hpcmac.linalg.distmatrix import DistMatrix
 
 LAYOUT_ATTR = "2-D block-cyclic"
@@ -104,7 +103,7 @@ def read_hdf5(path: str, dataset: str, grid: Grid, mb: int, nb: int, shape=None,
                     problem = f"{path}: no dataset '{dataset}' in this file"
                 else:
                     ds = f[dataset]
-                    gshape = ds.shape if ds.ndim == 2 else (ds.shape + (1,) if ds.ndim == 1 else None)
+                    gshape = {2: ds.shape, 1: ds.shape + (1,)}.get(ds.ndim)
                     fdtype = ds.dtype
                     if gshape is None:
                         problem = f"{where}: expected a 1-D or 2-D dataset, found shape {ds.shape}"

@@ -170,12 +170,14 @@ def cg(A, b, x0=None, *, rtol: float = 1e-5, atol: float = 0.0, maxiter: int | N
     KrylovResult
         ``x, info = cg(...)``; also ``.iterations`` and ``.residuals``.
     """
+    if isinstance(A, DistMatrix) and not A.grid.in_grid:
+        return KrylovResult(None, 0, 0, [])
     b, matvec, prec, x, back = _setup(A, b, x0, M)
     group = b.group
     maxiter = 10 * b.n if maxiter is None else int(maxiter)
     bnorm = b.norm()
     tol = max(rtol * bnorm, atol)
-    r = b.local - matvec(x) if np.any(x) else b.local.astype(x.dtype, copy=True)
+    r = b.local - matvec(x) if x0 is not None else b.local.astype(x.dtype, copy=True)
     z = prec(r)
     rr, rz = _sums(group, np.vdot(r, r).real, np.vdot(r, z))
     history = [float(np.sqrt(rr.real))]
@@ -212,13 +214,15 @@ def gmres(A, b, x0=None, *, rtol: float = 1e-5, atol: float = 0.0, restart: int 
     (default 10 n); ``iterations`` counts inner steps. The residual tested is
     the true one, ``||b - A x||`` (right preconditioning does not change it).
     """
+    if isinstance(A, DistMatrix) and not A.grid.in_grid:
+        return KrylovResult(None, 0, 0, [])
     b, matvec, prec, x, back = _setup(A, b, x0, M)
     group = b.group
     maxiter = 10 * b.n if maxiter is None else int(maxiter)
     restart = max(1, min(int(restart), b.n))
     bnorm = b.norm()
     tol = max(rtol * bnorm, atol)
-    r = b.local - matvec(x) if np.any(x) else b.local.astype(x.dtype, copy=True)
+    r = b.local - matvec(x) if x0 is not None else b.local.astype(x.dtype, copy=True)
     beta = float(np.sqrt(_sums(group, np.vdot(r, r).real)[0]))
     history = [beta]
     if bnorm == 0.0:

@@ -27,7 +27,7 @@ def block_range(n: int, size: int, rank: int) -> tuple[int, int]:
 
 @dataclass
 class BlockVector:
-    """``local`` is local; ``n``, ``counts`` (every rank's piece length) and ``group`` are global."""
+    """``local`` is local; ``n``, ``counts`` (each rank's piece length), ``group`` are global."""
 
     local: np.ndarray
     n: int
@@ -86,7 +86,7 @@ class BlockVector:
 
     @classmethod
     def from_distmatrix(cls, d, group: Group | None = None) -> BlockVector:
-        """Collective over ``d.grid``: an (n, 1) DistMatrix as a BlockVector over the grid's ranks."""
+        """Collective over ``d.grid``: an (n, 1) DistMatrix as a BlockVector over its ranks."""
         if d.gshape[1] != 1:
             raise ValueError(f"from_distmatrix needs an (n, 1) DistMatrix, got {d.gshape}")
         full = d.allgather()
