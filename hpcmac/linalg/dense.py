@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcmac.linalg.checks import check_finite as _check_finite
-from hpcmac.linalg.checks import float_dtype, require, same_grid
+from hpcmac.linalg.checks import require, same_grid
 from hpcmac.linalg.distmatrix import DistMatrix
 
 _TRANS = {0: 0, 1: 1, 2: 2, "N": 0, "T": 1, "C": 2}
@@ -20,25 +20,34 @@ def lu_factor(a: DistMatrix, overwrite_a: bool = False, check_finite: bool = Tru
               opts=None) -> tuple[DistMatrix, np.ndarray]:
     """Collective over the grid: LU with partial pivoting, as ``scipy.linalg.lu_factor``.
 
-    Returns ``(lu, piv)``: ``lu`` (global (n, n), ``a``'s layout) holds U and
-    the unit lower L; ``piv`` (global, the same int array on every rank,
-    0-based) says row i was interchanged with row ``piv[i]``. Unlike scipy,
-    which warns, an exactly singular matrix raises LinAlgError naming the
-    zero pivot's global column on every rank (a factor with a zero pivot is
-    of no use to ``lu_solve``). ``opts`` (``hpcmac.linalg.lu.LUOptions``)
-    selects HPL's variants.
+    Returns ``(lu, piv)``: ``lu`` (global (n, n)) holds U and the unit lower
+    L, with square ``a.nb`` blocks (``a`` is redistributed first when
+    ``a.mb != a.nb``); ``piv`` (global, the same int array on every rank,
+    0-based) says row i was interchanged with row ``piv[i]``. The LU works
+    in float64 (float32 input is promoted; complex is not supported: use
+    ``gmres``, or ``cho_factor`` for Hermitian positive definite matrices).
+    Unlike scipy, which warns, an exactly singular matrix raises LinAlgError
+    naming the zero pivot's global index on every rank. ``opts``
+    (``hpcmac.linalg.lu.LUOptions``) selects HPL's variants.
     """
     from hpcmac.linalg.lu import lu_factor_dist
 
     require(a.gshape[0] == a.gshape[1],
             f"lu_factor: expected a square matrix, got shape {a.gshape}")
+    require(not np.iscomplexobj(a.local) and a.dtype.kind != "c",
+            f"lu_factor: complex matrices ({a.dtype}) are not supported by the distributed LU; "
+            f"use gmres, or cho_factor for Hermitian positive definite ones")
     grid = a.grid
     if not grid.in_grid:
         return a.copy(), np.zeros(0, dtype=np.int64)
     if check_finite:
         _check_finite(a, "a")
-    dtype = float_dtype(a.dtype)
-    work = a if (overwrite_a and a.dtype == dtype) else a.astype(dtype)
+    if a.mb != a.nb:
+        work = a.redistribute(grid, a.nb, a.nb).astype(np.float64)
+    elif overwrite_a and a.dtype == np.float64 and a.local.flags.f_contiguous:
+        work = a
+    else:
+        work = a.astype(np.float64)
     lu, piv = lu_factor_dist(work, opts)
     return lu, np.asarray(piv, dtype=np.int64)
 
@@ -58,16 +67,16 @@ def lu_solve(lu_and_piv: tuple[DistMatrix, np.ndarray], b, trans=0, overwrite_b:
     bd, back = _as_dist(b, lu, "lu_solve")
     require(bd.gshape[0] == lu.gshape[0],
             f"lu_solve: incompatible dimensions: factor {lu.gshape}, b {bd.gshape}")
+    require(bd.dtype.kind != "c", "lu_solve: complex right-hand sides are not supported")
     if not lu.grid.in_grid:
         return back(bd)
     if check_finite:
         _check_finite(bd, "b")
-    dtype = float_dtype(lu.dtype, bd.dtype)
-    if bd.dtype != dtype:
-        bd = bd.astype(dtype)
-    elif not overwrite_b and bd is b:
-        bd = bd.copy()
-    x = lu_solve_dist((lu, piv), bd, trans=_TRANS[trans])
+    x = lu_solve_dist((lu, piv), bd if bd.dtype == np.float64 else bd.astype(np.float64),
+                      trans=_TRANS[trans])
+    out_dtype = np.result_type(bd.dtype, np.float32)
+    if x.dtype != out_dtype:
+        x = x.astype(out_dtype)
     return back(x)
 
 
