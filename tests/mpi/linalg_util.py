@@ -26,6 +26,17 @@ def each_grid(limit=None):
         yield g, Grid(g, p, q)
 
 
+def grid_at(index):
+    """Collective: the ``index``-th grid shape that fits (pytest.skip when there is none)."""
+    import pytest
+
+    g = world()
+    shapes = grids(g.size)
+    if index >= len(shapes):
+        pytest.skip("fewer grid shapes at this rank count")
+    return Grid(g, *shapes[index])
+
+
 def rand(rng, shape, dtype):
     a = rng.standard_normal(shape)
     if np.issubdtype(np.dtype(dtype), np.complexfloating):
