@@ -73,25 +73,44 @@ class Mesh:
                 sh("ip", "-n", ns, "addr", "add", f"{end.addr}/{plen}", "dev", end.iface)
                 sh("ip", "-n", ns, "link", "set", end.iface, "up", "mtu", "9000")
         if routes:
-            from hpcmac.launch.topology import required_routes
+            self.add_routes()
 
-            for r in required_routes(self.hf):
-                self.run(r.host, r.linux().split())
+    def add_routes(self) -> None:
+        """The per-peer /32 routes, with the commands ``launch routes --os linux`` prints."""
+        from hpcmac.launch.topology import required_routes
 
-    def destroy(self) -> list[str]:
-        """Kill every process in the namespaces, delete them; what was still running."""
+        for r in required_routes(self.hf):
+            self.run(r.host, r.linux().split())
+
+    def heal(self) -> None:
+        """Undo faults: every link up, no iptables rule, routes back (link down drops them)."""
+        for lk in self.hf.links:
+            for e in lk.ends:
+                self.run(e.host, ["ip", "link", "set", e.iface, "up"], check=False)
+        for host in self.ns:
+            self.run(host, ["iptables", "-F"], check=False)
+        self.add_routes()
+
+    def kill_all(self) -> list[str]:
+        """SIGKILL every process in the namespaces; what was still running."""
         leftovers = []
         for name, ns in self.ns.items():
             if not Path(f"/run/netns/{ns}").exists():
                 continue
-            pids = self.pids(name)
-            leftovers += [f"{name}:{p}" for p in pids]
-            for p in pids:
+            for p in self.pids(name):
+                leftovers.append(f"{name}:{p}:{_cmdline(p)}")
                 try:
                     os.kill(p, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            sh("ip", "netns", "del", ns, check=False)
+        return leftovers
+
+    def destroy(self) -> list[str]:
+        """Kill every process in the namespaces, delete them; what was still running."""
+        leftovers = self.kill_all()
+        for ns in self.ns.values():
+            if Path(f"/run/netns/{ns}").exists():
+                sh("ip", "netns", "del", ns, check=False)
         return leftovers
 
     # ------------------------------------------------------------ helpers
