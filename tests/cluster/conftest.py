@@ -62,3 +62,26 @@ HPL = False
 MESH_JOB = (["-m", "hpcmac.hpl", "-N", "1200", "--nb", "64", "-P", "2", "-Q", "2"] if HPL
             else ["-m", "hpcmac.launch.selftest", "--mib", "4"])
 SLURM_SCRIPT = ROOT / "jobs" / ("hpl.sbatch" if HPL else "selftest.sbatch")
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A real single-node Slurm under a temp dir; daemons stopped and the dir removed
+    even if a test fails."""
+    import shutil
+    import tempfile
+
+    from slurm import Slurm, capability
+
+    why = capability()
+    if why:
+        pytest.skip(f"no Slurm on this machine: {why}")
+    root = Path(tempfile.mkdtemp(prefix="hpcmac-slurm-"))
+    root.chmod(0o755)  # munged runs as the munge user and must reach its socket dir
+    s = Slurm(root, cpus=os.cpu_count() or 2)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+        shutil.rmtree(root, ignore_errors=True)
