@@ -65,7 +65,8 @@ def test_missing_file(tmp_path):
 @pytest.mark.parametrize("edit,expect", [
     (lambda d: d["hosts"][0].pop("name"), r"hosts\[0\]: missing field 'name'"),
     (lambda d: d["links"][0].pop("subnet"), r"links\[0\]: missing field 'subnet'"),
-    (lambda d: d["links"][0]["ends"][1].pop("addr"), r"links\[0\]\.ends\[1\]: missing field 'addr'"),
+    (lambda d: d["links"][0]["ends"][1].pop("addr"),
+     r"links\[0\]\.ends\[1\]: missing field 'addr'"),
     (lambda d: d["hosts"][1].update(slots="2"), r"host 'mac2': field 'slots' should be an integer"),
     (lambda d: d["links"][0].update(ends=d["links"][0]["ends"][:1]), r"'ends' should have 2"),
     (lambda d: d.update(hosts=[]), r"'hosts' is empty"),
