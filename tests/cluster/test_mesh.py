@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import MESH_JOB
@@ -77,3 +78,45 @@ def test_dry_run_on_the_mesh_launches_nothing(mesh):
     assert res.returncode == 0, res.stderr
     assert "btl_tcp_if_include 10.77.0.0/18" in res.stdout
     assert mesh.wait_idle(1) == []
+
+
+def test_mlx_ring_across_four_hosts_through_mlx_launch(mesh, tmp_path):
+    """``--via mlx --backend ring``: mlx.launch reaches each host with "ssh" (here the
+    namespace agent under that name) and MLX's ring runs over the converted hostfile."""
+    pytest.importorskip("mlx.core")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "ssh").symlink_to(AGENT)
+    env = {**mesh.env(), "PATH": f"{bindir}:{mesh.env()['PATH']}", "TMPDIR": str(tmp_path)}
+    before = mesh.counters()
+    check = str(Path(__file__).with_name("mlx_ring_check.py"))
+    res = subprocess.run(["timeout", "-k", "5", "60", PY, "-m", "hpcmac.launch", "--hostfile",
+                          mesh.path, "--via", "mlx", "--backend", "ring", "--timeout", "50",
+                          "--", PY, check], env=env, capture_output=True, text=True, timeout=80)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "mlx ring all_sum over 4 ranks ... PASSED" in res.stdout
+    for h in mesh.hf.hosts:
+        assert f"on {h.ssh}" in res.stdout
+    after = mesh.counters()
+    names = mesh.hf.names
+    for i, a in enumerate(names):  # the ring's links carried the all_sum
+        lk = mesh.hf.link_between(a, names[(i + 1) % len(names)])
+        iface = lk.end_of(a).iface
+        assert after[(a, iface)][1] - before[(a, iface)][1] > 2**20
+    assert mesh.wait_idle(10) == []
+
+
+def test_mlx_ring_rank_failure_is_the_job_exit_code(mesh, tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "ssh").symlink_to(AGENT)
+    env = {**mesh.env(), "PATH": f"{bindir}:{mesh.env()['PATH']}", "TMPDIR": str(tmp_path)}
+    code = "import os, sys, time; r = int(os.environ['MLX_RANK']); time.sleep(30 * (r != 2)); " \
+           "sys.exit(7 if r == 2 else 0)"
+    res = subprocess.run(["timeout", "-k", "5", "60", PY, "-m", "hpcmac.launch", "--hostfile",
+                          mesh.path, "--via", "mlx", "--backend", "ring", "--timeout", "50",
+                          "--", PY, "-c", code],
+                         env=env, capture_output=True, text=True, timeout=80)
+    assert res.returncode == 7, res.stderr[-2000:]
+    assert "rank 2 exited with code 7" in res.stderr
+    assert mesh.wait_idle(10) == []
