@@ -58,7 +58,7 @@ def healed(mesh):
 # The job the mesh and Slurm tests run. `python -m hpcmac.hpl` is built on another
 # branch; until it is merged they run the comm check (hpcmac.launch.selftest), and
 # switching every test to HPL is this one line: HPL = True.
-HPL = False
+HPL = True
 MESH_JOB = (["-m", "hpcmac.hpl", "-N", "1200", "--nb", "64", "-P", "2", "-Q", "2"] if HPL
             else ["-m", "hpcmac.launch.selftest", "--mib", "4"])
 SLURM_SCRIPT = ROOT / "jobs" / ("hpl.sbatch" if HPL else "selftest.sbatch")
