@@ -31,7 +31,6 @@ import math
 import pickle
 import socket
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -41,23 +40,13 @@ import numpy as np
 
 from hpcmac.comm.base import Group
 from hpcmac.errors import UsageError
+from hpcmac.llm.sampling import Sampler, SamplingParams
 from hpcmac.llm.stages import StageSpec
 
 FWD, CTRL, STOP = 1, 2, 3
 TAG_FWD, TAG_RET = 71, 72
 HDR = 4
 META = 5
-
-
-@dataclass
-class SamplingParams:
-    """How the last stage picks each token (per sequence)."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: no limit
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int = 0
 
 
 @dataclass
@@ -166,27 +155,15 @@ class PipelineResult:
 
 
 class _SeqSampler:
-    """Per-sequence sampling state on the last stage: history and random stream."""
+    """Per-sequence sampling state on the last stage: what it has seen, its random stream."""
 
     def __init__(self, prompt: Sequence[int], params: SamplingParams):
-        self.params = params
-        self.history = list(prompt)
-        self.rng = np.random.default_rng(params.seed)
+        self.sampler = Sampler(params)
+        self.seen = list(prompt)
 
     def sample(self, logits: np.ndarray) -> int:
-        p = self.params
-        if p.temperature <= 0 and p.repetition_penalty == 1.0:
-            tok = int(np.argmax(logits))  # greedy: the first maximum, as numpy and torch pick
-            self.history.append(tok)
-            return tok
-        from hpcmac.llm import sampling
-
-        tok = sampling.sample(
-            logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-            repetition_penalty=p.repetition_penalty, history=self.history, rng=self.rng,
-        )
-        tok = int(tok)
-        self.history.append(tok)
+        tok = self.sampler(logits, self.seen)
+        self.seen.append(tok)
         return tok
 
 
@@ -221,46 +198,43 @@ class _Link:
 
 
 class _Watchdog:
-    """Ends the job when this rank waits on a peer for longer than ``timeout`` seconds.
+    """Waits on requests politely, and ends the job when a peer stays silent too long.
 
-    A killed rank is reported by the launcher (Open MPI names rank and host);
-    a hung one (stopped, or a dead link that TCP has not noticed) is caught here.
+    Waiting polls the request: a short spin (the next message is usually close),
+    then sleeps growing to half a millisecond, so a waiting stage leaves the CPU
+    to the stage that computes (several ranks may share a machine) and Ctrl-C
+    is seen at once. A killed rank is reported by the launcher (Open MPI names
+    rank and host); a hung one (stopped, or behind a dead link that TCP has not
+    noticed) is caught here after ``timeout`` seconds (0: never).
     """
+
+    SPIN_S = 2e-4
+    MAX_SLEEP_S = 5e-4
 
     def __init__(self, group: Group, hosts: Sequence[str], timeout: float):
         self.group, self.hosts, self.timeout = group, list(hosts), timeout
-        self._since: float | None = None
-        self._peer, self._what = -1, ""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if timeout > 0 and group.size > 1:
-            self._thread = threading.Thread(target=self._watch, daemon=True)
-            self._thread.start()
 
     def wait(self, req, peer: int, what: str) -> None:
-        self._peer, self._what = peer, what
-        self._since = time.monotonic()
-        try:
-            req.wait()
-        finally:
-            self._since = None
-
-    def close(self) -> None:
-        self._stop.set()
+        if req.test():
+            return
+        t0 = time.monotonic()
+        delay = 0.0
+        while not req.test():
+            now = time.monotonic()
+            if now - t0 > self.SPIN_S:
+                time.sleep(delay)
+                delay = min(2 * delay or 2e-5, self.MAX_SLEEP_S)
+            if self.timeout > 0 and now - t0 > self.timeout:
+                self._fail(peer, what)
 
     def _name(self, r: int) -> str:
         return f"rank {r} on {self.hosts[r]}" if 0 <= r < len(self.hosts) else "a peer"
 
-    def _watch(self) -> None:
-        tick = min(1.0, self.timeout / 4)
-        while not self._stop.wait(tick):
-            since = self._since
-            if since is not None and time.monotonic() - since > self.timeout:
-                me = self._name(self.group.rank)
-                print(f"error: {me} waited {self.timeout:g} s for {self._name(self._peer)} "
-                      f"{self._what}; it has died or hung, ending the job",
-                      file=sys.stderr, flush=True)
-                self.group.abort(1)
+    def _fail(self, peer: int, what: str) -> None:
+        me = self._name(self.group.rank)
+        print(f"error: {me} waited {self.timeout:g} s for {self._name(peer)} {what}; "
+              "it has died or hung, ending the job", file=sys.stderr, flush=True)
+        self.group.abort(1)
 
 
 # -- the run ------------------------------------------------------------------------
@@ -403,7 +377,10 @@ class _Scheduler:
                  stop_check: Callable[[int, list[int]], bool] | None):
         self.st, self.t0 = st, t_start
         self.seqs = [_Seq(i, r) for i, r in enumerate(requests)]
-        self.queue = deque(self.seqs)
+        for s in self.seqs:
+            if s.req.max_tokens <= 0:
+                s.finish = "length"
+        self.queue = deque(s for s in self.seqs if not s.finish)
         self.active: list[_Seq] = []
         self.free_slots = list(range(st.plan.max_slots))[::-1]
         self.inflight: deque = deque()
@@ -553,10 +530,12 @@ class _Scheduler:
                 self.stopping = True
         t = self.now()
         for s in self.seqs:
-            if not s.finish and s.slot >= 0:
+            if s.finish:
+                continue
+            if s.slot >= 0:
                 s.finish = "interrupted"
                 s.t_done = t
-            elif not s.finish:
+            else:
                 s.finish = "interrupted"
                 s.t_admit = s.t_first = s.t_done = t
         self.send_ctrl()
@@ -629,23 +608,20 @@ def run_pipeline(
     seq_results = None
     interrupted = False
     decode_tokens = 0
-    try:
-        if group.rank == 0:
-            sched = _Scheduler(st, requests, t_start, on_token, stop_check)
-            sched.run()
-            st.link.flush()
-            st.stats.wall_s = time.perf_counter() - t_start
-            interrupted = sched.stopping
-            decode_tokens = sched.decode_tokens
-            seq_results = [
-                SeqResult(s.idx, list(s.req.prompt), s.tokens[s.n_prompt :], s.finish,
-                          s.t_admit, s.t_first, s.t_done)
-                for s in sched.seqs
-            ]
-        else:
-            _serve(st, t_start)
-    finally:
-        watchdog.close()
+    if group.rank == 0:
+        sched = _Scheduler(st, requests, t_start, on_token, stop_check)
+        sched.run()
+        st.link.flush()
+        st.stats.wall_s = time.perf_counter() - t_start
+        interrupted = sched.stopping
+        decode_tokens = sched.decode_tokens
+        seq_results = [
+            SeqResult(s.idx, list(s.req.prompt), s.tokens[s.n_prompt :], s.finish,
+                      s.t_admit, s.t_first, s.t_done)
+            for s in sched.seqs
+        ]
+    else:
+        _serve(st, t_start)
     for (dest, phase), nb in st.link.bytes.items():
         is_ret = dest == 0 and group.rank == p - 1 and p > 1
         target = st.stats.ret_sent if is_ret else st.stats.sent

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -19,35 +20,25 @@ from typing import Any
 
 from hpcmac.errors import UsageError
 from hpcmac.llm import stages as S
-from hpcmac.llm.pipeline import PipelineResult, Request, SamplingParams, run_pipeline
+from hpcmac.llm.pipeline import PipelineResult, Request, SeqResult, run_pipeline
+from hpcmac.llm.sampling import SamplingParams
 
 # -- arguments ------------------------------------------------------------------------
 
 
-def add_generation_arguments(p: argparse.ArgumentParser) -> None:
-    """The single-rank generate flags (part 1's names), for the standalone parser."""
-    p.add_argument("--model", required=True, help="model folder, GGUF file or a short name")
-    p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--backend", choices=("numpy", "mlx"), default="numpy")
-    p.add_argument("--json", metavar="FILE", help="write tokens, text and rates as JSON")
-
-
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    """The pipeline flags, added to ``generate`` by ``hpcmac.llm.__main__``."""
+    """Add the pipeline flags to part 1's ``generate`` parser (``add_generate_args``).
+
+    ``--batch FILE`` joins the ``--prompt`` / ``--prompt-ids`` choice: exactly one
+    of the three is required.
+    """
+    prompt_group = next((grp for grp in p._mutually_exclusive_groups
+                         if any(a.dest == "prompt" for a in grp._group_actions)), None)
+    batch_help = ('prompts to generate together: one per line, or JSON lines with "prompt" '
+                  'or "prompt_ids" and optional "max_tokens"')
+    (prompt_group or p).add_argument("--batch", metavar="FILE", help=batch_help)
     g = p.add_argument_group("pipeline (several ranks)")
     g.add_argument("--split", help="layers per rank, e.g. 10,10,6,4 (default: by memory)")
-    g.add_argument("--batch", metavar="FILE",
-                   help="prompts to generate together: one per line, or JSON lines with "
-                        '"prompt" or "prompt_ids" and optional "max_tokens"')
     g.add_argument("--transport", choices=("auto", "mpi", "rdma", "ring", "local"),
                    help="comm backend (default: HPCMAC_TRANSPORT or auto)")
     g.add_argument("--hostfile", help="JSON hostfile whose memory_gb sets the split "
@@ -63,25 +54,29 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``generate`` parser: part 1's flags plus the pipeline's."""
+    from hpcmac.llm.__main__ import add_generate_args
+
     p = argparse.ArgumentParser(prog="python -m hpcmac.llm generate",
                                 description="generate text, pipeline-parallel over the ranks")
-    add_generation_arguments(p)
+    add_generate_args(p)
     add_pipeline_arguments(p)
     return p
 
 
-def check_arguments(args: argparse.Namespace) -> None:
+def check_arguments(args: argparse.Namespace) -> SamplingParams:
     """Local checks every rank makes identically before any collective."""
-    if args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    n_src = sum(x is not None for x in (args.prompt, args.prompt_ids, args.batch))
-    if n_src != 1:
-        raise UsageError("give exactly one of --prompt, --prompt-ids or --batch")
+    if args.max_tokens < 0:
+        raise UsageError(f"--max-tokens {args.max_tokens}: expected >= 0")
     for name in ("micro_batches", "max_batch", "prefill_chunk"):
         if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 0")
+    if args.timeout < 0:
+        raise UsageError(f"--timeout {args.timeout}: expected >= 0 (0: no watchdog)")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
+                              args.repetition_penalty, args.seed)
+    sampling.validate()
+    return sampling
 
 
 # -- agreeing on errors -----------------------------------------------------------------
@@ -101,7 +96,7 @@ def agree(group, fn: Callable[[], Any], ranks: str = "all") -> Any:
         except UsageError as exc:
             err = str(exc)
     if ranks == "root":
-        err = group.bcast_obj(err, 0)
+        err, out = group.bcast_obj((err, out), 0)
         if err:
             raise UsageError(err)
         return out
@@ -151,53 +146,58 @@ def read_prompts(args: argparse.Namespace) -> list[Prompt]:
         if not line.strip():
             continue
         where = f"{args.batch} line {no}"
-        if line.lstrip().startswith("{"):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{where}: not JSON ({exc.msg})") from None
-            mt = obj.get("max_tokens", args.max_tokens)
-            if not isinstance(mt, int) or mt < 1:
-                raise UsageError(f"{where}: max_tokens must be a positive integer")
-            if "prompt_ids" in obj:
-                ids = obj["prompt_ids"]
-                if isinstance(ids, str):
-                    ids = _parse_ids(ids, where)
-                if not isinstance(ids, list) or not ids or not all(
-                        isinstance(i, int) for i in ids):
-                    raise UsageError(f"{where}: prompt_ids must be a list of token ids")
-                out.append(Prompt(None, ids, mt))
-            elif isinstance(obj.get("prompt"), str):
-                out.append(Prompt(obj["prompt"], None, mt))
-            else:
-                raise UsageError(f"{where}: expected a 'prompt' string or 'prompt_ids'")
-        else:
+        if not line.lstrip().startswith("{"):
             out.append(Prompt(line, None, args.max_tokens))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{where}: not JSON ({exc.msg})") from None
+        mt = obj.get("max_tokens", args.max_tokens)
+        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 0:
+            raise UsageError(f"{where}: max_tokens must be an integer >= 0")
+        if "prompt_ids" in obj:
+            ids = obj["prompt_ids"]
+            if isinstance(ids, str):
+                ids = _parse_ids(ids, where)
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise UsageError(f"{where}: prompt_ids must be a non-empty list of token ids")
+            out.append(Prompt(None, ids, mt))
+        elif isinstance(obj.get("prompt"), str):
+            out.append(Prompt(obj["prompt"], None, mt))
+        else:
+            raise UsageError(f"{where}: expected a 'prompt' string or 'prompt_ids'")
     if not out:
         raise UsageError(f"--batch {args.batch}: no prompts")
     return out
 
 
-def make_requests(prompts: list[Prompt], args, tok, cfg) -> list[Request]:
-    """Token-level requests (rank 0): encode text, check lengths against the context."""
+def make_requests(prompts: list[Prompt], args, tok, cfg, sampling: SamplingParams,
+                  context: int) -> list[Request]:
+    """Token-level requests (rank 0): through part 1's chat template and prompt checks.
+
+    Sequence ``i`` samples with seed ``seed + i``, as part 1's batched generator
+    does, so each prompt gets the tokens it would get alone with that seed.
+    """
+    from hpcmac.llm.__main__ import prompt_tokens
+    from hpcmac.llm.generate import check_prompt
+
+    eos = tuple(tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids)
     reqs = []
     for i, p in enumerate(prompts):
-        if p.ids is not None:
-            ids = p.ids
-        else:
-            if tok is None:
-                raise UsageError(f"{args.model}: no tokenizer; give --prompt-ids instead")
-            ids = tok.encode(p.text, chat=args.chat)
-        bad = [t for t in ids if not 0 <= t < cfg.vocab]
-        if bad:
-            raise UsageError(f"prompt {i}: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {cfg.vocab})")
-        if len(ids) + p.max_tokens > cfg.max_position:
-            raise UsageError(f"prompt {i}: {len(ids)} tokens + {p.max_tokens} new exceed the "
-                             f"model's context of {cfg.max_position}")
-        params = SamplingParams(args.temperature, args.top_k, args.top_p,
-                                args.repetition_penalty, args.seed + i)
-        reqs.append(Request(list(ids), p.max_tokens, params, tuple(cfg.eos_token_ids)))
+        one = argparse.Namespace(**{**vars(args), "prompt": p.text,
+                                    "prompt_ids": None if p.ids is None else
+                                    ",".join(map(str, p.ids))})
+        try:
+            ids = prompt_tokens(one, tok, cfg)
+            check_prompt(len(ids), context)
+        except UsageError as exc:
+            raise UsageError(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)) from None
+        params = SamplingParams(**{**sampling.__dict__,
+                                   "seed": None if sampling.seed is None else sampling.seed + i})
+        # like part 1: a sequence ends when the context is full
+        reqs.append(Request(list(ids), min(p.max_tokens, context - len(ids)), params, eos))
     return reqs
 
 
@@ -259,11 +259,9 @@ def plan_stages(group, model: str, cfg, split: str | None, hostfile: str | None,
         return weight_bytes(model)
 
     layer_b, embed_b, head_b = agree(group, bytes_of, ranks="root")
-    layer_b, embed_b, head_b = group.bcast_obj((layer_b, embed_b, head_b), 0)
     hf = None
     if hostfile:
         hf = agree(group, lambda: S.read_hostfile(hostfile), ranks="root")
-        hf = group.bcast_obj(hf, 0)
     budgets = S.rank_budgets(hosts, [a for _, a in mem], hf)
     kv = kv_bytes_per_token_layer(cfg) * kv_tokens
     per_layer = [b + kv for b in layer_b]
@@ -282,112 +280,115 @@ def plan_stages(group, model: str, cfg, split: str | None, hostfile: str | None,
 # -- the command -------------------------------------------------------------------------
 
 
-def _load_tokenizer(model: str):
-    """The model's tokenizer, or None when it has none (then prompts must be ids)."""
+def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
+    """Run ``generate`` on every rank (collective); rank 0 alone prints and writes JSON.
+
+    Parameters
+    ----------
+    args : parsed :func:`build_parser` flags (global: the same on every rank).
+    group : the pipeline's ranks (default: ``hpcmac.comm.init(args.transport)``).
+    out : where rank 0 writes the text (default stdout).
+
+    Returns the exit code: 0, or 130 when rank 0 was interrupted (Ctrl-C).
+    """
+    from hpcmac import comm
+    from hpcmac.llm.__main__ import context_length
+    from hpcmac.llm.config import load_config
+    from hpcmac.llm.generate import StopChecker
+    from hpcmac.llm.model import load_stage
     from hpcmac.llm.tokenizer import load_tokenizer
 
-    return load_tokenizer(model)
-
-
-def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
-    """Run ``generate`` on every rank (collective); rank 0 alone prints and writes JSON."""
-    from hpcmac import comm
-    from hpcmac.llm.config import load_config
-    from hpcmac.llm.model import load_stage
-
-    check_arguments(args)
+    sampling = check_arguments(args)
     out = sys.stdout if out is None else out
     group = comm.init(args.transport) if group is None else group
     cfg = agree(group, lambda: load_config(args.model))
-    tok = None
+    context = agree(group, lambda: context_length(args, cfg))
+    tok, stop = None, None
 
     def requests() -> list[Request]:
-        nonlocal tok
+        nonlocal tok, stop
         prompts = read_prompts(args)
-        if any(p.text is not None for p in prompts):
-            tok = _load_tokenizer(args.model)
-        return make_requests(prompts, args, tok, cfg)
+        if any(p.text is not None for p in prompts) or args.stop:
+            tok = load_tokenizer(args.model)
+        eos = tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids
+        stop = StopChecker(eos, args.stop, tok)
+        return make_requests(prompts, args, tok, cfg, sampling, context)
 
     reqs = agree(group, requests, ranks="root")
-    shape = group.bcast_obj(
-        (len(reqs), max(len(r.prompt) + r.max_tokens for r in reqs)) if group.rank == 0
-        else None, 0)
+    shape = (len(reqs), max(len(r.prompt) + r.max_tokens for r in reqs))
     slots = min(args.max_batch or min(shape[0], 64), shape[0])
-    hostfile = args.hostfile or _env("HPCMAC_HOSTFILE")
+    hostfile = args.hostfile or os.environ.get("HPCMAC_HOSTFILE") or None
     plan = plan_stages(group, args.model, cfg, args.split, hostfile, slots * shape[1])
     spec = plan.stages[group.rank]
     stage = agree(group, lambda: load_stage(args.model, spec.start, spec.end, first=spec.first,
                                             last=spec.last, backend=args.backend))
     if group.rank == 0 and group.size > 1:
-        print(f"pipeline: {group.size} stages, split {[s.n_layers for s in plan.stages]} "
-              f"(by {plan.how})", file=sys.stderr, flush=True)
-    stream = _Streamer(tok, out, len(reqs)) if group.rank == 0 else None
-    stops = list(args.stop or [])
+        print(f"pipeline: {group.size} stages, layers {[s.n_layers for s in plan.stages]} "
+              f"(split by {plan.how})", file=sys.stderr, flush=True)
+    show = _Printer(tok, stop, out, len(reqs), args.quiet) if group.rank == 0 else None
     stop_check = None
-    if stops and group.rank == 0:
-        if tok is None:
-            raise UsageError("--stop needs a tokenizer")
-
+    if group.rank == 0 and stop.stops:
         def stop_check(i: int, gen: list[int]) -> bool:
-            return any(s in tok.decode(gen) for s in stops)
+            return stop.hit(gen)[0]
 
-    res = run_pipeline(
-        group, stage, spec, cfg.hidden, reqs if group.rank == 0 else None,
-        micro_batches=args.micro_batches or None, max_batch=slots,
-        prefill_chunk=args.prefill_chunk or None, max_len=shape[1],
-        on_token=stream.token if stream else None, stop_check=stop_check,
-        timeout=args.timeout, hosts=plan.hosts,
-    )
+    threads = None
+    if args.threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        threads = threadpool_limits(args.threads)
+    try:
+        res = run_pipeline(
+            group, stage, spec, cfg.hidden, reqs if group.rank == 0 else None,
+            micro_batches=args.micro_batches or None, max_batch=slots,
+            prefill_chunk=args.prefill_chunk or None, max_len=shape[1],
+            on_token=show.token if show else None, stop_check=stop_check,
+            timeout=args.timeout, hosts=plan.hosts,
+        )
+    finally:
+        if threads is not None:
+            threads.unregister()
     if group.rank == 0:
-        stream.finish(res)
+        show.finish(res)
         if args.json:
-            write_json(args.json, res, tok, stops, plan)
+            with open(args.json, "w") as f:
+                json.dump(result_json(res, tok, stop, plan), f, indent=1)
     return 130 if res.interrupted else 0
 
 
-def _env(name: str) -> str | None:
-    import os
+def _body(s: SeqResult) -> list[int]:
+    """Generated ids without the closing EOS (as part 1 reports text)."""
+    return s.tokens[:-1] if s.finish == "eos" else s.tokens
 
-    return os.environ.get(name) or None
 
-
-def _text(tok, ids: list[int], stops: list[str]) -> str | None:
+def _text(tok, stop, s: SeqResult) -> str | None:
     if tok is None:
         return None
-    text = tok.decode(ids)
-    for s in stops:
-        k = text.find(s)
-        if k >= 0:
-            text = text[:k]
-    return text
+    text = tok.decode(_body(s))
+    return stop.trim(text) if stop is not None else text
 
 
-class _Streamer:
-    """Rank 0: stream the text of a single prompt as tokens arrive; list a batch at the end."""
+class _Printer:
+    """Rank 0: streams the text of a single prompt as it comes; lists a batch at the end."""
 
-    def __init__(self, tok, out, n: int):
-        self.tok, self.out, self.n = tok, out, n
-        self.gen: list[int] = []
-        self.shown = ""
+    def __init__(self, tok, stop, out, n: int, quiet: bool):
+        self.tok, self.stop, self.out, self.n, self.quiet = tok, stop, out, n, quiet
+        self.stream = tok.stream() if tok is not None and n == 1 and not quiet else None
 
     def token(self, idx: int, tok_id: int) -> None:
-        if self.n != 1 or self.tok is None:
-            return
-        self.gen.append(tok_id)
-        text = self.tok.decode(self.gen)
-        if text.startswith(self.shown) and not text.endswith("\ufffd"):
-            self.out.write(text[len(self.shown):])
-            self.out.flush()
-            self.shown = text
+        if self.stream is not None and tok_id not in self.stop.eos:
+            piece = self.stream.push(tok_id)
+            if piece:
+                self.out.write(piece)
+                self.out.flush()
 
     def finish(self, res: PipelineResult) -> None:
-        if self.n == 1 and self.tok is not None:
+        if self.stream is not None:
             self.out.write("\n")
-        else:
+        elif not self.quiet:
             for s in res.seqs:
-                body = self.tok.decode(s.tokens) if self.tok is not None else \
-                    ",".join(str(t) for t in s.tokens)
-                self.out.write(f"[{s.index}] {body}\n")
+                body = _text(self.tok, self.stop, s) if self.tok is not None else \
+                    ",".join(map(str, s.tokens))
+                self.out.write(body + "\n" if self.n == 1 else f"[{s.index}] {body}\n")
         self.out.flush()
         print(summary_line(res), file=sys.stderr, flush=True)
 
@@ -400,24 +401,24 @@ def summary_line(res: PipelineResult) -> str:
             f"aggregate; stage busy {busy}")
 
 
-def result_json(res: PipelineResult, tok, stops: list[str], plan: StagePlan | None) -> dict:
+def result_json(res: PipelineResult, tok, stop, plan: StagePlan | None) -> dict:
+    """Part 1's JSON fields (of the first sequence) plus every sequence and the pipeline."""
     seqs = []
     for s in res.seqs:
         seqs.append({
-            "prompt_tokens": s.prompt_tokens, "tokens": s.tokens,
-            "text": _text(tok, s.tokens, stops), "finish": s.finish,
-            "ttft_s": s.ttft,
+            "prompt_tokens": s.prompt_tokens, "tokens": s.tokens, "text": _text(tok, stop, s),
+            "finish_reason": s.finish, "ttft_s": s.ttft,
             "prefill_tok_s": len(s.prompt_tokens) / s.ttft if s.ttft > 0 else 0.0,
             "decode_tok_s": s.decode_tok_s,
         })
-    doc: dict[str, Any] = dict(seqs[0]) if len(seqs) == 1 else {}
+    doc: dict[str, Any] = dict(seqs[0])
     doc.update({
-        "prefill_tok_s": res.prefill_tok_s() if len(seqs) > 1 else seqs[0]["prefill_tok_s"],
-        "decode_tok_s": res.decode_tok_s(),
         "sequences": seqs,
+        "aggregate_prefill_tok_s": res.prefill_tok_s(),
+        "aggregate_decode_tok_s": res.decode_tok_s(),
         "ranks": len(res.stats),
         "stages": [{"rank": st.rank, "host": st.host, "layers": list(st.layers),
-                    "busy": st.busy} for st in res.stats],
+                    "busy": st.busy, "micro_batches": st.micro_batches} for st in res.stats],
         "bytes_per_token": res.link_bytes_per_token(),
         "interrupted": res.interrupted,
     })
@@ -425,11 +426,6 @@ def result_json(res: PipelineResult, tok, stops: list[str], plan: StagePlan | No
         doc["split"] = {"how": plan.how, "layers": [s.n_layers for s in plan.stages],
                         "need_bytes": plan.need, "budget_bytes": plan.budgets}
     return doc
-
-
-def write_json(path: str, res: PipelineResult, tok, stops: list[str], plan) -> None:
-    with open(path, "w") as f:
-        json.dump(result_json(res, tok, stops, plan), f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
