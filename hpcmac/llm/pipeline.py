@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import math
 import pickle
+import signal
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -193,7 +195,7 @@ class _Link:
 
     def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
         req = self.group.irecv(buf, source, tag)
-        self.wd.wait(req, source, "to send")
+        self.wd.wait(req, source, "to send", grace=0.5 * self.group.rank)
         return buf
 
 
@@ -214,9 +216,11 @@ class _Watchdog:
     def __init__(self, group: Group, hosts: Sequence[str], timeout: float):
         self.group, self.hosts, self.timeout = group, list(hosts), timeout
 
-    def wait(self, req, peer: int, what: str) -> None:
+    def wait(self, req, peer: int, what: str, grace: float = 0.0) -> None:
+        """Block until ``req`` completes; after ``timeout + grace`` s of silence, abort."""
         if req.test():
             return
+        limit = self.timeout + grace
         t0 = time.monotonic()
         delay = 0.0
         while not req.test():
@@ -224,15 +228,15 @@ class _Watchdog:
             if now - t0 > self.SPIN_S:
                 time.sleep(delay)
                 delay = min(2 * delay or 2e-5, self.MAX_SLEEP_S)
-            if self.timeout > 0 and now - t0 > self.timeout:
-                self._fail(peer, what)
+            if self.timeout > 0 and now - t0 > limit:
+                self._fail(peer, what, limit)
 
     def _name(self, r: int) -> str:
         return f"rank {r} on {self.hosts[r]}" if 0 <= r < len(self.hosts) else "a peer"
 
-    def _fail(self, peer: int, what: str) -> None:
+    def _fail(self, peer: int, what: str, limit: float) -> None:
         me = self._name(self.group.rank)
-        print(f"error: {me} waited {self.timeout:g} s for {self._name(peer)} {what}; "
+        print(f"error: {me} waited {limit:g} s for {self._name(peer)} {what}; "
               "it has died or hung, ending the job", file=sys.stderr, flush=True)
         self.group.abort(1)
 
@@ -470,7 +474,8 @@ class _Scheduler:
             return False
         mb_id, sampled, buf, req = self.inflight[0]
         if block:
-            self.st.link.wd.wait(req, self.size - 1, "to send back tokens")
+            self.st.link.wd.wait(req, self.size - 1, "to send back tokens",
+                                 grace=0.5 * self.size + 1.0)
         elif not req.test():
             return False
         self.inflight.popleft()
@@ -505,29 +510,34 @@ class _Scheduler:
         self.free_slots.append(s.slot)
         self.ctrl["free"].append((s.idx, s.slot))
 
+    def interrupt(self, signum=None, frame=None) -> None:
+        """SIGINT: the first stops cleanly (in-flight micro-batches return, then STOP
+        goes down the pipeline); a second one raises KeyboardInterrupt (the job aborts)."""
+        if self.stopping:
+            raise KeyboardInterrupt
+        self.stopping = True
+        print("interrupted: stopping the pipeline (Ctrl-C again to abort)",
+              file=sys.stderr, flush=True)
+
     def run(self) -> None:
         plan = self.st.plan
         while True:
-            try:
-                if self.stopping:
-                    while self.collect(block=True):
-                        pass
-                    break
-                self.admit()
-                while self.collect(block=False):
+            if self.stopping:
+                while self.collect(block=True):
                     pass
-                if len(self.inflight) < plan.micro_batches:
-                    mb = self.form()
-                    if mb:
-                        self.issue(mb)
-                        continue
-                if self.inflight:
-                    self.collect(block=True)
-                elif not self.active and not self.queue:
-                    break
-            except KeyboardInterrupt:
-                # stop cleanly: let the micro-batches in flight come back, then STOP all
-                self.stopping = True
+                break
+            self.admit()
+            while self.collect(block=False):
+                pass
+            if len(self.inflight) < plan.micro_batches:
+                mb = self.form()
+                if mb:
+                    self.issue(mb)
+                    continue
+            if self.inflight:
+                self.collect(block=True)
+            elif not self.active and not self.queue:
+                break
         t = self.now()
         for s in self.seqs:
             if s.finish:
@@ -610,7 +620,14 @@ def run_pipeline(
     decode_tokens = 0
     if group.rank == 0:
         sched = _Scheduler(st, requests, t_start, on_token, stop_check)
-        sched.run()
+        old = None
+        if threading.current_thread() is threading.main_thread():
+            old = signal.signal(signal.SIGINT, sched.interrupt)
+        try:
+            sched.run()
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
         st.link.flush()
         st.stats.wall_s = time.perf_counter() - t_start
         interrupted = sched.stopping
