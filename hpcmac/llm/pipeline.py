@@ -28,6 +28,7 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import signal
 import socket
@@ -210,7 +211,8 @@ class _Watchdog:
     noticed) is caught here after ``timeout`` seconds (0: never).
     """
 
-    SPIN_S = 2e-4
+    #: seconds to poll without sleeping (HPCMAC_PIPELINE_SPIN overrides)
+    SPIN_S = float(os.environ.get("HPCMAC_PIPELINE_SPIN", "2e-4"))
     MAX_SLEEP_S = 5e-4
 
     def __init__(self, group: Group, hosts: Sequence[str], timeout: float):

