@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="BLAS and llama.cpp threads")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     ap.add_argument("--batch", type=int, default=4, help="sequences in the batched run")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--json", default=None, metavar="FILE")
@@ -180,21 +180,26 @@ def main(argv: list[str] | None = None) -> int:
                 with _quiet_stderr():  # llama.cpp logs every load to fd 2
                     r["llamacpp"] = llamacpp_rate(gguf_path, args.threads, args.steps, cfg.vocab)
             rounds.append(r)
+    for r in rounds:  # ratios within a round: the load of a shared machine shifts between rounds
+        r["single_vs_bound"] = r["single"] * per_token / r["bandwidth"]
+        r["batched_vs_single"] = r["batched"] / r["single"]
+        if r.get("llamacpp"):
+            r["vs_llamacpp"] = r["single"] / r["llamacpp"]
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     bound = med["bandwidth"] / per_token
     print(f"hpcmac.bench.llm: {platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"cores, {args.threads} thread(s), backend {args.backend}; medians of {args.rounds} "
-          "rounds (the machine may be shared: compare ratios within one run)")
+          "rounds; ratios are medians of per-round ratios (a shared machine's load shifts)")
     print(f"model: {cfg.arch}, {cfg.n_layers} layers, hidden {cfg.hidden}, "
           f"{stage.nbytes / 1e6:.0f} MB float32, {per_token / 1e6:.0f} MB read per token")
     rows = [("read bandwidth (sdot)", f"{med['bandwidth'] / 1e9:.1f} GB/s", "", ""),
             ("decode, 1 sequence", f"{med['single']:.1f} tok/s", f"bound {bound:.1f} tok/s",
-             f"{med['single'] / bound:.2f}"),
+             f"{med['single_vs_bound']:.2f}"),
             (f"decode, {args.batch} sequences", f"{med['batched']:.1f} tok/s",
-             f"1 seq {med['single']:.1f} tok/s", f"{med['batched'] / med['single']:.2f}")]
-    if "llamacpp" in med:
+             f"1 seq {med['single']:.1f} tok/s", f"{med['batched_vs_single']:.2f}")]
+    if "vs_llamacpp" in med:
         rows.append(("llama.cpp F32, 1 sequence", f"{med['llamacpp']:.1f} tok/s",
-                     f"hpcmac {med['single']:.1f} tok/s", f"{med['single'] / med['llamacpp']:.2f}"))
+                     f"hpcmac {med['single']:.1f} tok/s", f"{med['vs_llamacpp']:.2f}"))
     else:
         rows.append(("llama.cpp", "not run", "xllamacpp not installed or --model given", ""))
     print(f"{'measure':<28}{'value':>14}  {'reference':<28}{'ratio':>6}")
@@ -203,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = {"threads": args.threads, "backend": args.backend, "weight_bytes": stage.nbytes,
                "bytes_per_token": per_token, "rounds": rounds, "median": med,
-               "bound_tok_s": bound, "single_vs_bound": med["single"] / bound,
-               "batched_vs_single": med["batched"] / med["single"],
-               "vs_llamacpp": med["single"] / med["llamacpp"] if "llamacpp" in med else None}
+               "bound_tok_s": bound, "single_vs_bound": med["single_vs_bound"],
+               "batched_vs_single": med["batched_vs_single"],
+               "vs_llamacpp": med.get("vs_llamacpp")}
         Path(args.json).write_text(json.dumps(out, indent=1))
     if tmp is not None:
         import shutil
