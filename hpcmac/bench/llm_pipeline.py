@@ -74,10 +74,10 @@ class _Sleeper:
     """Ranks outside the pipeline being measured wait here without using the CPU."""
 
     def __init__(self, world):
-        from hpcmac.llm.pipeline import _Watchdog
+        from hpcmac.llm.pipeline_link import Watchdog
 
         self.world = world
-        self.wd = _Watchdog(world, [""] * world.size, timeout=0)
+        self.wd = Watchdog(world, [""] * world.size, timeout=0)
 
     def sync(self) -> None:
         """Collective over the world, each rank sleeping while it waits."""
