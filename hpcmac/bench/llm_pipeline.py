@@ -77,7 +77,8 @@ class _Sleeper:
         from hpcmac.llm.pipeline_link import Watchdog
 
         self.world = world
-        self.wd = Watchdog(world, [""] * world.size, timeout=0)
+        # idle for seconds: poll every 20 ms at most, not to disturb the ranks measured
+        self.wd = Watchdog(world, [""] * world.size, timeout=0, max_sleep=0.02)
 
     def sync(self) -> None:
         """Collective over the world, each rank sleeping while it waits."""

@@ -56,10 +56,14 @@ class Watchdog:
 
     #: seconds to poll without sleeping (HPCMAC_PIPELINE_SPIN overrides)
     SPIN_S = float(os.environ.get("HPCMAC_PIPELINE_SPIN", "2e-4"))
-    MAX_SLEEP_S = 5e-4
+    #: the longest sleep between two polls (HPCMAC_PIPELINE_MAX_SLEEP overrides)
+    MAX_SLEEP_S = float(os.environ.get("HPCMAC_PIPELINE_MAX_SLEEP", "5e-4"))
 
-    def __init__(self, group: Group, hosts: Sequence[str], timeout: float):
+    def __init__(self, group: Group, hosts: Sequence[str], timeout: float,
+                 max_sleep: float | None = None):
         self.group, self.hosts, self.timeout = group, list(hosts), timeout
+        if max_sleep is not None:
+            self.MAX_SLEEP_S = max_sleep
 
     def wait(self, req, peer: int, what: str, grace: float = 0.0) -> None:
         """Block until ``req`` completes; after ``timeout + grace`` s of silence, abort."""
