@@ -160,6 +160,9 @@ def _measure(res) -> dict:
         "decode_tok_s": res.decode_tok_s(),
         "per_seq_decode_tok_s": statistics.median(s.decode_tok_s for s in res.seqs),
         "busy": [st.busy for st in res.stats],
+        # CPU seconds per generated token of the busiest stage: the rate each rank
+        # would reach with a core of its own
+        "cpu_s_per_token": max(st.cpu_s for st in res.stats) / max(res.generated, 1),
         "bytes_per_token": [x["bytes_per_token"] for x in res.link_bytes_per_token()],
         "links": [x["link"] for x in res.link_bytes_per_token()],
     }
@@ -204,7 +207,8 @@ def table(docs: list[dict], batches: list[int]) -> str:
     ref = docs[0]["results"]
     head = ["ranks", "layers", "TTFT s", "prefill tok/s", "decode tok/s (x)"]
     head += [f"{b} seqs agg tok/s (x)" for b in batches]
-    head += ["bytes/token/link", "busy (1 seq)", f"busy ({batches[-1]} seqs)"]
+    head += ["bytes/token/link", "busy (1 seq)", f"busy ({batches[-1]} seqs)",
+             f"CPU-bound x (1 seq, {batches[-1]} seqs)"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for d in docs:
         r = d["results"]
@@ -218,7 +222,10 @@ def table(docs: list[dict], batches: list[int]) -> str:
             row.append(f"{x:.1f} ({x / x0:.2f}x)")
         row.append(" ".join(f"{v:.0f}" for v in s["bytes_per_token"]) or "-")
         row.append(" ".join(f"{v:.0%}" for v in s["busy"]))
-        row.append(" ".join(f"{v:.0%}" for v in r[f"batch{batches[-1]}"]["busy"]))
+        big = f"batch{batches[-1]}"
+        row.append(" ".join(f"{v:.0%}" for v in r[big]["busy"]))
+        row.append(f"{ref['single']['cpu_s_per_token'] / s['cpu_s_per_token']:.2f} "
+                   f"{ref[big]['cpu_s_per_token'] / r[big]['cpu_s_per_token']:.2f}")
         lines.append(" | ".join(row))
     return "\n".join(lines)
 
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     h = docs[0]["hidden"]
     print(f"bytes/token/link: decode bytes per decoded token on each link r->r+1 and the "
           f"token link last->0; one hidden vector is {4 * h} bytes")
+    print("CPU-bound x: the 1-rank CPU time per token over the busiest stage's, i.e. the "
+          "ratio if every rank had a core of its own (derived, not a wall-clock rate)")
     if args.json:
         Path(args.json).write_text(json.dumps({"load_before": load, "load_after": load_after,
                                                "args": vars(args), "runs": docs}, indent=1))

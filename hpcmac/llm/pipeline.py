@@ -130,6 +130,7 @@ class _StageState:
         """
         from hpcmac.llm.model import Batch
 
+        c0 = time.process_time()
         t0 = time.perf_counter()
         slots = [int(s) for s in meta[:, 1]]
         lengths = [int(n) for n in meta[:, 2]]
@@ -150,6 +151,7 @@ class _StageState:
                     if self.plan.keep_logits:
                         self.logits[idx].append(logits[k].copy())
         self.stats.busy_s += time.perf_counter() - t0
+        self.stats.cpu_s += time.process_time() - c0
         self.stats.micro_batches += 1
         return h, toks
 

@@ -39,7 +39,8 @@ class RankStats:
     host: str
     layers: tuple[int, int]
     wall_s: float = 0.0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # wall time computing
+    cpu_s: float = 0.0  # CPU time computing (less than busy_s when the core is shared)
     micro_batches: int = 0
     sent: dict[str, int] = field(default_factory=dict)  # "decode"/"prefill"/"ctrl" -> bytes
     sent_to: int = -1
