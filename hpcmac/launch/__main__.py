@@ -173,10 +173,16 @@ def _discover(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in SUBCOMMANDS:
-        return {"check": _check, "convert": _convert, "routes": _routes,
-                "discover": _discover}[args[0]](args[1:])
-    return _launch(args)
+    try:
+        if args and args[0] in SUBCOMMANDS:
+            return {"check": _check, "convert": _convert, "routes": _routes,
+                     "discover": _discover}[args[0]](args[1:])
+        return _launch(args)
+    except BrokenPipeError:  # output piped into `head`: not an error worth a traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
