@@ -124,9 +124,19 @@ def _check_options(hf: Hostfile, opts: Options, command: list[str]) -> None:
         if opts.np is not None and opts.np > slots and not opts.oversubscribe:
             raise UsageError(f"--np {opts.np} is more than the {slots} slots in {hf.source} "
                              "(add --oversubscribe, or raise 'slots')")
-    elif opts.np is not None and opts.np != len(hf.hosts):
-        raise UsageError(f"--via mlx starts one rank per host: --np {opts.np} but "
-                         f"{hf.source} has {len(hf.hosts)} hosts")
+    else:
+        if opts.np is not None and opts.np != len(hf.hosts):
+            raise UsageError(f"--via mlx starts one rank per host: --np {opts.np} but "
+                             f"{hf.source} has {len(hf.hosts)} hosts")
+        backend = opts.backend or hf.backend or "ring"
+        if backend.startswith("jaccl") and not hf.hosts[0].ips:
+            raise UsageError(f"{hf.source}: host {hf.hosts[0].name!r}: field 'ips' is needed "
+                             f"for --backend {backend} (rank 0's address is the coordinator)")
+        if backend == "ring" and len(hf.hosts) > 1 and not hf.links:
+            no_ip = [h.name for h in hf.hosts if not h.ips]
+            if no_ip:
+                raise UsageError(f"{hf.source}: host {no_ip[0]!r}: field 'ips' is needed for "
+                                 "--backend ring when the hostfile has no links")
 
 
 def _rank_env(hf: Hostfile, opts: Options) -> list[str]:
