@@ -172,7 +172,7 @@ class GroupContract:
         group.bcast(empty, root)
         dst = strided(value(group.rank, (2, 5)))
         group.bcast(dst, root)
-        neg = np.array([-0.0, np.inf, -np.inf]) * (1 if group.rank == root else 0)
+        neg = np.array([-0.0, np.inf, -np.inf]) if group.rank == root else np.zeros(3)
         group.bcast(neg, root)
         ok = (float(scalar) == root and np.array_equal(dst, value(root, (2, 5)))
               and np.signbit(neg[0]) and np.array_equal(neg[1:], [np.inf, -np.inf]))

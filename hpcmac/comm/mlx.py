@@ -254,6 +254,10 @@ class MLXGroup(Group):
         return "no mpi: split to whole/single ranks only"
 
     # -- helpers ------------------------------------------------------------
+    def _arr(self, a: np.ndarray):
+        """numpy -> mx.array, keeping the dtype (MLX would turn float64 into float32)."""
+        return self._mx.array(a, dtype=_mx_dtype(self._mx, a.dtype))
+
     def _run(self, arr) -> np.ndarray:
         self._mx.eval(arr)
         return np.asarray(arr)
@@ -296,7 +300,7 @@ class MLXGroup(Group):
             buf = buf.view(np.uint8)
         if buf.size == 0:
             return _MLXRequest(self._mx.array(0), None)
-        arr = self._mx.distributed.send(self._mx.array(buf), dest, group=self._g,
+        arr = self._mx.distributed.send(self._arr(buf), dest, group=self._g,
                                         stream=self._send_stream)
         self._mx.async_eval(arr)
         return _MLXRequest(arr, None)
@@ -330,7 +334,7 @@ class MLXGroup(Group):
             mine = raw.view(word)
         else:
             mine = np.zeros(raw.nbytes // np.dtype(word).itemsize, word)
-        got = self._run(self._mx.distributed.all_max(self._mx.array(mine), group=self._g,
+        got = self._run(self._mx.distributed.all_max(self._arr(mine), group=self._g,
                                                      stream=self._stream))
         buf[...] = got.view(np.uint8).view(buf.dtype).reshape(buf.shape)
         return buf
@@ -348,7 +352,7 @@ class MLXGroup(Group):
         elif not self._native(buf.dtype):
             return self._need_fallback(f"allreduce of {buf.dtype}").allreduce(buf, op, out)
         src = np.ascontiguousarray(src)
-        got = self._run(fn(self._mx.array(src), group=self._g, stream=self._stream))
+        got = self._run(fn(self._arr(src), group=self._g, stream=self._stream))
         out[...] = got.view(buf.dtype).reshape(buf.shape)
         return out
 
@@ -368,7 +372,7 @@ class MLXGroup(Group):
         if not self._native(src.dtype):
             src = src.view(np.uint8)
         got = self._run(self._mx.distributed.all_gather(
-            self._mx.array(src.reshape(1, -1)), group=self._g, stream=self._stream))
+            self._arr(src.reshape(1, -1)), group=self._g, stream=self._stream))
         out[...] = got.reshape(-1).view(buf.dtype).reshape(out.shape)
         return out
 
@@ -380,13 +384,13 @@ class MLXGroup(Group):
                 f"reduce_scatter: leading dimension {buf.shape[0]} != group size {self._size}")
         if self.transport == "rdma" and op == "sum" and self._native(buf.dtype) and buf.size:
             got = self._run(self._mx.distributed.sum_scatter(
-                self._mx.array(np.ascontiguousarray(buf)), group=self._g, stream=self._stream))
+                self._arr(np.ascontiguousarray(buf)), group=self._g, stream=self._stream))
             return np.array(got.reshape(buf.shape[1:]), dtype=buf.dtype)
         # MLX's ring has no reduce-scatter: reduce everything, keep my block
         return np.array(self.allreduce(buf, op)[self._rank], copy=True)
 
     def barrier(self):
-        self._run(self._mx.distributed.all_sum(self._mx.array(np.zeros(1, np.int32)),
+        self._run(self._mx.distributed.all_sum(self._arr(np.zeros(1, np.int32)),
                                                group=self._g, stream=self._stream))
 
     def split(self, color, key=0):
