@@ -37,7 +37,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,6 @@ class Hostfile:
     envs: tuple[str, ...] = ()
     source: str = "<hostfile>"
     mlx_format: bool = False
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def names(self) -> list[str]:

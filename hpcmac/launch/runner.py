@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -67,14 +68,8 @@ class Plan:
             lines += [f"#   {line}" for line in content.splitlines()]
         for k, v in self.env.items():
             lines.append(f"# env {k}={v}")
-        lines.append(" ".join(_quote(a) for a in self.argv))
+        lines.append(shlex.join(self.argv))
         return "\n".join(lines)
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
 
 
 def find_mpirun() -> str:
