@@ -139,7 +139,8 @@ def _rank_env(hf: Hostfile, opts: Options) -> list[str]:
     if opts.transport:
         env.append(f"HPCMAC_TRANSPORT={opts.transport}")
     if any(d for row in convert.ibv_matrix(hf) for d in row):
-        env.append(f"HPCMAC_IBV_DEVICES={convert.ibv_devices_env(hf)}")
+        np = None if opts.via == "mlx" else (opts.np or hf.total_slots())
+        env.append(f"HPCMAC_IBV_DEVICES={convert.ibv_devices_env(hf, np)}")
     if not hf.source.startswith("<"):
         env.append(f"HPCMAC_HOSTFILE={os.path.abspath(hf.source)}")
     return env + list(opts.env)

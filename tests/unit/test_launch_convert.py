@@ -170,3 +170,15 @@ def test_mlx_launch_needs_addresses(tmp_path):
     with pytest.raises(UsageError, match="field 'ips' is needed for --backend ring"):
         runner.plan(parse(d, "h.json"), ["x"], runner.Options(via="mlx", backend="ring"),
                     str(tmp_path))
+
+
+def test_ibv_rank_matrix_follows_rank_placement():
+    d = json.loads((HOSTFILES / "mesh-2.json").read_text())
+    d["hosts"][0]["slots"] = 2
+    hf = parse(d)
+    assert convert.ibv_rank_matrix(hf) == [[None, None, "rdma_en2"],
+                                           [None, None, "rdma_en2"],
+                                           ["rdma_en2", "rdma_en2", None]]
+    assert convert.ibv_rank_matrix(hf, 2) == [[None, None], [None, None]]  # both on mac1
+    one_each = load(HOSTFILES / "mesh-4.json")
+    assert convert.ibv_rank_matrix(one_each) == convert.ibv_matrix(one_each)
