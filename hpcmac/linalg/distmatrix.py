@@ -90,12 +90,14 @@ class DistMatrix:
         return out
 
     @classmethod
-    def from_global(cls, a: np.ndarray | None, grid: Grid, mb: int, nb: int, root: int = 0) -> DistMatrix:
+    def from_global(cls, a: np.ndarray | None, grid: Grid, mb: int, nb: int,
+                    root: int = 0) -> DistMatrix:
         """Collective over the grid: scatter ``a`` (significant on grid rank ``root`` only)."""
         group = grid.all
         if not grid.in_grid:
             return cls(np.zeros((0, 0)), (0, 0), mb, nb, grid)
-        meta = group.bcast_obj(None if group.rank != root else (np.shape(a), np.asarray(a).dtype.str), root)
+        mine = (np.shape(a), np.asarray(a).dtype.str) if group.rank == root else None
+        meta = group.bcast_obj(mine, root)
         shape, dtype = meta
         if len(shape) != 2:
             raise ValueError(f"from_global needs a 2-D array, got shape {shape}")
@@ -158,3 +160,65 @@ class DistMatrix:
 
     def copy(self) -> DistMatrix:
         return DistMatrix(self.local.copy(order="F"), self.gshape, self.mb, self.nb, self.grid)
+
+    # -- more constructors and layout changes ---------------------------------
+    @classmethod
+    def eye(cls, n: int, grid: Grid, mb: int, nb: int, m: int | None = None,
+            dtype=np.float64) -> DistMatrix:
+        """Not collective: the ``n``×``m`` identity (``m`` defaults to ``n``)."""
+        m = n if m is None else m
+        return cls.from_function(lambda i, j: (i == j), (n, m), grid, mb, nb, dtype)
+
+    def astype(self, dtype) -> DistMatrix:
+        """Not collective: a copy with local entries converted to ``dtype``."""
+        return DistMatrix(self.local.astype(dtype, order="F"), self.gshape, self.mb, self.nb,
+                          self.grid)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The global shape (same as ``gshape``), as numpy arrays name it."""
+        return self.gshape
+
+    def owner(self, i: int, j: int) -> tuple[int, int]:
+        """Grid position (prow, pcol) that holds global entry (i, j)."""
+        return (int(layout.owner(i, self.mb, self.grid.nprow)),
+                int(layout.owner(j, self.nb, self.grid.npcol)))
+
+    def g2l(self, i: int, j: int) -> tuple[int, int]:
+        """Local index of global entry (i, j) on its owner (see ``owner``)."""
+        return (int(layout.g2l(i, self.mb, self.grid.nprow)),
+                int(layout.g2l(j, self.nb, self.grid.npcol)))
+
+    def l2g(self, li: int, lj: int) -> tuple[int, int]:
+        """Global index of this rank's local entry (li, lj)."""
+        g = self.grid
+        return (int(layout.l2g(li, self.mb, g.myrow, g.nprow)),
+                int(layout.l2g(lj, self.nb, g.mycol, g.npcol)))
+
+    def redistribute(self, grid: Grid | None = None, mb: int | None = None,
+                     nb: int | None = None) -> DistMatrix:
+        """Collective: the same matrix in another block-cyclic layout.
+
+        ``grid`` (default: this one), ``mb``, ``nb`` (default: this matrix's)
+        are global. On the same grid, only its ranks call. Onto another grid
+        (built over the same group) every rank of the group calls; ranks in
+        neither grid get an empty piece.
+        """
+        from hpcmac.linalg.remap import remap
+
+        return remap(self, grid or self.grid, mb or self.mb, nb or self.nb, transpose=False)
+
+    def transpose(self, conj: bool = False) -> DistMatrix:
+        """Collective over the grid: ``self.T`` (``conj``: ``self.conj().T``) on the same grid,
+        with ``mb`` and ``nb`` swapped."""
+        from hpcmac.linalg.remap import remap
+
+        out = remap(self, self.grid, self.nb, self.mb, transpose=True)
+        if conj and np.iscomplexobj(out.local):
+            np.conjugate(out.local, out=out.local)
+        return out
+
+    @property
+    def T(self) -> DistMatrix:
+        """Collective: ``transpose()``."""
+        return self.transpose()

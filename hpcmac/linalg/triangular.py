@@ -1,0 +1,75 @@
+"""Distributed block triangular solves with the right-hand sides replicated.
+
+``T`` is the leading ``n x n`` triangle of a block-cyclic matrix (square
+``nb`` blocks); ``X`` (n, nrhs) is the same on every grid rank. Block ``k``
+of the solution needs the sum of the blocks already solved times ``T``'s
+off-diagonal blocks in its block row (``op = N``) or block column
+(``op = T``): each process of that grid row (column) adds its local part, one
+``allreduce`` along the row (column) combines them, the diagonal block's
+owner solves the small triangle and broadcasts the block to the grid. This is
+netlib HPL's final ``U x = y`` solve (HPL_pdtrsv) in its simplest,
+O(n^2 / (P Q)) work per rank, form.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.linalg import solve_triangular
+
+from hpcmac.linalg import layout
+
+
+def block_trsv(a, x: np.ndarray, n: int, lower: bool, unit: bool, trans: bool) -> np.ndarray:
+    """Solve ``op(T) X = X`` in place and return ``X``.
+
+    ``a``: DistMatrix holding ``T`` in its leading n x n part (``mb == nb``);
+    ``x``: (n, nrhs) float64, replicated (global); ``lower``, ``unit``, ``trans``
+    global. Collective over the grid (ranks outside it return ``x`` untouched).
+    """
+    g = a.grid
+    if not g.in_grid or n == 0:
+        return x
+    nb, p, q, myrow, mycol = a.nb, g.nprow, g.npcol, g.myrow, g.mycol
+    A = a.local
+    grows, gcols = a.rows, a.cols
+    nblk = (n + nb - 1) // nb
+    forward = lower != trans
+    order = range(nblk) if forward else range(nblk - 1, -1, -1)
+    nrhs = x.shape[1]
+    for k in order:
+        k0 = k * nb
+        kb = min(nb, n - k0)
+        prow, pcol = int(layout.owner(k0, nb, p)), int(layout.owner(k0, nb, q))
+        s = None
+        if not trans and myrow == prow:
+            lr = int(layout.g2l(k0, nb, p))
+            if forward:
+                c0, c1 = 0, layout.first_local_at_or_after(k0, nb, mycol, q)
+            else:
+                c0 = layout.first_local_at_or_after(k0 + kb, nb, mycol, q)
+                c1 = layout.first_local_at_or_after(n, nb, mycol, q)
+            part = np.zeros((kb, nrhs))
+            if c1 > c0:
+                np.matmul(A[lr:lr + kb, c0:c1], x[gcols[c0:c1]], out=part)
+            s = g.row.allreduce(part) if q > 1 else part
+        elif trans and mycol == pcol:
+            lc = int(layout.g2l(k0, nb, q))
+            if forward:
+                r0, r1 = 0, layout.first_local_at_or_after(k0, nb, myrow, p)
+            else:
+                r0 = layout.first_local_at_or_after(k0 + kb, nb, myrow, p)
+                r1 = layout.first_local_at_or_after(n, nb, myrow, p)
+            part = np.zeros((kb, nrhs))
+            if r1 > r0:
+                np.matmul(A[r0:r1, lc:lc + kb].T, x[grows[r0:r1]], out=part)
+            s = g.col.allreduce(part) if p > 1 else part
+        xk = np.empty((kb, nrhs))
+        if myrow == prow and mycol == pcol:
+            lr, lc = int(layout.g2l(k0, nb, p)), int(layout.g2l(k0, nb, q))
+            xk[...] = solve_triangular(A[lr:lr + kb, lc:lc + kb], x[k0:k0 + kb] - s,
+                                       trans=1 if trans else 0, lower=lower,
+                                       unit_diagonal=unit, check_finite=False)
+        if p * q > 1:
+            g.all.bcast(xk, g.rank_of(prow, pcol))
+        x[k0:k0 + kb] = xk
+    return x

@@ -1,0 +1,54 @@
+"""Trailing update with one factored panel: U = L1^-1 U, then A2 -= L2 U.
+
+Works in place on the local piece through BLAS by address (no copies of the
+trailing matrix). Local: no communication; between column chunks it calls
+``poll()`` so a non-blocking broadcast in flight (look-ahead) keeps moving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hpcmac.linalg import _blas as blas
+
+
+def solve_u(l1: int, l1_transposed: bool, jb: int, u: int, ldu: int, nc: int,
+            u_transposed: bool) -> None:
+    """U (jb x nc, or its transpose nc x jb) := L1^-1 U with L1 unit lower.
+
+    ``l1`` holds L1 (jb x jb, leading dimension jb), or L1^T when ``l1_transposed``.
+    """
+    if nc <= 0 or jb <= 0:
+        return
+    if not u_transposed:
+        if l1_transposed:
+            blas.dtrsm("L", "U", "T", "U", jb, nc, 1.0, l1, jb, u, ldu)
+        else:
+            blas.dtrsm("L", "L", "N", "U", jb, nc, 1.0, l1, jb, u, ldu)
+    else:  # Ut := Ut L1^-T
+        if l1_transposed:
+            blas.dtrsm("R", "U", "N", "U", nc, jb, 1.0, l1, jb, u, ldu)
+        else:
+            blas.dtrsm("R", "L", "T", "U", nc, jb, 1.0, l1, jb, u, ldu)
+
+
+def gemm_update(mrows: int, nc: int, jb: int, l2: int, ldl: int, u: int, ldu: int,
+                u_transposed: bool, c: int, ldc: int, chunk: int = 0,
+                poll: Callable[[], object] | None = None) -> None:
+    """C (mrows x nc) -= L2 (mrows x jb) U (jb x nc; U^T nc x jb when ``u_transposed``).
+
+    With ``poll`` the columns go in chunks of ``chunk`` and ``poll()`` runs
+    between them.
+    """
+    if mrows <= 0 or nc <= 0 or jb <= 0:
+        if poll is not None:
+            poll()
+        return
+    tb = "T" if u_transposed else "N"
+    step = nc if (poll is None or chunk <= 0) else chunk
+    for c0 in range(0, nc, step):
+        w = min(step, nc - c0)
+        uoff = u + 8 * (c0 if u_transposed else c0 * ldu)
+        blas.dgemm("N", tb, mrows, w, jb, -1.0, l2, ldl, uoff, ldu, 1.0, c + 8 * c0 * ldc, ldc)
+        if poll is not None:
+            poll()

@@ -1,0 +1,86 @@
+"""Block-cyclic index math against brute-force enumeration (no MPI)."""
+
+import numpy as np
+import pytest
+
+from hpcmac.io.hdf5 import _runs
+from hpcmac.linalg import layout
+from hpcmac.linalg.kernels import gemm_update
+from hpcmac.linalg.vectors import block_range
+
+CASES = [(n, nb, p) for n in (0, 1, 7, 16, 23) for nb in (1, 3, 4, 8, 30) for p in (1, 2, 3, 4)]
+
+
+def brute_owner(n, nb, p):
+    """(owner, local index) of every global index, by dealing blocks out in turn."""
+    own, loc = np.empty(n, int), np.empty(n, int)
+    count = [0] * p
+    for g in range(n):
+        r = (g // nb) % p
+        own[g], loc[g] = r, count[r]
+        count[r] += 1
+    return own, loc, count
+
+
+@pytest.mark.parametrize("n,nb,p", CASES)
+def test_numroc_owner_g2l_l2g(n, nb, p):
+    own, loc, count = brute_owner(n, nb, p)
+    assert [layout.numroc(n, nb, r, p) for r in range(p)] == count
+    g = np.arange(n)
+    assert np.array_equal(layout.owner(g, nb, p), own)
+    assert np.array_equal(layout.g2l(g, nb, p), loc)
+    for r in range(p):
+        mine = g[own == r]
+        assert np.array_equal(layout.global_indices(n, nb, r, p), mine)
+        assert np.array_equal(layout.l2g(np.arange(mine.size), nb, r, p), mine)
+
+
+@pytest.mark.parametrize("n,nb,p", CASES)
+def test_first_local_at_or_after(n, nb, p):
+    own, _, _ = brute_owner(n, nb, p)
+    for r in range(p):
+        mine = np.flatnonzero(own == r)
+        for g in range(n + 1):
+            expect = int(np.searchsorted(mine, g))
+            assert layout.first_local_at_or_after(g, nb, r, p) == expect
+
+
+@pytest.mark.parametrize("n,nb,p", CASES)
+def test_hdf5_hyperslab_runs_cover_exactly_my_indices(n, nb, p):
+    for r in range(p):
+        got = []
+        for start, stride, count, block in _runs(n, nb, r, p):
+            for c in range(count):
+                got.extend(range(start + c * stride, start + c * stride + block))
+        assert got == list(layout.global_indices(n, nb, r, p))
+
+
+@pytest.mark.parametrize("n,size", [(0, 1), (5, 1), (5, 2), (7, 4), (3, 4), (100, 3)])
+def test_block_range_partitions(n, size):
+    ranges = [block_range(n, size, r) for r in range(size)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    lens = [b - a for a, b in ranges]
+    assert max(lens) - min(lens) <= 1
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])
+@pytest.mark.parametrize("trans_b", ["N", "T", "C"])
+def test_gemm_update_in_place_on_strided_views(dtype, trans_b):
+    rng = np.random.default_rng(0)
+    for m, n, k in [(5, 4, 3), (1, 1, 4), (1, 6, 2), (6, 1, 2), (0, 3, 2), (3, 3, 0)]:
+        for a_fortran in (False, True):
+            for b_fortran in (False, True):
+                a = rng.standard_normal((m, k)).astype(dtype)
+                b = rng.standard_normal((k, n) if trans_b == "N" else (n, k)).astype(dtype)
+                if np.iscomplexobj(a):
+                    a, b = a + 1j * a[::-1], b - 2j
+                a = np.asfortranarray(a) if a_fortran else a
+                b = np.asfortranarray(b) if b_fortran else b
+                c = np.asfortranarray(rng.standard_normal((m + 3, n + 2)).astype(dtype))
+                ref = c.copy()
+                ob = {"N": b, "T": b.T, "C": b.conj().T}[trans_b]
+                ref[1:1 + m, 2:2 + n] += -0.5 * (a @ ob)
+                gemm_update(c[1:1 + m, 2:2 + n], a, b, alpha=-0.5, trans_b=trans_b)
+                tol = 1e-5 if dtype == np.float32 else 1e-12
+                np.testing.assert_allclose(c, ref, rtol=tol, atol=tol)
