@@ -87,6 +87,13 @@ def leftovers(marker: str) -> list[str]:
     return found
 
 
+LOG_LINE = {
+    ("mpirun", "mpi"): "transport: mpi",
+    ("mpirun", "ring"): "transport: ring (split, send/recv and non-MLX dtypes over mpi)",
+    ("mlx.launch", "ring"): "transport: ring (no mpi: send/recv to ring neighbours only, "
+                            "split to whole/single ranks only)",
+}
+
 CONTRACT = [str(HARNESS / "case_comm_ring.py"), "-q", "-p", "no:cacheprovider", "--timeout", "90"]
 
 
@@ -98,7 +105,6 @@ def test_ring_contract_under_mpirun(np_):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert " passed" in out and " failed" not in out, out[-2000:]
-    assert "transport: ring (split, send/recv and non-MLX dtypes over mpi)" in out, out[-2000:]
 
 
 @pytest.mark.timeout(400)
@@ -132,6 +138,9 @@ def test_peer_dying_mid_collective_ends_the_job(launcher, transport, np_):
         assert f"rank {np_ - 1} exited with code 3" in out, out[-3000:]
     assert took < 60, f"the job took {took:.0f}s to end: {out[-2000:]}"
     assert f"rank {np_ - 1} dies now" in out, out[-2000:]
+    # rank 0 named the transport once, with what it does not carry itself
+    logged = [ln for ln in out.splitlines() if ln.startswith("transport:")]
+    assert logged == [LOG_LINE[launcher, transport]], logged
     deadline = time.monotonic() + 10
     while leftovers(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
