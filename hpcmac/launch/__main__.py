@@ -55,10 +55,18 @@ def _run_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _warn(hf) -> None:
+    from hpcmac.launch.hostfile import advise
+
+    for line in advise(hf):
+        print(f"warning: {hf.source}: {line}", file=sys.stderr, flush=True)
+
+
 def _launch(argv: list[str]) -> int:
     a = _run_parser().parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     hf = load(a.hostfile)
+    _warn(hf)
     opts = runner.Options(via=a.via, np=a.np, mpirun=a.mpirun, agent=a.agent,
                           mca=[tuple(m) for m in a.mca], env=a.env, transport=a.transport,
                           backend=a.backend, oversubscribe=a.oversubscribe, timeout=a.timeout)
@@ -78,6 +86,7 @@ def _check(argv: list[str]) -> int:
     ap.add_argument("--hostfile", required=True)
     a = ap.parse_args(argv)
     hf = load(a.hostfile)
+    _warn(hf)
     from hpcmac.launch.topology import is_full_mesh, ring_order
 
     shape = "full mesh" if is_full_mesh(hf) else (
