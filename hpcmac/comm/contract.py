@@ -110,8 +110,7 @@ class GroupContract:
         reqs = [group.irecv(bufs[p], p) for p in peers]
         mine = [value(group.rank * 100 + p, (6,), np.int64) for p in peers]
         reqs += [group.isend(m, p) for m, p in zip(mine, peers)]
-        for r in reqs:
-            r.wait()
+        group.waitall(reqs)
         ok = all(np.array_equal(bufs[p], value(p * 100 + group.rank, (6,), np.int64))
                  for p in peers)
         parallel_assert(ok, "all-pairs exchange gave wrong data", group)

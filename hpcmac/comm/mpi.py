@@ -8,6 +8,8 @@ import numpy as np
 
 from hpcmac.comm.base import Group, Request, check_op
 
+_BOOL = np.dtype(np.bool_)
+
 
 def is_available() -> tuple[bool, str]:
     """(usable, reason) without initialising anything beyond importing mpi4py."""
@@ -94,6 +96,14 @@ class MPIGroup(Group):
             tmp = np.empty(buf.shape, dtype=buf.dtype)
             return MPIRequest(self.comm.Irecv(tmp, source, tag), keep=tmp, into=buf)
 
+    def waitall(self, requests):
+        # one MPI_Waitall instead of a Python loop: it matters for streams of isends
+        self._MPI.Request.Waitall([r._req for r in requests])
+        for r in requests:
+            if r._into is not None:
+                r._into[...] = r._keep
+                r._into = None
+
     def bcast(self, buf, root=0):
         try:
             self.comm.Bcast(buf, root)
@@ -104,12 +114,10 @@ class MPIGroup(Group):
         return buf
 
     def allreduce(self, buf, op="sum", out=None):
-        try:
-            mop = self._ops[op]
-        except (KeyError, TypeError):
+        mop = self._ops.get(op)
+        if mop is None:
             check_op(op)
-            raise
-        if buf.dtype == np.bool_:  # MPI has no MAX/MIN on C bool: reduce bytes (sum = or)
+        if buf.dtype is _BOOL:  # MPI has no MAX/MIN on C bool: reduce bytes (sum = or)
             res = self.allreduce(np.ascontiguousarray(buf).view(np.uint8),
                                  "max" if op == "sum" else op).view(np.bool_)
             if out is None:
@@ -118,13 +126,13 @@ class MPIGroup(Group):
             return out
         if out is None:
             out = np.empty(buf.shape, dtype=buf.dtype)
-        if not (out.flags.c_contiguous and buf.flags.c_contiguous):
+        try:
+            if out is buf:
+                self.comm.Allreduce(self._IN_PLACE, out, mop)
+            else:
+                self.comm.Allreduce(buf, out, mop)
+        except BufferError:  # a non-contiguous view: reduce a contiguous copy
             out[...] = self.allreduce(np.ascontiguousarray(buf), op)
-            return out
-        if out is buf:
-            self.comm.Allreduce(self._IN_PLACE, out, mop)
-        else:
-            self.comm.Allreduce(buf, out, mop)
         return out
 
     def allreduce_maxloc(self, value, index):
@@ -151,7 +159,7 @@ class MPIGroup(Group):
         if buf.shape[0] != self._size:
             raise ValueError(
                 f"reduce_scatter: leading dimension {buf.shape[0]} != group size {self._size}")
-        if buf.dtype == np.bool_:  # as in allreduce: bytes, sum = or
+        if buf.dtype is _BOOL:  # as in allreduce: bytes, sum = or
             op8 = "max" if op == "sum" else op
             return self.reduce_scatter(buf.view(np.uint8), op8).view(np.bool_)
         out = np.empty(buf.shape[1:], dtype=buf.dtype)
