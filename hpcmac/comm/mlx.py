@@ -106,7 +106,10 @@ def init_group(name: str, world: Group | None) -> MLXGroup:
     if world is None:
         group = mx.distributed.init(strict=True, backend=_BACKEND[name])
         return MLXGroup(group, name, None)
-    if name == "ring":
+    if world.size == 1:  # nobody to connect to: MLX's singleton group (ops are copies)
+        unset = {k: None for k in ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_RANK")}
+        group = _with_env(unset, lambda: mx.distributed.init(strict=False, backend=_BACKEND[name]))
+    elif name == "ring":
         group = _ring_over_mpi(mx, world)
     else:
         group = _jaccl_over_mpi(mx, world)
@@ -118,9 +121,14 @@ def init_group(name: str, world: Group | None) -> MLXGroup:
     return MLXGroup(group, name, world)
 
 
-def _with_env(extra: dict[str, str], fn):
+def _with_env(extra: dict[str, str | None], fn):
+    """Call ``fn`` with ``extra`` set in os.environ (None: unset), then restore it."""
     saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
+    for k, v in extra.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         return fn()
     finally:
