@@ -164,7 +164,8 @@ def run(world, impls: list, p2p_impls: list, args) -> dict:
         for size in _sizes(KiB, args.max_bandwidth):
             buf = np.zeros(size, dtype=np.uint8)
             window = max(1, min(64, (64 * MiB) // size))
-            iters = max(2, (4 if args.quick else 40) * 64 // window // (4 if size > MiB else 1))
+            # up to 40 windows, at most ~256 MiB per measurement (4 windows when --quick)
+            iters = max(2, min(4 if args.quick else 40, (256 * MiB) // (size * window)))
             fns = [partial(stream, m.isend, m.irecv, m.waitall, m.send, m.recv, buf, window,
                            iters, rank) for m in p2p_impls]
             t = _median_rounds(world, fns, rounds)

@@ -90,6 +90,19 @@ def test_ranks_that_disagree_agree_on_mpi(monkeypatch):
     parallel_assert(g.transport == "mpi", g.transport, w)
 
 
+def test_ranks_asking_for_different_transports_all_fail(monkeypatch):
+    from hpcmac.comm import select
+
+    w = world()
+    if w.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    monkeypatch.setattr(select, "_cached", {})
+    asked = "auto" if w.rank == w.size - 1 else "mpi"
+    with pytest.raises(UsageError, match=f"rank {w.size - 1} asks auto"):
+        comm.init(asked, strict=False)
+    parallel_assert(True, "", w)
+
+
 def test_unknown_transport_is_usage_error_listing_valid_ones(monkeypatch):
     with pytest.raises(UsageError, match="auto, mpi, rdma, ring, local"):
         comm.init("infiniband")
