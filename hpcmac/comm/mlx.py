@@ -158,6 +158,29 @@ def _ring_over_mpi(mx, world: Group):
         os.unlink(fh.name)
 
 
+def mpi_all_gather_factory(comm):
+    """JACCL's side channel over an mpi4py communicator.
+
+    Returns ``factory(rank, size)`` -> ``all_gather(src: bytes, n_bytes) -> bytes``
+    (every rank's ``n_bytes`` in rank order), the callable MLX's
+    ``init(backend="jaccl", all_gather_factory=...)`` expects.
+    """
+
+    def factory(rank: int, size: int):
+        if (rank, size) != (comm.Get_rank(), comm.Get_size()):
+            raise RuntimeError(f"jaccl asks for rank {rank} of {size}, MPI has "
+                               f"{comm.Get_rank()} of {comm.Get_size()}")
+
+        def all_gather(src: bytes, n_bytes: int) -> bytes:
+            out = bytearray(size * n_bytes)
+            comm.Allgather(bytes(src[:n_bytes]), out)
+            return bytes(out)
+
+        return all_gather
+
+    return factory
+
+
 def _jaccl_over_mpi(mx, world: Group):
     spec = rdma_env.matrix_spec_from_env()
     problem = "no device matrix (HPCMAC_IBV_DEVICES)" if not spec else ""
@@ -172,16 +195,7 @@ def _jaccl_over_mpi(mx, world: Group):
     problems = [p for p in world.allgather_obj(problem) if p]
     if problems:
         raise RuntimeError(f"rdma: {problems[0]}")
-    comm = world.comm  # the mpi4py communicator: JACCL's side channel
-
-    def factory(rank: int, size: int):
-        def all_gather(src: bytes, n_bytes: int) -> bytes:
-            out = bytearray(size * n_bytes)
-            comm.Allgather(bytes(src[:n_bytes]), out)
-            return bytes(out)
-
-        return all_gather
-
+    factory = mpi_all_gather_factory(world.comm)
     import json
 
     with tempfile.NamedTemporaryFile("w", prefix="hpcmac-ibv-", suffix=".json",
