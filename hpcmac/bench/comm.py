@@ -11,9 +11,11 @@ Run under mpirun (at least 2 ranks for latency and bandwidth)::
   the slowest rank's mean (8 B .. 1 MiB per rank).
 
 Every number for the shim is measured in the same run as raw mpi4py on the
-same buffers, interleaved round by round (raw, shim, raw, shim, ...); a row
-shows the median over rounds. The MLX transports (ring, rdma) are measured on
-collectives only: their point-to-point goes over MPI under mpirun.
+same buffers, interleaved round by round (raw, shim, shim, raw, ...); every
+iteration is timed and a row shows the median over all iterations of all
+rounds (the timer adds ~0.1 us to each latency sample, raw and shim alike).
+The MLX transports (ring, rdma) are measured on collectives only: their
+point-to-point goes over MPI under mpirun.
 """
 
 from __future__ import annotations
@@ -52,45 +54,54 @@ def _fmt_size(n: int) -> str:
 
 # -- kernels: each returns seconds for its loop; rank 0's number is the one used ---------
 
-def pingpong(send, recv, buf: np.ndarray, iters: int, rank: int) -> float:
-    """Half the mean round trip between ranks 0 and 1 (other ranks return 0)."""
+def pingpong(send, recv, buf: np.ndarray, iters: int, rank: int) -> list[float]:
+    """Half of each round trip between ranks 0 and 1, one sample per iteration."""
     if rank > 1:
-        return 0.0
-    peer = 1 - rank
-    t0 = time.perf_counter()
+        return [0.0]
+    peer, clock = 1 - rank, time.perf_counter
+    samples = [0.0] * iters
     if rank == 0:
-        for _ in range(iters):
+        for i in range(iters):
+            t = clock()
             send(buf, peer, 1)
             recv(buf, peer, 1)
+            samples[i] = (clock() - t) / 2
     else:
-        for _ in range(iters):
+        for i in range(iters):
+            t = clock()
             recv(buf, peer, 1)
             send(buf, peer, 1)
-    return (time.perf_counter() - t0) / iters / 2
+            samples[i] = (clock() - t) / 2
+    return samples
 
 
 def stream(isend, irecv, waitall, send, recv, buf: np.ndarray, window: int, iters: int,
-           rank: int) -> float:
-    """Seconds per byte-stream window from rank 0 to 1 (OSU osu_bw pattern)."""
+           rank: int) -> list[float]:
+    """Seconds per window of isends from rank 0 to 1 and its ack (OSU osu_bw pattern)."""
     if rank > 1:
-        return 0.0
+        return [0.0]
     ack = np.zeros(1, dtype=np.int32)
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    clock, samples = time.perf_counter, [0.0] * iters
+    for i in range(iters):
+        t = clock()
         if rank == 0:
             waitall([isend(buf, 1, 2) for _ in range(window)])
             recv(ack, 1, 3)
         else:
             waitall([irecv(buf, 0, 2) for _ in range(window)])
             send(ack, 0, 3)
-    return (time.perf_counter() - t0) / iters
+        samples[i] = clock() - t
+    return samples
 
 
-def collective(call, iters: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(iters):
+def collective(call, iters: int) -> list[float]:
+    """Seconds per call, one sample per call."""
+    clock, samples = time.perf_counter, [0.0] * iters
+    for i in range(iters):
+        t = clock()
         call()
-    return (time.perf_counter() - t0) / iters
+        samples[i] = clock() - t
+    return samples
 
 
 class Raw:
@@ -130,7 +141,8 @@ class Shim:
 
 
 def _median_rounds(world, fns: list, rounds: int) -> list[float]:
-    """Run each fn once per round, alternating their order; the median per fn (slowest rank)."""
+    """Run each fn once per round, alternating their order; per fn the median of all its
+    samples (robust to a rank being descheduled on a shared machine), slowest rank's."""
     times = [[] for _ in fns]
     for fn in fns:  # warm-up: first touches, connection set-up, lazy allocations
         world.barrier()
@@ -139,7 +151,7 @@ def _median_rounds(world, fns: list, rounds: int) -> list[float]:
         order = range(len(fns)) if k % 2 == 0 else reversed(range(len(fns)))
         for i in order:
             world.barrier()
-            times[i].append(fns[i]())
+            times[i].extend(fns[i]())
     med = np.array([statistics.median(t) for t in times])
     return [float(x) for x in world.allreduce(med, "max")]
 
@@ -205,7 +217,7 @@ def verdict(report: dict) -> dict:
 def print_tables(report: dict, names: list[str], p2p_names: list[str], info: dict) -> None:
     ref = "raw mpi4py"
     print(f"# hpcmac comm benchmark: {info['ranks']} ranks on {info['hosts']} host(s), "
-          f"{info['mpi']}; medians of {info['rounds']} interleaved rounds")
+          f"{info['mpi']}; per-iteration medians over {info['rounds']} interleaved rounds")
     if report["latency"]:
         print("\n## ping-pong latency, us (half round trip, ranks 0 <-> 1)")
         print(f"{'size':>8} " + " ".join(f"{n:>12}" for n in p2p_names) + f" {'added':>8}")

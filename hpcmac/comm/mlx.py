@@ -293,7 +293,10 @@ class MLXGroup(Group):
         return self._fallback
 
     # -- point to point -----------------------------------------------------
-    def _check_neighbour(self, peer: int) -> None:
+    def _check_peer(self, peer: int, tag: int) -> None:
+        if tag != 0:
+            raise ValueError(f"{self.transport} without mpi: MLX has no message tags "
+                             f"(tag {tag}); launch with mpirun for tagged messages")
         if not 0 <= peer < self._size:
             raise ValueError(f"peer {peer} is not a rank of a group of {self._size}")
         if self.transport == "ring" and self._size > 2 and peer not in (
@@ -316,7 +319,7 @@ class MLXGroup(Group):
     def isend(self, buf, dest, tag=0):
         if self._fallback is not None:
             return self._fallback.isend(buf, dest, tag)
-        self._check_neighbour(dest)
+        self._check_peer(dest, tag)
         buf = np.ascontiguousarray(buf)
         if not self._native(buf.dtype):
             buf = buf.view(np.uint8)
@@ -330,7 +333,7 @@ class MLXGroup(Group):
     def irecv(self, buf, source, tag=0):
         if self._fallback is not None:
             return self._fallback.irecv(buf, source, tag)
-        self._check_neighbour(source)
+        self._check_peer(source, tag)
         if buf.size == 0:
             return _MLXRequest(self._mx.array(0), None)
         if self._native(buf.dtype):
@@ -341,6 +344,12 @@ class MLXGroup(Group):
                                         stream=self._recv_stream)
         self._mx.async_eval(arr)
         return _MLXRequest(arr, target)
+
+    def waitall(self, requests):
+        if self._fallback is not None:
+            return self._fallback.waitall(requests)
+        for req in requests:
+            req.wait()
 
     # -- collectives ----------------------------------------------------------
     def bcast(self, buf, root=0):
