@@ -21,25 +21,45 @@ def is_available() -> tuple[bool, str]:
 
 
 class MPIRequest(Request):
-    """An mpi4py request; ``keep`` holds a temporary buffer alive, ``into`` receives it."""
+    """An mpi4py request (kept slim: one is built per isend/irecv)."""
 
-    __slots__ = ("_req", "_keep", "_into")
+    __slots__ = ("_req",)
 
-    def __init__(self, req, keep: np.ndarray | None = None, into: np.ndarray | None = None):
+    def __init__(self, req):
+        self._req = req
+
+    def wait(self) -> None:
+        self._req.Wait()
+
+    def test(self) -> bool:
+        return bool(self._req.Test())
+
+    def _finish(self) -> None:
+        """After completion: nothing to do for a request on the caller's own buffer."""
+
+
+class _CopyRequest(MPIRequest):
+    """A request on a contiguous temporary: ``keep`` alive, copied ``into`` on completion."""
+
+    __slots__ = ("_keep", "_into")
+
+    def __init__(self, req, keep: np.ndarray, into: np.ndarray | None = None):
         self._req, self._keep, self._into = req, keep, into
 
     def wait(self) -> None:
         self._req.Wait()
-        if self._into is not None:
-            self._into[...] = self._keep
-            self._into = None
+        self._finish()
 
     def test(self) -> bool:
         done = bool(self._req.Test())
-        if done and self._into is not None:
+        if done:
+            self._finish()
+        return done
+
+    def _finish(self) -> None:
+        if self._into is not None:
             self._into[...] = self._keep
             self._into = None
-        return done
 
 
 class MPIGroup(Group):
@@ -87,22 +107,21 @@ class MPIGroup(Group):
             return MPIRequest(self.comm.Isend(buf, dest, tag))
         except BufferError:
             tmp = np.ascontiguousarray(buf)
-            return MPIRequest(self.comm.Isend(tmp, dest, tag), keep=tmp)
+            return _CopyRequest(self.comm.Isend(tmp, dest, tag), tmp)
 
     def irecv(self, buf, source, tag=0):
         try:
             return MPIRequest(self.comm.Irecv(buf, source, tag))
         except BufferError:
             tmp = np.empty(buf.shape, dtype=buf.dtype)
-            return MPIRequest(self.comm.Irecv(tmp, source, tag), keep=tmp, into=buf)
+            return _CopyRequest(self.comm.Irecv(tmp, source, tag), tmp, into=buf)
 
     def waitall(self, requests):
         # one MPI_Waitall instead of a Python loop: it matters for streams of isends
         self._MPI.Request.Waitall([r._req for r in requests])
         for r in requests:
-            if r._into is not None:
-                r._into[...] = r._keep
-                r._into = None
+            if r.__class__ is not MPIRequest:
+                r._finish()
 
     def bcast(self, buf, root=0):
         try:
