@@ -54,14 +54,14 @@ def modes(y, x, h, dt, steps):
     return u
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=64, help="interior points per side")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dt", type=float, default=1e-3)
     ap.add_argument("--rtol", type=float, default=1e-10)
     ap.add_argument("--jacobi", action="store_true", help="Jacobi preconditioner")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     world = comm.init()
     n, dt = args.n, args.dt
     h = 1.0 / (n + 1)
@@ -84,6 +84,7 @@ def main() -> None:
     if world.rank == 0:
         print(f"n={n} steps={args.steps} cg_iterations={total} max|u-exact|={err:.3e} "
               f"u_max={umax:.10f} ranks={world.size}")
+    return {"error": float(err), "iterations": total, "u_max": float(umax)}
 
 
 if __name__ == "__main__":
