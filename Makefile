@@ -53,6 +53,7 @@ test-mpi: $(VENV)/.test-stamp
 
 test-cluster: $(VENV)/.test-stamp
 	@echo "==> cluster tests (network namespaces, Slurm)"
+	@tools/system-deps
 	@tools/pytest-rc tests/cluster timeout -k 10 1500 $(BIN)/python -m pytest tests/cluster -q -rs
 
 lint: $(VENV)/.test-stamp

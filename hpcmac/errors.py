@@ -44,10 +44,38 @@ def world_size() -> int:
 
 
 def fail(message: str, code: int = 2) -> None:
-    """Print ``error: message`` once (rank 0) and exit with ``code``."""
+    """Print ``error: message`` once (rank 0) and exit with ``code``.
+
+    Meant to be reached by every rank with the same message (input validated
+    identically everywhere). Under MPI the ranks first agree that they are all
+    here (a non-blocking barrier, at most ``HPCMAC_FAIL_WAIT`` seconds, else the
+    job is aborted), finalize MPI, and only rank 0 exits non-zero, last: then
+    mpirun reports no crash banner and no rank is killed mid-exit.
+    """
     if world_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        raise SystemExit(code)
+    world = mpi.COMM_WORLD
+    if world.Get_size() == 1:
+        raise SystemExit(code)
+    import time
+
+    request = world.Ibarrier()
+    deadline = time.monotonic() + float(os.environ.get("HPCMAC_FAIL_WAIT", "20"))
+    while not request.Test():
+        if time.monotonic() > deadline:  # some rank is elsewhere: end the job
+            world.Abort(code)
+        time.sleep(0.005)
+    rank = world.Get_rank()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi.Finalize()
+    if rank != 0:
+        os._exit(0)
+    time.sleep(0.5)  # let the other ranks leave first
+    os._exit(code)
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:

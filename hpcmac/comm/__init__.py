@@ -6,6 +6,6 @@
 """
 
 from hpcmac.comm.base import Group, Request
-from hpcmac.comm.select import TRANSPORTS, init
+from hpcmac.comm.select import TRANSPORTS, add_transport_argument, check_transport, init
 
-__all__ = ["Group", "Request", "TRANSPORTS", "init"]
+__all__ = ["Group", "Request", "TRANSPORTS", "add_transport_argument", "check_transport", "init"]

@@ -70,7 +70,9 @@ class Group(abc.ABC):
         """Collective: copy root's ``buf`` into every rank's ``buf`` (same shape); returns it."""
 
     @abc.abstractmethod
-    def allreduce(self, buf: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+    def allreduce(
+        self, buf: np.ndarray, op: str = "sum", out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Collective: elementwise ``op`` ("sum", "max", "min") of ``buf`` over ranks.
 
         The result goes to ``out`` (allocated when None; may be ``buf`` itself).
@@ -86,7 +88,7 @@ class Group(abc.ABC):
 
     @abc.abstractmethod
     def allgather(self, buf: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Collective: every rank's ``buf`` (same shape on all) stacked; shape (size, *buf.shape)."""
+        """Collective: every rank's ``buf`` (same shape on all), stacked: (size, *buf.shape)."""
 
     @abc.abstractmethod
     def reduce_scatter(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
@@ -114,7 +116,8 @@ class Group(abc.ABC):
         """Collective: the list of every rank's object, in rank order."""
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} transport={self.transport} rank={self.rank} size={self.size}>"
+        name = type(self).__name__
+        return f"<{name} transport={self.transport} rank={self.rank} size={self.size}>"
 
 
 def check_op(op: str) -> str:

@@ -19,16 +19,25 @@ def is_available() -> tuple[bool, str]:
 
 
 class MPIRequest(Request):
-    __slots__ = ("_req",)
+    """An mpi4py request; ``keep`` holds a temporary buffer alive, ``into`` receives it."""
 
-    def __init__(self, req):
-        self._req = req
+    __slots__ = ("_req", "_keep", "_into")
+
+    def __init__(self, req, keep: np.ndarray | None = None, into: np.ndarray | None = None):
+        self._req, self._keep, self._into = req, keep, into
 
     def wait(self) -> None:
         self._req.Wait()
+        if self._into is not None:
+            self._into[...] = self._keep
+            self._into = None
 
     def test(self) -> bool:
-        return bool(self._req.Test())
+        done = bool(self._req.Test())
+        if done and self._into is not None:
+            self._into[...] = self._keep
+            self._into = None
+        return done
 
 
 class MPIGroup(Group):
@@ -44,6 +53,7 @@ class MPIGroup(Group):
         self._rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+        self._IN_PLACE = MPI.IN_PLACE
 
     @property
     def rank(self) -> int:
@@ -53,29 +63,66 @@ class MPIGroup(Group):
     def size(self) -> int:
         return self._size
 
+    # Hot path: the buffer goes straight to mpi4py; only when mpi4py refuses it
+    # (a non-contiguous view) do we pay for a contiguous copy.
     def send(self, buf, dest, tag=0):
-        self.comm.Send(buf, dest, tag)
+        try:
+            self.comm.Send(buf, dest, tag)
+        except BufferError:
+            self.comm.Send(np.ascontiguousarray(buf), dest, tag)
 
     def recv(self, buf, source, tag=0):
-        self.comm.Recv(buf, source, tag)
+        try:
+            self.comm.Recv(buf, source, tag)
+        except BufferError:
+            tmp = np.empty(buf.shape, dtype=buf.dtype)
+            self.comm.Recv(tmp, source, tag)
+            buf[...] = tmp
         return buf
 
     def isend(self, buf, dest, tag=0):
-        return MPIRequest(self.comm.Isend(buf, dest, tag))
+        try:
+            return MPIRequest(self.comm.Isend(buf, dest, tag))
+        except BufferError:
+            tmp = np.ascontiguousarray(buf)
+            return MPIRequest(self.comm.Isend(tmp, dest, tag), keep=tmp)
 
     def irecv(self, buf, source, tag=0):
-        return MPIRequest(self.comm.Irecv(buf, source, tag))
+        try:
+            return MPIRequest(self.comm.Irecv(buf, source, tag))
+        except BufferError:
+            tmp = np.empty(buf.shape, dtype=buf.dtype)
+            return MPIRequest(self.comm.Irecv(tmp, source, tag), keep=tmp, into=buf)
 
     def bcast(self, buf, root=0):
-        self.comm.Bcast(buf, root)
+        try:
+            self.comm.Bcast(buf, root)
+        except BufferError:
+            tmp = np.ascontiguousarray(buf)
+            self.comm.Bcast(tmp, root)
+            buf[...] = tmp
         return buf
 
     def allreduce(self, buf, op="sum", out=None):
-        mop = self._ops[check_op(op)]
+        try:
+            mop = self._ops[op]
+        except (KeyError, TypeError):
+            check_op(op)
+            raise
+        if buf.dtype == np.bool_:  # MPI has no MAX/MIN on C bool: reduce bytes (sum = or)
+            res = self.allreduce(np.ascontiguousarray(buf).view(np.uint8),
+                                 "max" if op == "sum" else op).view(np.bool_)
+            if out is None:
+                return res
+            out[...] = res
+            return out
         if out is None:
-            out = np.empty_like(buf)
+            out = np.empty(buf.shape, dtype=buf.dtype)
+        if not (out.flags.c_contiguous and buf.flags.c_contiguous):
+            out[...] = self.allreduce(np.ascontiguousarray(buf), op)
+            return out
         if out is buf:
-            self.comm.Allreduce(self._MPI.IN_PLACE, out, mop)
+            self.comm.Allreduce(self._IN_PLACE, out, mop)
         else:
             self.comm.Allreduce(buf, out, mop)
         return out
@@ -86,16 +133,27 @@ class MPIGroup(Group):
         return _pick_maxloc(pairs)
 
     def allgather(self, buf, out=None):
-        buf = np.ascontiguousarray(buf)
+        buf = np.asarray(buf)
+        if not buf.flags.c_contiguous:
+            buf = np.ascontiguousarray(buf)
         if out is None:
             out = np.empty((self._size, *buf.shape), dtype=buf.dtype)
-        self.comm.Allgather(buf, out)
+        try:
+            self.comm.Allgather(buf, out)
+        except BufferError:  # a non-contiguous out
+            tmp = np.empty(out.shape, dtype=out.dtype)
+            self.comm.Allgather(buf, tmp)
+            out[...] = tmp
         return out
 
     def reduce_scatter(self, buf, op="sum"):
         buf = np.ascontiguousarray(buf)
         if buf.shape[0] != self._size:
-            raise ValueError(f"reduce_scatter: leading dimension {buf.shape[0]} != group size {self._size}")
+            raise ValueError(
+                f"reduce_scatter: leading dimension {buf.shape[0]} != group size {self._size}")
+        if buf.dtype == np.bool_:  # as in allreduce: bytes, sum = or
+            op8 = "max" if op == "sum" else op
+            return self.reduce_scatter(buf.view(np.uint8), op8).view(np.bool_)
         out = np.empty(buf.shape[1:], dtype=buf.dtype)
         self.comm.Reduce_scatter_block(buf, out, self._ops[check_op(op)])
         return out

@@ -1,7 +1,15 @@
-"""``init(transport="auto", strict=False)``: choose a transport, agree on it, cache the group."""
+"""``init(transport="auto", strict=False)``: choose a transport, agree on it, cache the group.
+
+The choice is made collectively: every rank says whether it can use the
+requested transport and why not, the verdicts are allgathered over MPI, and
+all ranks take the same decision from the same list, so ranks that disagree
+never deadlock. Rank 0 logs one line: the transport chosen and, for each one
+rejected, why (silence it with ``HPCMAC_QUIET_TRANSPORT=1``).
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -14,29 +22,61 @@ _cached: dict[str, Group] = {}
 
 
 def transport_from_env(default: str = "auto") -> str:
+    """``HPCMAC_TRANSPORT`` or ``default`` (not validated: see :func:`check_transport`)."""
     return os.environ.get("HPCMAC_TRANSPORT", default) or default
 
 
+def strict_from_env() -> bool:
+    """``HPCMAC_TRANSPORT_STRICT`` as a bool (unset, "", 0, false, no: False)."""
+    return os.environ.get("HPCMAC_TRANSPORT_STRICT", "0").strip().lower() not in (
+        "", "0", "false", "no", "off")
+
+
 def check_transport(name: str) -> str:
+    """``name`` if it is a transport, else UsageError (one line listing the valid ones)."""
     if name not in TRANSPORTS:
         raise UsageError(f"unknown transport {name!r}; expected one of: {', '.join(TRANSPORTS)}")
     return name
 
 
+def add_transport_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--transport`` and ``--transport-strict`` to a command's parser.
+
+    Validation happens in :func:`init` (one line, exit 2 through ``run_cli``),
+    not in argparse, whose error is a usage block.
+    """
+    parser.add_argument("--transport", default=None, metavar="NAME",
+                        help=f"one of {', '.join(TRANSPORTS)} (default: $HPCMAC_TRANSPORT or auto)")
+    parser.add_argument("--transport-strict", action="store_true", default=None,
+                        help="fail instead of falling back when the transport is unusable")
+
+
 def init(transport: str | None = None, strict: bool | None = None) -> Group:
     """Collective over the launcher's world: the Group for ``transport`` (cached).
 
-    ``transport`` None reads ``HPCMAC_TRANSPORT`` (default "auto"); ``strict``
-    None reads ``HPCMAC_TRANSPORT_STRICT``. "auto" takes rdma when every rank
-    can use it, else mpi.
+    Parameters
+    ----------
+    transport : str, optional (global)
+        "auto", "mpi", "rdma", "ring" or "local". None reads
+        ``HPCMAC_TRANSPORT`` (default "auto"). "auto" takes rdma when every
+        rank can use it, else mpi.
+    strict : bool, optional (global)
+        True: an unusable requested transport raises UsageError with the
+        reason instead of falling back to mpi. None reads
+        ``HPCMAC_TRANSPORT_STRICT``.
     """
-    name = check_transport(transport or transport_from_env())
-    if strict is None:
-        strict = os.environ.get("HPCMAC_TRANSPORT_STRICT", "0") not in ("", "0", "false", "no")
-    key = f"{name}:{int(bool(strict))}"
+    if transport:
+        name = check_transport(transport)
+    else:
+        try:
+            name = check_transport(transport_from_env())
+        except UsageError as exc:
+            raise UsageError(f"HPCMAC_TRANSPORT: {exc}") from None
+    strict = strict_from_env() if strict is None else bool(strict)
+    key = f"{name}:{int(strict)}"
     if key in _cached:
         return _cached[key]
-    group = _choose(name, bool(strict))
+    group = _choose(name, strict)
     _cached[key] = group
     return group
 
@@ -46,6 +86,11 @@ def _choose(name: str, strict: bool) -> Group:
         from hpcmac.comm.local import LocalGroup
 
         return LocalGroup()
+    from hpcmac.comm import mlx as mlx_backend
+
+    launched = mlx_backend.launched_by_mlx()
+    if launched is not None:
+        return _choose_mlx_launch(name, strict, launched)
     from hpcmac.comm.mpi import MPIGroup, is_available
 
     ok, why = is_available()
@@ -57,41 +102,63 @@ def _choose(name: str, strict: bool) -> Group:
         _log(f"transport: local ({why})")
         return LocalGroup()
     world = MPIGroup()
-    if name in ("mpi", "auto"):
-        rejected = []
-        if name == "auto":
-            rejected.append(_mlx_reason(world, "rdma"))
-            rejected = [r for r in rejected if r]
-        if world.rank == 0 and os.environ.get("HPCMAC_QUIET_TRANSPORT") != "1":
-            _log("transport: mpi" + (f" ({'; '.join(rejected)})" if rejected else ""))
+    if name == "mpi":
+        _log_rank0(world.rank, "transport: mpi")
         return world
-    # ring / rdma: MLX distributed, bootstrapped over MPI
-    reason = _mlx_reason(world, name)
+    wanted = "rdma" if name == "auto" else name
+    reason = _mlx_reason(world, wanted)
     if reason:
         if strict:
             raise UsageError(reason)
-        if world.rank == 0:
-            _log(f"transport: mpi ({reason})")
+        _log_rank0(world.rank, f"transport: mpi ({reason})")
         return world
+    group = mlx_backend.init_group(wanted, world)
+    _log_rank0(world.rank, f"transport: {wanted} ({group.fallback_note()})")
+    return group
+
+
+def _choose_mlx_launch(name: str, strict: bool, launched: str) -> Group:
+    """Started by mlx.launch: no MPI world, the launcher decided the MLX backend."""
     from hpcmac.comm import mlx as mlx_backend
 
-    return mlx_backend.init_group(name, world)
+    rank = int(os.environ.get("MLX_RANK", "0"))
+    rejected = ""
+    if name not in ("auto", launched):
+        rejected = f"{name}: launched by mlx.launch --backend {_launcher_backend(launched)}"
+        if strict:
+            raise UsageError(rejected)
+    ok, why = mlx_backend.is_available(launched)
+    if not ok:  # the launcher asked for a backend this mlx cannot run: nothing to fall back on
+        raise UsageError(why)
+    group = mlx_backend.init_group(launched, None)
+    note = group.fallback_note() + (f"; {rejected}" if rejected else "")
+    _log_rank0(rank, f"transport: {launched} ({note})")
+    return group
+
+
+def _launcher_backend(name: str) -> str:
+    return "jaccl" if name == "rdma" else name
 
 
 def _mlx_reason(world: Group, name: str) -> str:
-    """Agreed over ``world``: '' when every rank can use MLX ``name``, else a reason."""
-    try:
-        from hpcmac.comm import mlx as mlx_backend
+    """Agreed over ``world``: '' when every rank can use MLX ``name``, else the first reason."""
+    from hpcmac.comm import mlx as mlx_backend
 
-        ok, why = mlx_backend.is_available(name)
-    except ImportError as exc:
-        ok, why = False, f"{name}: {exc}"
+    ok, why = mlx_backend.is_available(name)
     verdicts = world.allgather_obj((ok, why))
-    for good, reason in verdicts:
-        if not good:
-            return reason
-    return ""
+    bad = [(r, reason) for r, (good, reason) in enumerate(verdicts) if not good]
+    if not bad:
+        return ""
+    r, reason = bad[0]
+    return reason if len(bad) == len(verdicts) else f"{reason} (rank {r})"
+
+
+def _log_rank0(rank: int, line: str) -> None:
+    if rank == 0:
+        _log(line)
 
 
 def _log(line: str) -> None:
+    if os.environ.get("HPCMAC_QUIET_TRANSPORT") == "1":
+        return
     print(line, file=sys.stderr, flush=True)

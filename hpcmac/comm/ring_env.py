@@ -1,0 +1,112 @@
+"""Helpers for the ``ring`` transport's bootstrap: addresses, ports, the hostfile.
+
+MLX's ring backend reads ``MLX_RANK`` and ``MLX_HOSTFILE``, a JSON list with
+one entry per rank, each a list of ``"ip:port"`` strings: rank r listens on
+its own entry (its left neighbour connects there) and connects to rank r+1's.
+Under mpirun hpcmac builds that file itself: every rank picks a free port on
+the address its left neighbour reaches it by, and the entries are exchanged
+with an MPI allgather.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+
+def ring_hostfile(addresses: list[list[str]]) -> str:
+    """JSON text of the ring hostfile from each rank's ``"ip:port"`` list (rank order)."""
+    if not addresses or any(not a for a in addresses):
+        raise ValueError("ring hostfile: every rank needs at least one ip:port")
+    if len({len(a) for a in addresses}) != 1:
+        raise ValueError("ring hostfile: every rank needs the same number of connections")
+    return json.dumps(addresses)
+
+
+def free_port(ip: str) -> int:
+    """A TCP port free on ``ip`` right now (the OS picks it; free until someone binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((ip, 0))
+        return int(s.getsockname()[1])
+
+
+def parse_ifconfig(text: str) -> list[str]:
+    """IPv4 addresses from ``ifconfig`` (BSD/macOS) or ``ip -o -4 addr`` output."""
+    out = []
+    for line in text.splitlines():
+        fields = line.replace("/", " ").split()
+        for k, word in enumerate(fields[:-1]):
+            if word == "inet":
+                addr = fields[k + 1].removeprefix("addr:")
+                if addr.count(".") == 3:
+                    out.append(addr)
+    return out
+
+
+def local_ipv4() -> list[str]:
+    """This host's IPv4 addresses, loopback last."""
+    text = ""
+    for cmd in (["ip", "-o", "-4", "addr", "show"], ["ifconfig"]):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if proc.returncode == 0 and proc.stdout.strip():
+            text = proc.stdout
+            break
+    addrs = parse_ifconfig(text)
+    if not addrs:
+        try:
+            addrs = [socket.gethostbyname(socket.gethostname())]
+        except OSError:
+            addrs = []
+    addrs = list(dict.fromkeys(addrs))
+    loop = [a for a in addrs if a.startswith("127.")]
+    return [a for a in addrs if a not in loop] + loop
+
+
+def source_address_towards(peer_ips: list[str], mine: list[str]) -> str | None:
+    """The first of my addresses the kernel would use to reach one of ``peer_ips``.
+
+    On a Thunderbolt mesh each cable is its own /30, so this is the address
+    of my end of the cable to that peer.
+    """
+    for ip in peer_ips:
+        if ip.startswith("127."):
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((ip, 9))  # UDP connect sends nothing; it only picks a route
+                src = s.getsockname()[0]
+        except OSError:
+            continue
+        if src in mine:
+            return src
+    return None
+
+
+def listen_address(rank: int, hosts: list[str], ips: list[list[str]]) -> str:
+    """The IPv4 address rank ``rank`` listens on for its left neighbour.
+
+    ``hosts`` and ``ips`` are every rank's host name and addresses (gathered).
+    ``HPCMAC_RING_ADDR`` overrides; ranks all on one host use 127.0.0.1.
+    """
+    override = os.environ.get("HPCMAC_RING_ADDR")
+    if override:
+        return override
+    if len(set(hosts)) == 1:
+        return "127.0.0.1"
+    left = (rank - 1) % len(hosts)
+    if hosts[left] == hosts[rank]:
+        return "127.0.0.1"
+    src = source_address_towards(ips[left], ips[rank])
+    if src:
+        return src
+    others = [a for a in ips[rank] if not a.startswith("127.")]
+    if not others:
+        print(f"hpcmac ring: rank {rank} has no non-loopback address", file=sys.stderr)
+        return "127.0.0.1"
+    return others[0]

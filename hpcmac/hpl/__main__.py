@@ -1,0 +1,201 @@
+"""``mpirun -np 4 python -m hpcmac.hpl``: netlib HPL (LINPACK), in hpcmac.
+
+Reads HPL.dat, runs every combination it lists, prints HPL.out. See ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hpcmac.errors import UsageError, run_cli, world_rank
+from hpcmac.hpl import config as hplconfig
+
+DESCRIPTION = f"""\
+Distributed FP64 LINPACK as netlib HPL 2.3: right-looking LU with partial
+pivoting of netlib's random N x N matrix on a P x Q process grid, timed,
+checked with HPL's scaled residual, reported in HPL.out's format.
+
+Input (the first that applies):
+  --dat FILE        this HPL.dat
+  ./HPL.dat         when present in the working directory
+  embedded default  N={hplconfig.DEFAULT_N} NB={hplconfig.DEFAULT_NB}, one variant (WR11C2R4),
+                    grid P x Q from the rank count (P <= Q, as square as possible)
+-N / --nb / -P / -Q then replace the file's Ns, NBs and grids.
+"""
+
+EPILOG = """\
+HPL.dat (netlib's format: 31 lines; a value line may end in a comment):
+  1-2   free text
+  3     output file name (used when line 4 is neither 6 nor 7)
+  4     device out: 6 = stdout, 7 = stderr, anything else = the file of line 3
+  5-6   number of problem sizes, then the Ns (>= 0)
+  7-8   number of block sizes, then the NBs (>= 1)
+  9     PMAP: 0 = row-major, 1 = column-major placement of ranks on the grid
+  10-12 number of grids, then the Ps, then the Qs (P*Q ranks each; grids too big
+        for the job are skipped with a note, ranks beyond P*Q sit idle)
+  13    threshold: a run PASSES when the scaled residual is below it (16.0);
+        <= 0 turns the check off
+  14-15 PFACTs, panel factorisation: 0 = left-looking, 1 = Crout, 2 = right-looking
+  16-17 NBMINs: recursion stops at panels this narrow (>= 1)
+  18-19 NDIVs: panels split into this many parts per recursion level (>= 2)
+  20-21 RFACTs, recursive panel factorisation: 0 = left, 1 = Crout, 2 = right
+  22-23 BCASTs, panel broadcast along process rows: 0 = 1ring, 1 = 1ringM,
+        2 = 2ring, 3 = 2ringM, 4 = long (spread-roll), 5 = longM
+  24-25 DEPTHs, look-ahead: 0 = none, 1 = factor the next panel while
+        updating the rest
+  26    SWAP, row swaps: 0 = binary-exchange, 1 = spread-roll (long), 2 = mix
+  27    swapping threshold: with SWAP = 2, binary-exchange below this many
+        columns, spread-roll above
+  28    L1 form: 0 = transposed, 1 = no-transposed (storage of the panel's L)
+  29    U form: 0 = transposed, 1 = no-transposed
+  30    EQUIL: 0 = no, 1 = yes (equilibrate spread-roll swaps)
+  31    ALIGN: memory alignment in doubles (> 0)
+Lines after 31 are ignored. Every list line holds at least as many values as
+its count line says; unknown codes are an error (netlib silently substitutes).
+
+Output: HPL.out's lines (T/V N NB P Q Time Gflops; the residual line ending in
+PASSED or FAILED; the closing counts). The T/V code, e.g. WR11C2R4, reads:
+W(all time), R/C (PMAP), DEPTH, BCAST code, RFACT letter (L/C/R), NDIV,
+PFACT letter, NBMIN. Time is the slowest rank's; Gflops = (2/3 N^3 + 3/2 N^2)
+/ time / 1e9.
+
+Exit status: 0 when every checked run passed, 1 when one FAILED, 2 on bad input.
+
+Examples:
+  mpirun -np 4 python -m hpcmac.hpl                    # embedded default, 2x2
+  mpirun -np 2 python -m hpcmac.hpl -N 8000 --nb 256 -P 1 -Q 2 --json hpl.json
+  mpirun -np 4 python -m hpcmac.hpl --dat jobs/HPL.dat
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are UsageErrors (one line, rank 0, exit 2) and whose
+    help only rank 0 prints."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+    def print_help(self, file=None):  # type: ignore[override]
+        if world_rank() == 0:
+            super().print_help(file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m hpcmac.hpl",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dat", metavar="FILE", help="read this HPL.dat (default: ./HPL.dat if "
+                   "present, else the embedded default)")
+    p.add_argument("-N", dest="ns", type=int, nargs="+", metavar="N",
+                   help="problem sizes, replacing the file's Ns")
+    p.add_argument("--nb", dest="nbs", type=int, nargs="+", metavar="NB",
+                   help="block sizes, replacing the file's NBs")
+    p.add_argument("-P", type=int, help="process rows; with -Q, the one grid to run "
+                   "(alone: Q = ranks // P)")
+    p.add_argument("-Q", type=int, help="process columns (alone: P = ranks // Q)")
+    p.add_argument("--json", metavar="FILE", help="also write one JSON record per run: tv, n, "
+                   "nb, p, q, time_s, gflops, residual, passed, norm_a_inf, norm_x_inf, "
+                   "norm_b_inf (a JSON list, rewritten after each run)")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="rank 0 shows columns factored, elapsed and ETA on stderr: "
+                   "auto = when stderr is a terminal (default)")
+    p.add_argument("--blas-threads", type=int, metavar="T", default=None,
+                   help="BLAS threads per rank; 0 leaves BLAS alone. Default: the "
+                   "OMP_NUM_THREADS/OPENBLAS_NUM_THREADS environment if set, else the "
+                   "host's cores divided by the ranks on that host")
+    return p
+
+
+def _read_input(world, dat: str | None) -> tuple[str, str]:
+    """Collective: (text, name) of the HPL.dat to use, read on world rank 0 and
+    broadcast (other hosts need not see the file); ("", "") means the embedded default."""
+    got = None
+    if world.rank == 0:
+        path = dat if dat is not None else ("HPL.dat" if os.path.exists("HPL.dat") else None)
+        if path is None:
+            got = ("ok", "", "")
+        else:
+            try:
+                with open(path) as fh:
+                    got = ("ok", fh.read(), path)
+            except (OSError, UnicodeDecodeError) as exc:
+                flag = "--dat" if dat is not None else "./HPL.dat"
+                got = ("error", f"{flag} {path}: cannot read: {getattr(exc, 'strerror', exc)}", "")
+    status, text, name = world.bcast_obj(got, 0)
+    if status == "error":
+        raise UsageError(text)
+    return text, name
+
+
+def _open_output(world, cfg: hplconfig.HPLConfig):
+    """Collective: HPL.out's stream on rank 0 (None elsewhere), as line 4 says."""
+    got = None
+    out = None
+    if world.rank == 0:
+        if cfg.device == 6:
+            out, got = sys.stdout, None
+        elif cfg.device == 7:
+            out, got = sys.stderr, None
+        else:
+            try:
+                out = open(cfg.outfile, "w")
+            except OSError as exc:
+                got = f"{cfg.source}:3: output file {cfg.outfile!r}: cannot write: {exc.strerror}"
+    err = world.bcast_obj(got, 0)
+    if err:
+        raise UsageError(err)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.blas_threads is not None and args.blas_threads < 0:
+        raise UsageError(f"--blas-threads: expected an integer >= 0, found {args.blas_threads}")
+
+    from hpcmac import comm
+    from hpcmac.hpl import driver, report
+    from hpcmac.hpl.progress import want_progress
+
+    world = comm.init()
+    text, name = _read_input(world, args.dat)
+    if name:
+        cfg = hplconfig.parse_hpl_dat(text, name)
+    else:
+        cfg = hplconfig.default_config(world.size)
+    cfg = hplconfig.apply_overrides(cfg, world.size, args.ns, args.nbs, args.P, args.Q)
+    hplconfig.check_grids(cfg, world.size)  # same verdict on every rank
+
+    threads = driver.blas_threads(args.blas_threads, driver.local_ranks(world))
+    limiter = None
+    if threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        limiter = threadpool_limits(limits=threads, user_api="blas")  # noqa: F841 (kept alive)
+
+    out = _open_output(world, cfg)
+    json_path = args.json
+    on_result = (lambda results: report.write_json(json_path, results)) if json_path else None
+    try:
+        d = driver.Driver(
+            world, cfg, out,
+            show_progress=want_progress(args.progress),
+            notes=sys.stderr,
+            on_result=on_result,
+        )
+        failed = d.run()
+        if json_path and world.rank == 0 and not d.results:
+            report.write_json(json_path, [])
+    finally:
+        if out is not None and out not in (sys.stdout, sys.stderr):
+            out.close()
+    del limiter
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main))

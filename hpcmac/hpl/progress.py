@@ -1,0 +1,73 @@
+"""Progress of a running factorisation on stderr: columns done, elapsed, ETA.
+
+Only rank 0 shows it, and only when asked or when stderr is a terminal (under
+``mpirun`` a rank's stderr is usually a pipe: then ``--progress`` turns it on).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+def want_progress(setting: str, stream: TextIO | None = None) -> bool:
+    """``setting`` "on", "off" or "auto" (a terminal on ``stream``, default stderr)."""
+    if setting == "on":
+        return True
+    if setting == "off":
+        return False
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def work_fraction(done: int, n: int) -> float:
+    """Fraction of LU flops done after ``done`` of ``n`` columns: 1 - ((n-done)/n)^3."""
+    if n <= 0:
+        return 1.0
+    left = max(0, n - done) / n
+    return 1.0 - left**3
+
+
+class Progress:
+    """Callable ``progress(cols_done, n)`` for ``hpl_solve``; redraws one stderr line.
+
+    Local: make one on the rank that shows progress and pass None elsewhere.
+    """
+
+    def __init__(self, label: str, stream: TextIO | None = None, min_interval: float = 0.2):
+        self.label = label
+        self.stream = sys.stderr if stream is None else stream
+        self.min_interval = min_interval
+        self.t0 = time.perf_counter()
+        self._last = -1.0
+        self._shown = False
+
+    def __call__(self, done: int, n: int) -> None:
+        now = time.perf_counter()
+        if done < n and now - self._last < self.min_interval:
+            return
+        self._last = now
+        elapsed = now - self.t0
+        frac = work_fraction(done, n)
+        eta = elapsed * (1.0 - frac) / frac if frac > 0 else float("nan")
+        eta_s = f"{eta:7.1f}s" if eta == eta else "      ?"
+        self.stream.write(
+            f"\r{self.label}: {done:>{len(str(n))}d}/{n} columns ({100.0 * frac:5.1f}% of flops)"
+            f"  elapsed {elapsed:7.1f}s  ETA {eta_s}"
+        )
+        self._shown = True
+        if done >= n:
+            self.close()
+        else:
+            self.stream.flush()
+
+    def close(self) -> None:
+        """End the progress line (once)."""
+        if self._shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._shown = False

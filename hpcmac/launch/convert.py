@@ -1,0 +1,182 @@
+"""One hostfile, converted for each launcher (pure: text in, text out).
+
+* Open MPI: a hostfile (``name slots=N``) and the MCA settings that keep MPI
+  traffic on the mesh links (``btl_tcp_if_include`` with the link subnets).
+* MPICH / Hydra: a hostfile (``name:N``).
+* ``mlx.launch``: its JSON hostfile, ``ips`` in ring order for ``ring``, the
+  device matrix for ``jaccl``.
+* ``HPCMAC_IBV_DEVICES``: the RDMA device matrix hpcmac's rdma transport reads.
+* Routes: which per-peer host routes are missing from a route table, and the
+  commands that add them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+
+from hpcmac.launch.hostfile import Hostfile
+from hpcmac.launch.topology import Route, mesh_subnets, required_routes, ring_order
+
+
+def openmpi_hostfile(hf: Hostfile) -> str:
+    """Open MPI hostfile text: one ``ssh-name slots=N`` line per host."""
+    return "".join(f"{h.ssh} slots={h.slots}\n" for h in hf.hosts)
+
+
+def mpich_hostfile(hf: Hostfile) -> str:
+    """MPICH (Hydra) hostfile text: one ``ssh-name:N`` line per host."""
+    return "".join(f"{h.ssh}:{h.slots}\n" for h in hf.hosts)
+
+
+def openmpi_mca(hf: Hostfile) -> list[tuple[str, str]]:
+    """MCA (name, value) pairs that keep MPI's bytes on the mesh links.
+
+    ``oob_tcp_if_include`` is deliberately left alone: matching several
+    interfaces with it crashes PRRTE 3 (Open MPI 5.0.x) intermittently.
+    """
+    mca = [("btl", "tcp,self")]
+    if hf.links:
+        mca.append(("btl_tcp_if_include", btl_tcp_if_include(hf)))
+    return mca
+
+
+def btl_tcp_if_include(hf: Hostfile) -> str:
+    """The value that matches every mesh interface and nothing else.
+
+    The smallest network covering all link subnets, when it holds no
+    management address (each host then matches it with all its cables and
+    Open MPI does not warn about subnets a host lacks); else the subnets.
+    """
+    nets = [ipaddress.ip_network(s) for s in mesh_subnets(hf)]
+    cover = nets[0]
+    while not all(n.subnet_of(cover) for n in nets):
+        cover = cover.supernet()
+    others = [ipaddress.ip_address(ip) for h in hf.hosts for ip in h.ips]
+    if cover.prefixlen >= 8 and not any(ip in cover for ip in others):
+        return str(cover)
+    return ",".join(str(n) for n in nets)
+
+
+def mlx_hostfile(hf: Hostfile, backend: str | None = None) -> dict:
+    """``mlx.launch`` JSON hostfile for ``backend`` (default: the hostfile's, else ring).
+
+    ring: hosts in a ring order, each host's ``ips`` its address on the link
+    to its left neighbour (what ``mlx.distributed_config`` writes); without
+    links, the management ``ips``. jaccl: hostfile order, management ``ips``
+    (rank 0's first one is the coordinator) and the RDMA device matrix.
+    """
+    backend = backend or hf.backend or "ring"
+    hosts = []
+    if backend == "ring":
+        order = ring_order(hf) if hf.links else hf.names
+        if order is None:
+            order = hf.names
+        for i, name in enumerate(order):
+            left = order[i - 1]
+            lk = hf.link_between(name, left) if len(order) > 1 else None
+            ips = [lk.end_of(name).addr] if lk else list(hf.host(name).ips)
+            hosts.append({"ssh": hf.host(name).ssh, "ips": ips})
+    else:
+        matrix = ibv_matrix(hf)
+        for i, h in enumerate(hf.hosts):
+            hosts.append({"ssh": h.ssh, "ips": list(h.ips), "rdma": matrix[i]})
+    return {"backend": backend, "envs": list(hf.envs), "hosts": hosts}
+
+
+def ibv_matrix(hf: Hostfile) -> list[list[str | None]]:
+    """RDMA device matrix: row i, column j = host i's device on its cable to host j.
+
+    From the links when there are any, else from each host's ``rdma`` row;
+    null on the diagonal and where there is no cable.
+    """
+    names = hf.names
+    rows: list[list[str | None]] = []
+    for i, a in enumerate(names):
+        if not hf.links and hf.hosts[i].rdma is not None:
+            rows.append(list(hf.hosts[i].rdma))
+            continue
+        row: list[str | None] = []
+        for b in names:
+            lk = hf.link_between(a, b) if a != b else None
+            row.append(lk.end_of(a).rdma if lk else None)
+        rows.append(row)
+    return rows
+
+
+def ibv_devices_env(hf: Hostfile) -> str:
+    """The value of ``HPCMAC_IBV_DEVICES`` (and ``MLX_IBV_DEVICES``): the matrix as JSON."""
+    return json.dumps(ibv_matrix(hf), separators=(",", ":"))
+
+
+# ------------------------------------------------------------------ routes
+
+_LINUX_ROUTE = re.compile(r"^(?P<dst>\d+\.\d+\.\d+\.\d+(?:/\d+)?)\s.*\bdev\s+(?P<dev>\S+)")
+
+
+def parse_route_table(text: str) -> list[tuple[ipaddress.IPv4Network, str]]:
+    """(destination network, interface) rows from ``ip -4 route show`` or ``netstat -rn -f inet``.
+
+    Linux rows look like ``10.77.1.0/30 dev tb1 proto kernel scope link``;
+    macOS rows like ``10.77.1.2  link#18  UHLWIi  en2`` (destination, gateway,
+    flags, interface). ``default`` routes are skipped: they do not pin a peer
+    address to its cable.
+    """
+    rows: list[tuple[ipaddress.IPv4Network, str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        m = _LINUX_ROUTE.match(line)
+        if m:
+            rows.append((ipaddress.ip_network(m["dst"], strict=False), m["dev"]))
+            continue
+        parts = line.split()
+        if len(parts) >= 4 and re.match(r"^\d+(\.\d+){0,3}(/\d+)?$", parts[0]):
+            dst = parts[0]
+            if "/" not in dst:
+                octets = dst.split(".")
+                # netstat abbreviates networks: 10.77.1/30 or 10.77; a full dotted quad is a host
+                dst = ".".join(octets + ["0"] * (4 - len(octets))) + \
+                    ("" if len(octets) == 4 else f"/{8 * len(octets)}")
+            else:
+                addr, plen = dst.split("/")
+                octets = addr.split(".")
+                dst = ".".join(octets + ["0"] * (4 - len(octets))) + "/" + plen
+            try:
+                rows.append((ipaddress.ip_network(dst, strict=False), parts[3]))
+            except ValueError:
+                continue
+    return rows
+
+
+def route_iface(table: list[tuple[ipaddress.IPv4Network, str]], addr: str) -> str | None:
+    """The interface the longest matching row sends ``addr`` through, or None."""
+    ip = ipaddress.ip_address(addr)
+    best: tuple[int, str] | None = None
+    for net, dev in table:
+        if ip in net and (best is None or net.prefixlen > best[0]):
+            best = (net.prefixlen, dev)
+    return best[1] if best else None
+
+
+def missing_routes(hf: Hostfile, tables: dict[str, str]) -> list[Route]:
+    """Routes from :func:`required_routes` that ``tables`` (host -> route table text) lack.
+
+    A route is present when the table sends the peer address through the
+    direct cable's interface. Hosts absent from ``tables`` are not checked.
+    """
+    parsed = {h: parse_route_table(t) for h, t in tables.items()}
+    return [r for r in required_routes(hf)
+            if r.host in parsed and route_iface(parsed[r.host], r.addr) != r.iface]
+
+
+def route_commands(routes: list[Route], os_name: str = "macos") -> list[str]:
+    """``# host`` headers and the exact commands that add ``routes`` (macos or linux)."""
+    lines: list[str] = []
+    current = None
+    for r in routes:
+        if r.host != current:
+            lines.append(f"# on {r.host}")
+            current = r.host
+        lines.append(r.macos() if os_name == "macos" else r.linux())
+    return lines

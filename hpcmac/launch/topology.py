@@ -1,0 +1,91 @@
+"""Pure topology questions about a :class:`~hpcmac.launch.hostfile.Hostfile`.
+
+Which pairs a full mesh is missing, a ring order through the links, every
+mesh address of a host, and the per-peer routes a full mesh needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations, permutations
+
+from hpcmac.launch.hostfile import Hostfile
+
+
+def missing_mesh_pairs(hf: Hostfile) -> list[tuple[str, str]]:
+    """Host pairs (in hostfile order) that have no link between them."""
+    return [(a, b) for a, b in combinations(hf.names, 2) if hf.link_between(a, b) is None]
+
+
+def is_full_mesh(hf: Hostfile) -> bool:
+    return bool(hf.links) and not missing_mesh_pairs(hf)
+
+
+def ring_order(hf: Hostfile) -> list[str] | None:
+    """Host names in an order where each is linked to the next (cyclically).
+
+    The hostfile order when it already is one; else the first cycle found
+    starting at the first host; None when the links hold no such cycle. A
+    ring of one or two hosts needs no cycle beyond the single link.
+    """
+    names = hf.names
+    if len(names) <= 2:
+        return names if len(names) < 2 or hf.link_between(*names) else None
+
+    def closes(order: list[str]) -> bool:
+        return all(hf.link_between(order[i], order[(i + 1) % len(order)]) is not None
+                   for i in range(len(order)))
+
+    if closes(names):
+        return names
+    for rest in permutations(names[1:]):  # n <= 4 in practice: at most 6 orders
+        order = [names[0], *rest]
+        if closes(order):
+            return order
+    return None
+
+
+def mesh_addresses(hf: Hostfile, host: str) -> list[tuple[str, str]]:
+    """(interface, address) of every link end on ``host``, in link order."""
+    return [(lk.end_of(host).iface, lk.end_of(host).addr) for lk in hf.links_of(host)]
+
+
+def mesh_subnets(hf: Hostfile) -> list[str]:
+    """Every link's subnet, in link order (what ``btl_tcp_if_include`` takes)."""
+    return [lk.subnet for lk in hf.links]
+
+
+@dataclass(frozen=True)
+class Route:
+    """On ``host``, reach ``addr`` (one of ``peer``'s) through the direct link ``iface``."""
+
+    host: str
+    addr: str
+    iface: str
+    peer: str
+
+    def linux(self) -> str:
+        return f"ip route replace {self.addr}/32 dev {self.iface}"
+
+    def macos(self) -> str:
+        return f"sudo route -n add -host {self.addr} -interface {self.iface}"
+
+
+def required_routes(hf: Hostfile) -> list[Route]:
+    """The host routes a full mesh needs so that every address of a peer is one hop away.
+
+    A link's own /30 already reaches the peer's address on that link; the
+    peer's addresses on its *other* links need a /32 through the direct cable,
+    or Open MPI's TCP transport (which tries every address of a peer) fails
+    with "Network is unreachable" or takes a detour.
+    """
+    routes: list[Route] = []
+    for h in hf.names:
+        for lk in hf.links_of(h):
+            mine, peer = lk.end_of(h), lk.peer_of(h)
+            for other in hf.links_of(peer.host):
+                if other is lk:
+                    continue
+                addr = other.end_of(peer.host).addr
+                routes.append(Route(host=h, addr=addr, iface=mine.iface, peer=peer.host))
+    return routes

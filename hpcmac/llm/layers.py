@@ -1,0 +1,164 @@
+"""One decoder layer's pieces: attention (GQA or latent), dense MLP, routed experts.
+
+Pure functions of (backend, config, weights, packed activations, cache arrays);
+nothing here communicates. Activations are packed over a batch of sequences:
+``x`` is (T_total, hidden) and ``seqs`` lists (slot, offset, n_new, start_pos)
+for each sequence, whose new tokens are rows ``offset:offset+n_new`` of ``x``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcmac.llm.config import ModelConfig
+from hpcmac.llm.rope import apply_rope
+
+NEG_INF = float("-inf")
+
+
+def _causal_mask(pos: int, n: int, length: int) -> np.ndarray:
+    """(n, length) True where query pos+i may see key j (j <= pos+i)."""
+    return np.arange(length)[None, :] <= (pos + np.arange(n))[:, None]
+
+
+def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: float):
+    """Grouped-query attention (Llama, Qwen2, Qwen3); appends K/V to ``ck``/``cv``."""
+    xp = be.xp
+    T = x.shape[0]
+    H, KV, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    g = H // KV
+    qkv = be.linear(x, w["wqkv"])
+    if "bqkv" in w:
+        qkv = qkv + w["bqkv"]
+    q = qkv[:, :H * d].reshape(T, H, d)
+    k = qkv[:, H * d:(H + KV) * d].reshape(T, KV, d)
+    v = qkv[:, (H + KV) * d:].reshape(T, KV, d)
+    if cfg.qk_norm:
+        q = be.rms_norm(q, w["q_norm"], cfg.norm_eps)
+        k = be.rms_norm(k, w["k_norm"], cfg.norm_eps)
+    q = apply_rope(q, cos, sin, False, xp) * scale
+    k = apply_rope(k, cos, sin, False, xp)
+    outs = []
+    for slot, off, n, pos in seqs:
+        L = pos + n
+        be.set(ck, (slot, slice(None), slice(pos, L)), k[off:off + n].transpose(1, 0, 2))
+        be.set(cv, (slot, slice(None), slice(pos, L)), v[off:off + n].transpose(1, 0, 2))
+        K = ck[slot, :, :L]  # (KV, L, d)
+        V = cv[slot, :, :L]
+        qs = q[off:off + n].reshape(n, KV, g, d).transpose(1, 2, 0, 3).reshape(KV, g * n, d)
+        s = qs @ K.swapaxes(-1, -2)  # (KV, g*n, L)
+        if n > 1:
+            s = be.where(np.tile(_causal_mask(pos, n, L), (g, 1)), s, NEG_INF)
+        p = be.softmax(s)
+        o = p @ V  # (KV, g*n, d)
+        outs.append(o.reshape(KV, g, n, d).transpose(2, 0, 1, 3).reshape(n, H * d))
+    o = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=0)
+    o = be.linear(o, w["wo"])
+    if "bo" in w:
+        o = o + w["bo"]
+    return o
+
+
+def latent_attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cpe, cos, sin, scale: float):
+    """DeepSeek-V3 multi-head latent attention over the compressed cache.
+
+    The cache holds the normalised latent ``c`` (kv_lora_rank) and the shared
+    rotary key per token. The key/value up-projection is absorbed into the
+    query and the output (``q_nope W_uk`` and ``(p c) W_uv``), so decode never
+    expands the cache to per-head keys.
+    """
+    xp = be.xp
+    T = x.shape[0]
+    H, nope, rd, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    vd = cfg.v_head_dim
+    if "wq" in w:
+        q = be.linear(x, w["wq"])
+    else:
+        q = be.linear(be.rms_norm(be.linear(x, w["wq_a"]), w["q_a_norm"], cfg.norm_eps),
+                      w["wq_b"])
+    q = q.reshape(T, H, nope + rd)
+    kv = be.linear(x, w["wkv_a"])  # (T, r + rd)
+    c = be.rms_norm(kv[:, :r], w["kv_a_norm"], cfg.norm_eps)
+    k_pe = apply_rope(kv[:, r:].reshape(T, 1, rd), cos, sin, cfg.rope_interleave, xp)[:, 0]
+    q_pe = apply_rope(q[..., nope:], cos, sin, cfg.rope_interleave, xp).transpose(1, 0, 2)
+    q_lat = q[..., :nope].transpose(1, 0, 2) @ w["w_uk"]  # (H, T, r)
+    q_lat, q_pe = q_lat * scale, q_pe * scale
+    outs = []
+    for slot, off, n, pos in seqs:
+        L = pos + n
+        be.set(ck, (slot, slice(pos, L)), c[off:off + n])
+        be.set(cpe, (slot, slice(pos, L)), k_pe[off:off + n])
+        C = ck[slot, :L]  # (L, r)
+        P = cpe[slot, :L]  # (L, rd)
+        s = q_lat[:, off:off + n] @ C.T + q_pe[:, off:off + n] @ P.T  # (H, n, L)
+        if n > 1:
+            s = be.where(_causal_mask(pos, n, L)[None], s, NEG_INF)
+        p = be.softmax(s)
+        o = (p @ C) @ w["w_uv_t"]  # (H, n, vd)
+        outs.append(o.transpose(1, 0, 2).reshape(n, H * vd))
+    o = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=0)
+    return be.linear(o, w["wo"])
+
+
+def mlp(be, w: dict, x, pre: str = ""):
+    """SwiGLU MLP with fused gate/up weights: down(silu(gate x) * up x)."""
+    gu = be.linear(x, w[pre + "w_gu"])
+    if pre + "b_gu" in w:
+        gu = gu + w[pre + "b_gu"]
+    i = gu.shape[1] // 2
+    y = be.linear(be.silu(gu[:, :i]) * gu[:, i:], w[pre + "w_down"])
+    if pre + "b_down" in w:
+        y = y + w[pre + "b_down"]
+    return y
+
+
+def route_softmax(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-MoE routing: softmax over experts, top-k, optionally renormalised."""
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs = e / e.sum(axis=-1, keepdims=True)
+    idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    wts = np.take_along_axis(probs, idx, axis=-1)
+    if norm:
+        wts = wts / wts.sum(axis=-1, keepdims=True)
+    return idx, wts.astype(np.float32)
+
+
+def route_grouped_sigmoid(logits: np.ndarray, bias: np.ndarray, cfg: ModelConfig):
+    """DeepSeek-V3 routing: sigmoid scores, correction bias for choice only, group-limited top-k."""
+    T, E = logits.shape
+    G = cfg.n_group
+    scores = 0.5 * np.tanh(0.5 * logits) + 0.5
+    choice = scores + bias
+    grouped = np.sort(choice.reshape(T, G, E // G), axis=-1)[..., -2:].sum(axis=-1)  # (T, G)
+    keep = np.argsort(-grouped, axis=-1, kind="stable")[:, :cfg.topk_group]
+    gmask = np.zeros((T, G), dtype=bool)
+    np.put_along_axis(gmask, keep, True, axis=-1)
+    choice = np.where(np.repeat(gmask, E // G, axis=-1), choice, NEG_INF)
+    idx = np.argsort(-choice, axis=-1, kind="stable")[:, :cfg.n_experts_per_tok]
+    wts = np.take_along_axis(scores, idx, axis=-1)
+    if cfg.norm_topk_prob:
+        wts = wts / (wts.sum(axis=-1, keepdims=True) + 1e-20)
+    return idx, (wts * cfg.routed_scaling_factor).astype(np.float32)
+
+
+def moe(be, cfg: ModelConfig, w: dict, x):
+    """Routed experts (plus shared experts for DeepSeek-V3) over packed tokens (T, hidden)."""
+    logits = be.to_numpy(be.linear(x, w["router"]))
+    if cfg.arch == "deepseek_v3":
+        idx, wts = route_grouped_sigmoid(logits, w["router_bias"], cfg)
+    else:
+        idx, wts = route_softmax(logits, cfg.n_experts_per_tok, cfg.norm_topk_prob)
+    out = be.zeros(x.shape)
+    e_gu, e_down = w["e_gu"], w["e_down"]
+    for e in np.unique(idx):
+        rows, which = np.nonzero(idx == e)
+        ri = be.index(rows)
+        xe = x[ri]
+        gu = be.linear(xe, e_gu[int(e)])
+        i = gu.shape[1] // 2
+        ye = be.linear(be.silu(gu[:, :i]) * gu[:, i:], e_down[int(e)])
+        ye = ye * be.asarray(wts[rows, which][:, None])
+        out = be.index_add(out, ri, ye)
+    if "s_w_gu" in w:
+        out = out + mlp(be, w, x, pre="s_")
+    return out

@@ -1,0 +1,657 @@
+"""Pipeline-parallel decoding: stage r computes its layers and hands activations to r+1.
+
+Every rank holds one :class:`~hpcmac.llm.stages.StageSpec` (contiguous layers,
+the embedding on rank 0, the final norm and head on the last rank) and the KV
+cache of its own layers. Rank 0 is also the scheduler: it owns the requests,
+forms micro-batches, embeds them, runs stage 0 and sends the hidden states to
+rank 1; each stage sends its output straight to the next; the last stage
+samples and sends the token ids back to rank 0. No central host relays
+activations.
+
+Several micro-batches are in flight at once (GPipe-like), so with several
+sequences every stage computes at the same time; finished sequences leave
+and waiting ones join at once (continuous batching). Long prompts are cut
+into chunks that follow each other down the pipeline, so stages overlap on
+prefill too.
+
+Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
+
+* stage r -> r+1, tag ``TAG_FWD``: a header ``int64[4] = (kind, n, T, mb_id)``
+  then, for ``FWD``, ``meta int64 (n, 5)`` rows ``(seq, slot, length,
+  position, sample)`` and the hidden states ``float32 (T, hidden)``; for
+  ``CTRL`` a pickled dict of ``n`` bytes (sequences joining and leaving);
+  ``STOP`` ends the loop.
+* last stage -> rank 0, tag ``TAG_RET``: ``int64[1 + n_sample] = (mb_id,
+  token...)``, one message per micro-batch, in issue order.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpcmac.comm.base import Group
+from hpcmac.errors import UsageError
+from hpcmac.llm.stages import StageSpec
+
+FWD, CTRL, STOP = 1, 2, 3
+TAG_FWD, TAG_RET = 71, 72
+HDR = 4
+META = 5
+
+
+@dataclass
+class SamplingParams:
+    """How the last stage picks each token (per sequence)."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    """One sequence to generate (rank 0 only)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SeqResult:
+    """What one sequence produced, with its timings (seconds since the run started)."""
+
+    index: int
+    prompt_tokens: list[int]
+    tokens: list[int]
+    finish: str  # "eos", "length", "stop" or "interrupted"
+    t_admit: float
+    t_first: float
+    t_done: float
+    logits: list[np.ndarray] | None = None  # (vocab,) float32 per sampled step, if kept
+
+    @property
+    def ttft(self) -> float:
+        return self.t_first - self.t_admit
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = len(self.tokens) - 1
+        dt = self.t_done - self.t_first
+        return n / dt if n > 0 and dt > 0 else 0.0
+
+
+@dataclass
+class RankStats:
+    """One rank's counters for a run (local)."""
+
+    rank: int
+    host: str
+    layers: tuple[int, int]
+    wall_s: float = 0.0
+    busy_s: float = 0.0
+    micro_batches: int = 0
+    sent: dict[str, int] = field(default_factory=dict)  # "decode"/"prefill"/"ctrl" -> bytes
+    sent_to: int = -1
+    ret_sent: dict[str, int] = field(default_factory=dict)  # last stage -> rank 0
+
+    @property
+    def busy(self) -> float:
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class PipelineResult:
+    """Global: the same on every rank after :func:`run_pipeline`."""
+
+    seqs: list[SeqResult]
+    stats: list[RankStats]
+    wall_s: float
+    decode_tokens: int  # tokens fed during decode (one per sequence per step)
+    interrupted: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(s.prompt_tokens) for s in self.seqs)
+
+    @property
+    def generated(self) -> int:
+        return sum(len(s.tokens) for s in self.seqs)
+
+    def decode_tok_s(self) -> float:
+        """Aggregate decode rate: tokens after each first one, over the decode span."""
+        n = sum(max(len(s.tokens) - 1, 0) for s in self.seqs)
+        live = [s for s in self.seqs if len(s.tokens) > 1]
+        if not live:
+            return 0.0
+        span = max(s.t_done for s in live) - min(s.t_first for s in live)
+        return n / span if span > 0 else 0.0
+
+    def prefill_tok_s(self) -> float:
+        """Prompt tokens over the time until the last first token."""
+        if not self.seqs:
+            return 0.0
+        span = max(s.t_first for s in self.seqs) - min(s.t_admit for s in self.seqs)
+        return self.prompt_tokens / span if span > 0 else 0.0
+
+    def link_bytes_per_token(self) -> list[dict[str, float]]:
+        """Per link (r -> r+1, and last -> 0): decode bytes per decoded token."""
+        out = []
+        n = max(self.decode_tokens, 1)
+        for st in self.stats:
+            if st.sent_to >= 0:
+                out.append({"link": f"{st.rank}->{st.sent_to}",
+                            "bytes_per_token": st.sent.get("decode", 0) / n})
+        for st in self.stats:
+            if st.ret_sent:
+                out.append({"link": f"{st.rank}->0 (tokens)",
+                            "bytes_per_token": st.ret_sent.get("decode", 0) / n})
+        return out
+
+
+# -- sampling on the last stage ----------------------------------------------------
+
+
+class _SeqSampler:
+    """Per-sequence sampling state on the last stage: history and random stream."""
+
+    def __init__(self, prompt: Sequence[int], params: SamplingParams):
+        self.params = params
+        self.history = list(prompt)
+        self.rng = np.random.default_rng(params.seed)
+
+    def sample(self, logits: np.ndarray) -> int:
+        from hpcmac.llm import sampling
+
+        p = self.params
+        tok = sampling.sample(
+            logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+            repetition_penalty=p.repetition_penalty, history=self.history, rng=self.rng,
+        )
+        tok = int(tok)
+        self.history.append(tok)
+        return tok
+
+
+# -- communication with byte counting and a watchdog ------------------------------
+
+
+class _Link:
+    """Sends through the group with non-blocking calls, counting bytes by phase."""
+
+    def __init__(self, group: Group, watchdog: _Watchdog, depth: int = 8):
+        self.group, self.wd, self.depth = group, watchdog, depth
+        self.pending: deque = deque()
+        self.bytes: dict[tuple[int, str], int] = {}
+
+    def send(self, buf: np.ndarray, dest: int, tag: int, phase: str) -> None:
+        self.pending.append((self.group.isend(buf, dest, tag), buf))
+        key = (dest, phase)
+        self.bytes[key] = self.bytes.get(key, 0) + buf.nbytes
+        while len(self.pending) > self.depth:
+            req, _ = self.pending.popleft()
+            self.wd.wait(req, dest, "to accept a message")
+
+    def flush(self) -> None:
+        while self.pending:
+            req, _ = self.pending.popleft()
+            self.wd.wait(req, -1, "to accept a message")
+
+    def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
+        req = self.group.irecv(buf, source, tag)
+        self.wd.wait(req, source, "to send")
+        return buf
+
+
+class _Watchdog:
+    """Ends the job when this rank waits on a peer for longer than ``timeout`` seconds.
+
+    A killed rank is reported by the launcher (Open MPI names rank and host);
+    a hung one (stopped, or a dead link that TCP has not noticed) is caught here.
+    """
+
+    def __init__(self, group: Group, hosts: Sequence[str], timeout: float):
+        self.group, self.hosts, self.timeout = group, list(hosts), timeout
+        self._since: float | None = None
+        self._peer, self._what = -1, ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if timeout > 0 and group.size > 1:
+            self._thread = threading.Thread(target=self._watch, daemon=True)
+            self._thread.start()
+
+    def wait(self, req, peer: int, what: str) -> None:
+        self._peer, self._what = peer, what
+        self._since = time.monotonic()
+        try:
+            req.wait()
+        finally:
+            self._since = None
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _name(self, r: int) -> str:
+        return f"rank {r} on {self.hosts[r]}" if 0 <= r < len(self.hosts) else "a peer"
+
+    def _watch(self) -> None:
+        tick = min(1.0, self.timeout / 4)
+        while not self._stop.wait(tick):
+            since = self._since
+            if since is not None and time.monotonic() - since > self.timeout:
+                me = self._name(self.group.rank)
+                print(f"error: {me} waited {self.timeout:g} s for {self._name(self._peer)} "
+                      f"{self._what}; it has died or hung, ending the job",
+                      file=sys.stderr, flush=True)
+                self.group.abort(1)
+
+
+# -- the run ------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """Global run parameters, decided on rank 0 and broadcast."""
+
+    n_seqs: int
+    max_slots: int
+    max_len: int
+    micro_batches: int
+    chunk: int
+    keep_logits: bool
+
+
+class _StageState:
+    """One rank's stage, its cache and counters."""
+
+    def __init__(self, group: Group, stage, spec: StageSpec, hidden: int, plan: _Plan,
+                 watchdog: _Watchdog, host: str):
+        self.group, self.stage, self.spec, self.hidden, self.plan = group, stage, spec, hidden, plan
+        self.cache = stage.new_cache(plan.max_slots, plan.max_len)
+        self.link = _Link(group, watchdog)
+        self.stats = RankStats(group.rank, host, (spec.start, spec.end))
+        self.samplers: dict[int, _SeqSampler] = {}
+        self.logits: dict[int, list[np.ndarray]] = {}
+        self.next = group.rank + 1 if group.rank + 1 < group.size else -1
+        self.used_slots: set[int] = set()
+
+    def apply_ctrl(self, ctrl: dict) -> None:
+        for idx, slot in ctrl.get("free", ()):
+            if slot in self.used_slots:
+                self.cache.free(slot)
+                self.used_slots.discard(slot)
+            self.samplers.pop(idx, None)
+        if self.spec.last:
+            for idx, prompt, params in ctrl.get("add", ()):
+                self.samplers[idx] = _SeqSampler(prompt, params)
+                if self.plan.keep_logits:
+                    self.logits[idx] = []
+
+    def compute(self, x: np.ndarray, meta: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Run this stage on a micro-batch; on the last stage also sample.
+
+        ``x`` is int64 token ids (T,) on the first stage, else float32 (T, hidden).
+        Returns (hidden states (T, hidden), sampled token ids or None).
+        """
+        from hpcmac.llm.model import Batch
+
+        t0 = time.perf_counter()
+        slots = [int(s) for s in meta[:, 1]]
+        lengths = [int(n) for n in meta[:, 2]]
+        batch = Batch(slots=slots, lengths=lengths, positions=[int(p) for p in meta[:, 3]])
+        self.used_slots.update(slots)
+        h = self.stage.embed(x) if self.spec.first else x
+        h = self.stage.forward(h, batch, self.cache)
+        toks = None
+        if self.spec.last:
+            ends = np.cumsum(lengths) - 1
+            rows = ends[meta[:, 4] != 0]
+            idxs = [int(i) for i in meta[meta[:, 4] != 0, 0]]
+            toks = np.empty(len(rows), dtype=np.int64)
+            if len(rows):
+                logits = np.asarray(self.stage.logits(h[rows]), dtype=np.float32)
+                for k, idx in enumerate(idxs):
+                    toks[k] = self.samplers[idx].sample(logits[k])
+                    if self.plan.keep_logits:
+                        self.logits[idx].append(logits[k].copy())
+        self.stats.busy_s += time.perf_counter() - t0
+        self.stats.micro_batches += 1
+        return h, toks
+
+
+def _phase(meta: np.ndarray) -> str:
+    return "decode" if bool(np.all(meta[:, 2] == 1)) else "prefill"
+
+
+def _serve(st: _StageState, t_start: float) -> None:
+    """Ranks > 0: receive from the previous stage until STOP."""
+    prev = st.group.rank - 1
+    link = st.link
+    while True:
+        hdr = link.recv(np.empty(HDR, dtype=np.int64), prev, TAG_FWD)
+        kind, n, T, mb_id = (int(v) for v in hdr)
+        if kind == STOP:
+            if st.next >= 0:
+                link.send(hdr, st.next, TAG_FWD, "ctrl")
+            break
+        if kind == CTRL:
+            payload = link.recv(np.empty(n, dtype=np.uint8), prev, TAG_FWD)
+            st.apply_ctrl(pickle.loads(payload.tobytes()))
+            if st.next >= 0:
+                link.send(hdr, st.next, TAG_FWD, "ctrl")
+                link.send(payload, st.next, TAG_FWD, "ctrl")
+            continue
+        meta = link.recv(np.empty((n, META), dtype=np.int64), prev, TAG_FWD)
+        x = link.recv(np.empty((T, st.hidden), dtype=np.float32), prev, TAG_FWD)
+        h, toks = st.compute(x, meta)
+        phase = _phase(meta)
+        if st.next >= 0:
+            link.send(hdr, st.next, TAG_FWD, phase)
+            link.send(meta, st.next, TAG_FWD, phase)
+            link.send(np.ascontiguousarray(h, dtype=np.float32), st.next, TAG_FWD, phase)
+        else:
+            ret = np.empty(1 + len(toks), dtype=np.int64)
+            ret[0] = mb_id
+            ret[1:] = toks
+            link.send(ret, 0, TAG_RET, phase)
+    link.flush()
+    st.stats.wall_s = time.perf_counter() - t_start
+
+
+class _Seq:
+    __slots__ = ("idx", "req", "tokens", "n_prompt", "fed", "slot", "waiting", "finish",
+                 "t_admit", "t_first", "t_done")
+
+    def __init__(self, idx: int, req: Request):
+        self.idx, self.req = idx, req
+        self.tokens = list(req.prompt)
+        self.n_prompt = len(req.prompt)
+        self.fed = 0
+        self.slot = -1
+        self.waiting = False  # a sampled token is on its way back
+        self.finish = ""
+        self.t_admit = self.t_first = self.t_done = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return not self.finish and not self.waiting and self.fed < len(self.tokens)
+
+
+class _Scheduler:
+    """Rank 0: admits sequences, forms micro-batches, runs stage 0, collects tokens."""
+
+    def __init__(self, st: _StageState, requests: Sequence[Request], t_start: float,
+                 on_token: Callable[[int, int], None] | None,
+                 stop_check: Callable[[int, list[int]], bool] | None):
+        self.st, self.t0 = st, t_start
+        self.seqs = [_Seq(i, r) for i, r in enumerate(requests)]
+        self.queue = deque(self.seqs)
+        self.active: list[_Seq] = []
+        self.free_slots = list(range(st.plan.max_slots))[::-1]
+        self.inflight: deque = deque()
+        self.ctrl: dict[str, list] = {"add": [], "free": []}
+        self.on_token, self.stop_check = on_token, stop_check
+        self.mb_id = 0
+        self.decode_tokens = 0
+        self.stopping = False
+        self.size = st.group.size
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def admit(self) -> None:
+        while self.queue and self.free_slots and not self.stopping:
+            s = self.queue.popleft()
+            s.slot = self.free_slots.pop()
+            s.t_admit = self.now()
+            self.active.append(s)
+            self.ctrl["add"].append((s.idx, list(s.req.prompt), s.req.sampling))
+
+    def form(self) -> list[tuple[_Seq, int]]:
+        plan = self.st.plan
+        cap = max(1, math.ceil(len(self.active) / plan.micro_batches))
+        budget = max(plan.chunk, cap)
+        out, used = [], 0
+        ready = [s for s in self.active if s.ready]
+        # decoding sequences first (one token each), then prompt chunks
+        for s in ready:
+            if len(out) < cap and len(s.tokens) - s.fed == 1 and s.fed >= s.n_prompt:
+                out.append((s, 1))
+                used += 1
+        for s in ready:
+            if len(out) >= cap or used >= budget:
+                break
+            if s.fed < s.n_prompt:
+                n = min(len(s.tokens) - s.fed, budget - used)
+                out.append((s, n))
+                used += n
+        return out
+
+    def send_ctrl(self) -> None:
+        if not (self.ctrl["add"] or self.ctrl["free"]):
+            return
+        ctrl, self.ctrl = self.ctrl, {"add": [], "free": []}
+        self.st.apply_ctrl(ctrl)
+        if self.size > 1:
+            payload = np.frombuffer(pickle.dumps(ctrl), dtype=np.uint8).copy()
+            hdr = np.array([CTRL, payload.size, 0, -1], dtype=np.int64)
+            self.st.link.send(hdr, 1, TAG_FWD, "ctrl")
+            self.st.link.send(payload, 1, TAG_FWD, "ctrl")
+
+    def issue(self, mb: list[tuple[_Seq, int]]) -> None:
+        self.send_ctrl()
+        meta = np.empty((len(mb), META), dtype=np.int64)
+        toks = []
+        sampled = []
+        for k, (s, n) in enumerate(mb):
+            sample = s.fed + n == len(s.tokens)
+            meta[k] = (s.idx, s.slot, n, s.fed, int(sample))
+            toks.extend(s.tokens[s.fed : s.fed + n])
+            s.fed += n
+            if sample:
+                s.waiting = True
+                sampled.append(s)
+        phase = _phase(meta)
+        if phase == "decode":
+            self.decode_tokens += len(mb)
+        x = np.asarray(toks, dtype=np.int64)
+        mb_id = self.mb_id
+        self.mb_id += 1
+        h, out = self.st.compute(x, meta)
+        if self.size == 1:
+            self.receive(sampled, out)
+            return
+        hdr = np.array([FWD, len(mb), x.size, mb_id], dtype=np.int64)
+        link = self.st.link
+        link.send(hdr, 1, TAG_FWD, phase)
+        link.send(meta, 1, TAG_FWD, phase)
+        link.send(np.ascontiguousarray(h, dtype=np.float32), 1, TAG_FWD, phase)
+        buf = np.empty(1 + len(sampled), dtype=np.int64)
+        req = self.st.group.irecv(buf, self.size - 1, TAG_RET)
+        self.inflight.append((mb_id, sampled, buf, req))
+
+    def collect(self, block: bool) -> bool:
+        """Take the oldest returned micro-batch; False when none was ready (non-blocking)."""
+        if not self.inflight:
+            return False
+        mb_id, sampled, buf, req = self.inflight[0]
+        if block:
+            self.st.link.wd.wait(req, self.size - 1, "to send back tokens")
+        elif not req.test():
+            return False
+        self.inflight.popleft()
+        if int(buf[0]) != mb_id:
+            raise RuntimeError(f"pipeline out of order: expected micro-batch {mb_id}, got {buf[0]}")
+        self.receive(sampled, buf[1:])
+        return True
+
+    def receive(self, sampled: list[_Seq], toks: np.ndarray) -> None:
+        t = self.now()
+        for s, tok in zip(sampled, toks):
+            tok = int(tok)
+            s.waiting = False
+            s.tokens.append(tok)
+            gen = s.tokens[s.n_prompt :]
+            if len(gen) == 1:
+                s.t_first = t
+            if self.on_token is not None:
+                self.on_token(s.idx, tok)
+            if tok in s.req.eos_ids:
+                s.finish = "eos"
+            elif self.stop_check is not None and self.stop_check(s.idx, gen):
+                s.finish = "stop"
+            elif len(gen) >= s.req.max_tokens:
+                s.finish = "length"
+            if s.finish:
+                self.retire(s, t)
+
+    def retire(self, s: _Seq, t: float) -> None:
+        s.t_done = t
+        self.active.remove(s)
+        self.free_slots.append(s.slot)
+        self.ctrl["free"].append((s.idx, s.slot))
+
+    def run(self) -> None:
+        plan = self.st.plan
+        while True:
+            try:
+                if self.stopping:
+                    while self.collect(block=True):
+                        pass
+                    break
+                self.admit()
+                while self.collect(block=False):
+                    pass
+                if len(self.inflight) < plan.micro_batches:
+                    mb = self.form()
+                    if mb:
+                        self.issue(mb)
+                        continue
+                if self.inflight:
+                    self.collect(block=True)
+                elif not self.active and not self.queue:
+                    break
+            except KeyboardInterrupt:
+                # stop cleanly: let the micro-batches in flight come back, then STOP all
+                self.stopping = True
+        t = self.now()
+        for s in self.seqs:
+            if not s.finish and s.slot >= 0:
+                s.finish = "interrupted"
+                s.t_done = t
+            elif not s.finish:
+                s.finish = "interrupted"
+                s.t_admit = s.t_first = s.t_done = t
+        self.send_ctrl()
+        if self.size > 1:
+            self.st.link.send(np.array([STOP, 0, 0, -1], dtype=np.int64), 1, TAG_FWD, "ctrl")
+
+
+def run_pipeline(
+    group: Group,
+    stage,
+    spec: StageSpec,
+    hidden: int,
+    requests: Sequence[Request] | None,
+    *,
+    micro_batches: int | None = None,
+    max_batch: int | None = None,
+    prefill_chunk: int | None = None,
+    max_len: int | None = None,
+    keep_logits: bool = False,
+    on_token: Callable[[int, int], None] | None = None,
+    stop_check: Callable[[int, list[int]], bool] | None = None,
+    timeout: float = 60.0,
+    hosts: Sequence[str] | None = None,
+) -> PipelineResult:
+    """Collective: generate ``requests`` through the pipeline of ``group.size`` stages.
+
+    Parameters
+    ----------
+    group : the ranks of the pipeline; rank r runs stage ``spec`` (local).
+    stage : the loaded stage (``hpcmac.llm.model.load_stage``) matching ``spec``.
+    hidden : the model's hidden size (global).
+    requests : the sequences (rank 0; ignored elsewhere).
+    micro_batches : micro-batches kept in flight (rank 0; default: one per stage).
+    max_batch : sequences decoded at once, i.e. cache slots (rank 0; default: all, <= 64).
+    prefill_chunk : prompt tokens per micro-batch (rank 0; default 512 on one
+        rank, 64 on several so that stages overlap).
+    max_len : cache length per sequence (rank 0; default: longest prompt + max_tokens).
+    keep_logits : return every sampled step's logits (for tests; rank 0 decides).
+    on_token, stop_check : rank 0 callbacks ``(seq index, token)`` as each token
+        arrives, and ``(seq index, generated tokens) -> stop?``.
+    timeout : seconds a rank may wait on a peer before ending the job (local).
+    hosts : host name of each rank, for messages (global; gathered when None).
+
+    Returns the same :class:`PipelineResult` on every rank.
+    """
+    p = group.size
+    if hosts is None:
+        hosts = group.allgather_obj(socket.gethostname())
+    plan = None
+    if group.rank == 0:
+        reqs = list(requests or [])
+        if not reqs:
+            raise UsageError("no prompts to generate")
+        longest = max(len(r.prompt) + r.max_tokens for r in reqs)
+        plan = _Plan(
+            n_seqs=len(reqs),
+            max_slots=max(1, min(max_batch or min(len(reqs), 64), len(reqs))),
+            max_len=max(max_len or 0, longest),
+            micro_batches=max(1, micro_batches or p),
+            chunk=max(1, prefill_chunk or (512 if p == 1 else 64)),
+            keep_logits=keep_logits,
+        )
+    plan = group.bcast_obj(plan, 0)
+    watchdog = _Watchdog(group, hosts, timeout)
+    st = _StageState(group, stage, spec, hidden, plan, watchdog, hosts[group.rank])
+    if p > 1:
+        st.stats.sent_to = st.next if st.next >= 0 else -1
+    group.barrier()
+    t_start = time.perf_counter()
+    seq_results = None
+    interrupted = False
+    decode_tokens = 0
+    try:
+        if group.rank == 0:
+            sched = _Scheduler(st, requests, t_start, on_token, stop_check)
+            sched.run()
+            st.link.flush()
+            st.stats.wall_s = time.perf_counter() - t_start
+            interrupted = sched.stopping
+            decode_tokens = sched.decode_tokens
+            seq_results = [
+                SeqResult(s.idx, list(s.req.prompt), s.tokens[s.n_prompt :], s.finish,
+                          s.t_admit, s.t_first, s.t_done)
+                for s in sched.seqs
+            ]
+        else:
+            _serve(st, t_start)
+    finally:
+        watchdog.close()
+    for (dest, phase), nb in st.link.bytes.items():
+        is_ret = dest == 0 and group.rank == p - 1 and p > 1
+        target = st.stats.ret_sent if is_ret else st.stats.sent
+        target[phase] = target.get(phase, 0) + nb
+    stats = group.allgather_obj(st.stats)
+    logits = group.allgather_obj(st.logits if spec.last else None)[p - 1]
+    seq_results, interrupted, decode_tokens = group.bcast_obj(
+        (seq_results, interrupted, decode_tokens), 0)
+    if keep_logits and logits is not None:
+        for s in seq_results:
+            s.logits = logits.get(s.index, [])
+    return PipelineResult(seq_results, stats, max(x.wall_s for x in stats), decode_tokens,
+                          interrupted)

@@ -1,0 +1,196 @@
+"""Tokenizers: ``tokenizer.json`` of a Hugging Face folder, or the one embedded in a GGUF file.
+
+Both become a ``tokenizers.Tokenizer`` wrapped in :class:`Tokenizer`, which adds
+the chat template (rendered with jinja2, as transformers does), the BOS rule,
+the EOS ids and a streaming decoder that never emits half a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpcmac.errors import UsageError
+from hpcmac.llm.config import is_gguf, resolve_model
+
+# pre-tokenizer splits of byte-level BPE vocabularies, by GGUF tokenizer.ggml.pre
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+           "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+           "deepseek-v3": _LLAMA3_SPLIT}
+
+#: a minimal ChatML template, used when a checkpoint has none
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+class Tokenizer:
+    """Text <-> token ids for one model (global: the same on every rank)."""
+
+    def __init__(self, tk, bos_id: int | None, eos_ids: list[int], add_bos: bool,
+                 chat_template: str | None, bos_token: str = "", eos_token: str = ""):
+        self.tk = tk
+        self.bos_id, self.eos_ids, self.add_bos = bos_id, list(eos_ids), add_bos
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text`` (special tokens in the text are recognised)."""
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for chat ``messages`` ([{"role": ..., "content": ...}])."""
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
+                                 extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(msg):
+            raise UsageError(f"chat template: {msg}")
+
+        env.globals["raise_exception"] = raise_exception
+        tmpl = env.from_string(self.chat_template or CHATML)
+        return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def stream(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Turns tokens into text as they come; holds back incomplete UTF-8 sequences."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the full decode already returned
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new = text[self.emitted:]
+        self.emitted = len(text)
+        return new
+
+
+def _from_folder(folder: Path) -> Tokenizer | None:
+    from tokenizers import Tokenizer as TK
+
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        return None
+    tk = TK.from_file(str(path))
+    tcfg: dict = {}
+    if (folder / "tokenizer_config.json").exists():
+        tcfg = json.loads((folder / "tokenizer_config.json").read_text())
+
+    def tok_str(v):
+        return v.get("content") if isinstance(v, dict) else v
+
+    bos, eos = tok_str(tcfg.get("bos_token")), tok_str(tcfg.get("eos_token"))
+    bos_id = tk.token_to_id(bos) if bos else None
+    eos_ids = [tk.token_to_id(eos)] if eos and tk.token_to_id(eos) is not None else []
+    gen = folder / "generation_config.json"
+    if gen.exists():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        for x in (e if isinstance(e, list) else [e] if e is not None else []):
+            if x not in eos_ids:
+                eos_ids.append(int(x))
+    template = tcfg.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    return Tokenizer(tk, bos_id, eos_ids, bool(tcfg.get("add_bos_token", False)), template,
+                     bos or "", eos or "")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _from_gguf(path: Path) -> Tokenizer | None:
+    import gguf
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as TK
+
+    r = gguf.GGUFReader(path, "r")
+
+    def field(key, default=None):
+        f = r.fields.get(key)
+        return default if f is None else f.contents()
+
+    model = field("tokenizer.ggml.model")
+    if model is None:
+        return None
+    if model != "gpt2":
+        raise UsageError(f"{path}: embedded tokenizer {model!r} is not supported "
+                         "(byte-level BPE 'gpt2' is); use --prompt-ids")
+    tokens = field("tokenizer.ggml.tokens")
+    types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
+    tk = TK(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                       fuse_unk=False))
+    pre = field("tokenizer.ggml.pre", "default")
+    if pre in _SPLITS:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre == "smollm":  # digits one by one, then GPT-2's split (SmolLM2's tokenizer.json)
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    spelled = set(_bytes_to_unicode().values())
+    control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+               if ty == 3 and set(t) <= spelled]
+    tk.add_special_tokens(control)
+    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+            if ty == 4]
+    if user:
+        tk.add_tokens(user)
+    bos_id = field("tokenizer.ggml.bos_token_id")
+    eos_id = field("tokenizer.ggml.eos_token_id")
+    eos_ids = [] if eos_id is None else [int(eos_id)]
+    eot = field("tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos_ids:
+        eos_ids.append(int(eot))
+    return Tokenizer(tk, None if bos_id is None else int(bos_id), eos_ids,
+                     bool(field("tokenizer.ggml.add_bos_token", False)),
+                     field("tokenizer.chat_template"),
+                     tokens[bos_id] if bos_id is not None else "",
+                     tokens[eos_id] if eos_id is not None else "")
+
+
+def load_tokenizer(path_or_name) -> Tokenizer | None:
+    """The model's tokenizer, or None when the checkpoint has none (use prompt ids)."""
+    path = resolve_model(path_or_name)
+    if is_gguf(path):
+        return _from_gguf(path)
+    return _from_folder(path) if path.is_dir() else None

@@ -1,0 +1,99 @@
+"""The Group contract on the mpi transport, and transport selection under mpirun."""
+
+import numpy as np
+import pytest
+
+from hpcmac import comm
+from hpcmac.comm.contract import GroupContract
+from hpcmac.errors import UsageError
+from hpcmac.testing import parallel_assert, world
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+
+class TestMPIContract(GroupContract):
+    transport = "mpi"
+
+    @pytest.fixture
+    def group(self):
+        return comm.init("mpi")
+
+
+class TestMPISubgroupContract(GroupContract):
+    """The contract again on a sub-group (every rank but the last when there are 3+)."""
+
+    transport = "mpi"
+
+    @pytest.fixture
+    def group(self):
+        w = comm.init("mpi")
+        inside = w.size < 3 or w.rank < w.size - 1
+        sub = w.split(0 if inside else 1, key=w.rank)
+        if not inside:
+            pytest.skip("this rank is outside the sub-group")
+        return sub
+
+
+def test_init_is_cached():
+    parallel_assert(comm.init("mpi") is comm.init("mpi"), "two mpi groups", world())
+
+
+def test_auto_is_mpi_on_linux_and_logs_why(capfd, monkeypatch):
+    from hpcmac.comm import select
+
+    monkeypatch.delenv("HPCMAC_QUIET_TRANSPORT", raising=False)
+    monkeypatch.setattr(select, "_cached", {})
+    g = comm.init("auto", strict=False)
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("transport:")]
+    if g.rank == 0:
+        ok = lines == ["transport: mpi (rdma: mlx has no jaccl backend on Linux)"]
+    else:
+        ok = lines == []
+    parallel_assert(g.transport == "mpi" and ok, f"{g.transport}: {lines}", world())
+
+
+def test_rdma_strict_is_an_error_on_every_rank(monkeypatch):
+    from hpcmac.comm import select
+
+    monkeypatch.setattr(select, "_cached", {})
+    with pytest.raises(UsageError, match="rdma: mlx has no jaccl backend on Linux"):
+        comm.init("rdma", strict=True)
+    monkeypatch.setenv("HPCMAC_TRANSPORT_STRICT", "1")
+    with pytest.raises(UsageError, match="jaccl"):
+        comm.init("rdma")
+    parallel_assert(True, "", world())
+
+
+def test_rdma_non_strict_falls_back_to_mpi(monkeypatch):
+    from hpcmac.comm import select
+
+    monkeypatch.setattr(select, "_cached", {})
+    monkeypatch.setenv("HPCMAC_TRANSPORT", "rdma")
+    g = comm.init()
+    s = g.allreduce(np.ones(1))
+    parallel_assert(g.transport == "mpi" and s[0] == g.size, g.transport, world())
+
+
+def test_ranks_that_disagree_agree_on_mpi(monkeypatch):
+    # the last rank claims rdma is usable; the others do not: nobody may start jaccl
+    from hpcmac.comm import mlx as mlx_backend
+    from hpcmac.comm import select
+
+    w = world()
+    monkeypatch.setattr(select, "_cached", {})
+    if w.rank == w.size - 1:
+        monkeypatch.setattr(mlx_backend, "is_available", lambda name: (True, ""))
+    if w.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    g = comm.init("auto", strict=False)
+    parallel_assert(g.transport == "mpi", g.transport, w)
+
+
+def test_unknown_transport_is_usage_error_listing_valid_ones(monkeypatch):
+    with pytest.raises(UsageError, match="auto, mpi, rdma, ring, local"):
+        comm.init("infiniband")
+    monkeypatch.setenv("HPCMAC_TRANSPORT", "tcp")
+    with pytest.raises(UsageError, match="HPCMAC_TRANSPORT: unknown transport 'tcp'"):
+        comm.init()
+    parallel_assert(True, "", world())

@@ -1,0 +1,43 @@
+"""Progress line (rank 0, terminals only) and the BLAS-thread policy."""
+
+import io
+
+import pytest
+
+from hpcmac.hpl import driver, progress
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_want_progress():
+    assert progress.want_progress("auto", Tty()) is True
+    assert progress.want_progress("auto", io.StringIO()) is False
+    assert progress.want_progress("on", io.StringIO()) is True
+    assert progress.want_progress("off", Tty()) is False
+
+
+def test_work_fraction_counts_flops_not_columns():
+    assert progress.work_fraction(0, 100) == 0.0
+    assert progress.work_fraction(100, 100) == 1.0
+    assert progress.work_fraction(50, 100) == pytest.approx(0.875)
+
+
+def test_progress_line_shows_columns_elapsed_eta():
+    out = io.StringIO()
+    p = progress.Progress("WR11C2R4 N=100", stream=out, min_interval=0.0)
+    p(50, 100)
+    p(100, 100)
+    text = out.getvalue()
+    assert "\rWR11C2R4 N=100:  50/100 columns ( 87.5% of flops)" in text
+    assert "elapsed" in text and "ETA" in text and text.endswith("\n")
+
+
+def test_blas_threads_policy():
+    assert driver.blas_threads(3, 4, env={}) == 3
+    assert driver.blas_threads(0, 4, env={}) is None
+    assert driver.blas_threads(None, 1, env={}) is None
+    assert driver.blas_threads(None, 4, env={"OMP_NUM_THREADS": "2"}) is None
+    assert driver.blas_threads(None, 10**6, env={}) == 1
