@@ -68,19 +68,21 @@ def reference(n_mm: int, n_chol: int, threads: int, reps: int) -> dict:
     import scipy.linalg
     from threadpoolctl import threadpool_limits
 
-    rng = np.random.default_rng(0)
-    out = {}
-    with threadpool_limits(threads):
+    def time_matmul() -> float:
+        rng = np.random.default_rng(0)
         a = rng.standard_normal((n_mm, n_mm))
         b = rng.standard_normal((n_mm, n_mm))
-        t = _median_time(lambda: a @ b, reps)
-        out["matmul"] = 2.0 * n_mm**3 / t / 1e9
-        del a, b
+        return _median_time(lambda: a @ b, reps)
+
+    def time_cholesky() -> float:
         i = np.arange(n_chol)
         s = np.asfortranarray(sym_random(n_chol)(i[:, None], i[None, :]))
-        t = _median_time(lambda: scipy.linalg.cho_factor(s, lower=True, check_finite=False), reps)
-        out["cholesky"] = n_chol**3 / 3.0 / t / 1e9
-    return out
+        return _median_time(lambda: scipy.linalg.cho_factor(s, lower=True, check_finite=False),
+                            reps)
+
+    with threadpool_limits(threads):
+        return {"matmul": 2.0 * n_mm**3 / time_matmul() / 1e9,
+                "cholesky": n_chol**3 / 3.0 / time_cholesky() / 1e9}
 
 
 def worker(n_mm: int, n_chol: int, nb_mm: int, nb_chol: int, reps: int) -> dict:
@@ -92,17 +94,21 @@ def worker(n_mm: int, n_chol: int, nb_mm: int, nb_chol: int, reps: int) -> dict:
     world = comm.init()
     grid = Grid(world, 1, world.size)
     sync = world.barrier
-    a = DistMatrix.from_function(general_random(1), (n_mm, n_mm), grid, nb_mm, nb_mm)
-    b = DistMatrix.from_function(general_random(2), (n_mm, n_mm), grid, nb_mm, nb_mm)
-    t = _median_time(lambda: matmul(a, b), reps, sync)
-    t = world.allreduce(np.array([t]), op="max")[0]
-    out = {"matmul": 2.0 * n_mm**3 / t / 1e9}
-    del a, b
-    s = DistMatrix.from_function(sym_random(n_chol), (n_chol, n_chol), grid, nb_chol, nb_chol)
-    t = _median_time(lambda: cho_factor(s, lower=True, check_finite=False), reps, sync)
-    t = world.allreduce(np.array([t]), op="max")[0]
-    out["cholesky"] = n_chol**3 / 3.0 / t / 1e9
-    return out
+
+    def time_matmul() -> float:
+        a = DistMatrix.from_function(general_random(1), (n_mm, n_mm), grid, nb_mm, nb_mm)
+        b = DistMatrix.from_function(general_random(2), (n_mm, n_mm), grid, nb_mm, nb_mm)
+        t = _median_time(lambda: matmul(a, b), reps, sync)
+        return world.allreduce(np.array([t]), op="max")[0]   # the slowest rank's time
+
+    def time_cholesky() -> float:
+        s = DistMatrix.from_function(sym_random(n_chol), (n_chol, n_chol), grid, nb_chol,
+                                     nb_chol)
+        t = _median_time(lambda: cho_factor(s, lower=True, check_finite=False), reps, sync)
+        return world.allreduce(np.array([t]), op="max")[0]
+
+    return {"matmul": 2.0 * n_mm**3 / time_matmul() / 1e9,
+            "cholesky": n_chol**3 / 3.0 / time_cholesky() / 1e9}
 
 
 def _mpirun(ranks: int) -> list[str]:

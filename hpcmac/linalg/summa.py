@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from hpcmac.linalg import layout
-from hpcmac.linalg.checks import check_finite, float_dtype, require, same_grid
+from hpcmac.linalg.checks import check_finite as _check_finite
+from hpcmac.linalg.checks import float_dtype, require, same_grid
 from hpcmac.linalg.distmatrix import DistMatrix
 from hpcmac.linalg.kernels import gemm_update
 
@@ -31,14 +32,14 @@ def _segments(k0: int, k1: int, anb: int, bmb: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def matmul(a: DistMatrix, b: DistMatrix, check_finite_: bool = False) -> DistMatrix:
+def matmul(a: DistMatrix, b: DistMatrix, check_finite: bool = False) -> DistMatrix:
     """Collective over the grid: ``a @ b`` as a DistMatrix with blocks ``a.mb`` × ``b.nb``.
 
     Parameters
     ----------
     a, b : DistMatrix
         Global shapes (m, k) and (k, n) on the same grid. Any block sizes.
-    check_finite_ : bool
+    check_finite : bool
         Check both operands for infs and NaNs first (one reduction each).
     """
     same_grid("matmul", a, b)
@@ -51,9 +52,9 @@ def matmul(a: DistMatrix, b: DistMatrix, check_finite_: bool = False) -> DistMat
     c = DistMatrix.zeros((m, n), grid, a.mb, b.nb, dtype)
     if not grid.in_grid:
         return c
-    if check_finite_:
-        check_finite(a, "a")
-        check_finite(b, "b")
+    if check_finite:
+        _check_finite(a, "a")
+        _check_finite(b, "b")
     al = a.local if a.dtype == dtype else a.local.astype(dtype, order="F")
     bl = b.local if b.dtype == dtype else b.local.astype(dtype, order="F")
     lm, ln = c.lshape
