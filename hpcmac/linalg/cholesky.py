@@ -40,11 +40,11 @@ def cho_factor(a: DistMatrix, lower: bool = False, overwrite_a: bool = False,
     read. ``c`` has ``a``'s layout; ``mb != nb`` is handled by a
     redistribution to square blocks and back.
     """
+    if not a.grid.in_grid:   # ranks outside the grid take no part
+        return a, lower
     n, n2 = a.gshape
     require(n == n2, f"cho_factor: expected a square matrix, got shape {a.gshape}")
     grid = a.grid
-    if not grid.in_grid:
-        return a.copy(), lower
     if check_finite:
         _check_finite(a, "a")
     dtype = float_dtype(a.dtype)
@@ -146,6 +146,8 @@ def cho_solve(c_and_lower: tuple[DistMatrix, bool], b: DistMatrix, overwrite_b: 
     back in ``b``'s layout.
     """
     c, lower = c_and_lower
+    if not c.grid.in_grid:
+        return b
     require(c.gshape[0] == c.gshape[1], f"cho_solve: the factor must be square, got {c.gshape}")
     require(b.gshape[0] == c.gshape[0],
             f"cho_solve: incompatible dimensions: factor {c.gshape}, b {b.gshape}")

@@ -36,14 +36,14 @@ def lu_factor(a: DistMatrix, overwrite_a: bool = False, check_finite: bool = Tru
     """
     from hpcmac.linalg.lu import lu_factor_dist
 
+    if not a.grid.in_grid:   # ranks outside the grid take no part (and may not know shapes)
+        return a.copy(), np.zeros(0, dtype=np.int64)
     require(a.gshape[0] == a.gshape[1],
             f"lu_factor: expected a square matrix, got shape {a.gshape}")
     require(not np.iscomplexobj(a.local) and a.dtype.kind != "c",
             f"lu_factor: complex matrices ({a.dtype}) are not supported by the distributed LU; "
             f"use gmres, or cho_factor for Hermitian positive definite ones")
     grid = a.grid
-    if not grid.in_grid:
-        return a.copy(), np.zeros(0, dtype=np.int64)
     if check_finite:
         _check_finite(a, "a")
     if a.mb != a.nb:
@@ -67,13 +67,13 @@ def lu_solve(lu_and_piv: tuple[DistMatrix, np.ndarray], b, trans=0, overwrite_b:
     from hpcmac.linalg.lu import lu_solve_dist
 
     lu, piv = lu_and_piv
+    if not lu.grid.in_grid:
+        return None if not isinstance(b, DistMatrix) else b
     require(trans in _TRANS, f"lu_solve: trans must be 0, 1, 2, 'N', 'T' or 'C', got {trans!r}")
     bd, back = _as_dist(b, lu, "lu_solve")
     require(bd.gshape[0] == lu.gshape[0],
             f"lu_solve: incompatible dimensions: factor {lu.gshape}, b {bd.gshape}")
     require(bd.dtype.kind != "c", "lu_solve: complex right-hand sides are not supported")
-    if not lu.grid.in_grid:
-        return back(bd)
     if check_finite:
         _check_finite(bd, "b")
     x = lu_solve_dist((lu, piv), bd if bd.dtype == np.float64 else bd.astype(np.float64),
@@ -103,12 +103,12 @@ def solve(a: DistMatrix, b, lower: bool = False, overwrite_a: bool = False,
     require(assume_a in kinds, f"solve: assume_a={assume_a!r} is not one of "
                                f"{', '.join(repr(k) for k in kinds if k)}")
     kind = kinds[assume_a]
+    if not a.grid.in_grid:
+        return None if not isinstance(b, DistMatrix) else b
     require(a.gshape[0] == a.gshape[1], f"solve: expected a square matrix, got shape {a.gshape}")
     bd, back = _as_dist(b, a, "solve")
     require(bd.gshape[0] == a.gshape[0],
             f"solve: incompatible dimensions: a {a.gshape}, b {bd.gshape}")
-    if not a.grid.in_grid:
-        return back(bd)
     if check_finite:
         _check_finite(a, "a")
         _check_finite(bd, "b")

@@ -44,14 +44,15 @@ def matmul(a: DistMatrix, b: DistMatrix, check_finite: bool = False) -> DistMatr
     """
     same_grid("matmul", a, b)
     grid = a.grid
+    if not grid.in_grid:   # ranks outside the grid take no part (and may not know shapes)
+        return DistMatrix(np.zeros((0, 0), dtype=float_dtype(a.dtype, b.dtype), order="F"),
+                          (a.gshape[0], b.gshape[1]), a.mb, b.nb, grid)
     m, k = a.gshape
     k2, n = b.gshape
     require(k == k2, f"matmul: shapes {a.gshape} and {b.gshape} not aligned: "
                      f"{k} (dim 1) != {k2} (dim 0)")
     dtype = float_dtype(a.dtype, b.dtype)
     c = DistMatrix.zeros((m, n), grid, a.mb, b.nb, dtype)
-    if not grid.in_grid:
-        return c
     if check_finite:
         _check_finite(a, "a")
         _check_finite(b, "b")

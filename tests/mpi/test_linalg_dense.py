@@ -180,3 +180,23 @@ def test_errors_are_the_same_on_every_rank(shape_index):
     msg = same_error_everywhere(group, lambda: solve_triangular(dist(t, grid, 2, 2), rhs),
                                 LinAlgError)
     assert "diagonal 4" in msg, msg
+
+
+def test_ranks_outside_the_grid_take_no_part():
+    """A 1 x 1 grid at any rank count, operands scattered by from_global (idle ranks do not
+    know the shapes): every call returns on the idle ranks and is right on rank 0."""
+    g = world()
+    grid = Grid(g, 1, 1)
+    rng = np.random.default_rng(7)
+    a0, b0 = spd(rng, 9, np.float64), rand(rng, (9, 2), np.float64)
+    a = DistMatrix.from_global(a0 if g.rank == 0 else None, grid, 4, 4)
+    b = DistMatrix.from_global(b0 if g.rank == 0 else None, grid, 4, 4)
+    results = [matmul(a, b).gather(), solve(a, b).gather(), solve(a, b0),
+               cho_solve(cho_factor(a), b).gather(), solve_triangular(a, b).gather(),
+               norm(a, 1)]
+    if g.rank == 0:
+        expect = [a0 @ b0, sl.solve(a0, b0), sl.solve(a0, b0), sl.solve(a0, b0),
+                  sl.solve_triangular(a0, b0), sl.norm(a0, 1)]
+        for got, want in zip(results, expect):
+            np.testing.assert_allclose(got, want, rtol=1e-9)
+    g.barrier()
