@@ -61,3 +61,12 @@ def test_block_range_partitions(n, size):
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     lens = [b - a for a, b in ranges]
     assert max(lens) - min(lens) <= 1
+
+
+def test_lshape_tiles_the_matrix():
+    for m, n, mb, nb, p, q in [(7, 5, 2, 3, 2, 2), (16, 9, 4, 4, 3, 1), (1, 30, 5, 7, 1, 4)]:
+        shapes = [[layout.lshape((m, n), mb, nb, i, j, p, q) for j in range(q)] for i in range(p)]
+        assert sum(shapes[i][0][0] for i in range(p)) == m
+        assert sum(shapes[0][j][1] for j in range(q)) == n
+        assert all(shapes[i][j] == (shapes[i][0][0], shapes[0][j][1])
+                   for i in range(p) for j in range(q))
