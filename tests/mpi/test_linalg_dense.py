@@ -23,7 +23,11 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matmul_against_numpy(dtype):
+@pytest.mark.parametrize("panel", [1024, 5])
+def test_matmul_against_numpy(dtype, panel, monkeypatch):
+    import hpcmac.linalg.summa
+
+    monkeypatch.setattr(hpcmac.linalg.summa, "PANEL", panel)   # 5: many panels, odd cuts
     rng = np.random.default_rng(1)
     for _g, grid in each_grid():
         for (m, k, n), (amb, anb), (bmb, bnb) in [((13, 11, 9), (3, 2), (4, 3)),
@@ -98,7 +102,11 @@ def test_helpers_owner_g2l_l2g():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cholesky_and_cho_solve(dtype):
+@pytest.mark.parametrize("chunk", [512, 1])
+def test_cholesky_and_cho_solve(dtype, chunk, monkeypatch):
+    import hpcmac.linalg.cholesky
+
+    monkeypatch.setattr(hpcmac.linalg.cholesky, "CHUNK", chunk)   # 1: one block per chunk
     rng = np.random.default_rng(4)
     for _g, grid in each_grid():
         n = 19
