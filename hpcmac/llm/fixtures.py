@@ -85,7 +85,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
-    """Convert a random Llama/Qwen2/Qwen3 folder to one GGUF file with 2-D weights as ``qtype``.
+    """Convert a random Llama/Qwen2/Qwen3/Qwen3-MoE folder to one GGUF file, weights as ``qtype``.
 
     ``qtype`` is F32, F16 or Q8_0 (norms and biases stay F32, as llama.cpp keeps them).
     """
@@ -96,7 +96,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
 
     folder, out = Path(folder), Path(out)
     raw = json.loads((folder / "config.json").read_text())
-    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[raw["model_type"]]
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+            "qwen3_moe": "qwen3moe"}[raw["model_type"]]
     ckpt = SafetensorsCheckpoint(folder)
     cfg = ckpt.config()
     w = gguf.GGUFWriter(str(out), arch)
@@ -112,6 +113,10 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_vocab_size(cfg.vocab)
+    if cfg.n_experts:
+        w.add_expert_count(cfg.n_experts)
+        w.add_expert_used_count(cfg.n_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate)
     # a placeholder byte-level vocabulary (llama.cpp needs one; prompts are given as ids)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -121,15 +126,19 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     gtype = getattr(gguf.GGMLQuantizationType, qtype)
-    for name in ckpt.names():
-        t = ckpt.get(name)
+    tensors = {n: ckpt.get(n) for n in ckpt.names() if ".experts." not in n}
+    for i in range(cfg.n_layers):  # routed experts: one (E, out, in) tensor per projection
+        if cfg.is_moe_layer(i):
+            for which in ("gate", "up", "down"):
+                tensors[f"blk.{i}.ffn_{which}_exps.weight"] = ckpt.experts(i, which)
+    for name, t in tensors.items():
         if arch == "llama" and name.endswith("q_proj.weight"):
             t = _permute(t, cfg.n_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             t = _permute(t, cfg.n_kv_heads)
-        gname = gguf_name(name)
+        gname = name if name.startswith("blk.") else gguf_name(name)
         block = gguf.GGML_QUANT_SIZES[gtype][0]
-        if t.ndim == 2 and qtype != "F32" and t.shape[1] % block == 0:
+        if t.ndim >= 2 and qtype != "F32" and t.shape[-1] % block == 0:
             data = gguf.quants.quantize(t, gtype)
             w.add_tensor(gname, data, raw_dtype=gtype)
         else:
