@@ -85,6 +85,25 @@ def test_gguf_same_logits(folders, arch, qtype, tmp_path):
     assert cfg_b.rope_theta == pytest.approx(cfg_a.rope_theta)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_deepseek_gguf_round_trip(tmp_path, split):
+    """A deepseek2 GGUF (MLA lengths, routing metadata, kv_b whole or split) loads to the
+    folder's config and logits (F32: exact up to summation order)."""
+    folder = random_checkpoint("deepseek_v3", tmp_path / "ds", seed=4, initializer_range=0.3,
+                               hidden_size=64, q_lora_rank=32, kv_lora_rank=32)
+    f = write_gguf(folder, tmp_path / "ds.gguf", "F32", split_kv_b=split)
+    a, b = load_config(folder), load_config(f)
+    for field in ("arch", "n_layers", "hidden", "n_heads", "head_dim", "q_lora_rank",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "n_experts", "n_experts_per_tok", "moe_intermediate", "n_shared_experts",
+                  "first_k_dense", "n_group", "topk_group", "norm_topk_prob"):
+        assert getattr(a, field) == getattr(b, field), field
+    assert b.routed_scaling_factor == pytest.approx(a.routed_scaling_factor)
+    ref = prefill_logits(folder)
+    np.testing.assert_allclose(prefill_logits(f), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    assert stage_nbytes(f, 0, 3, True, True) == stage_nbytes(folder, 0, 3, True, True)
+
+
 def test_sharded_and_bf16_safetensors(folders, tmp_path):
     model = hf_model(folders["llama"])
     model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
