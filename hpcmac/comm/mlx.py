@@ -106,7 +106,10 @@ def init_group(name: str, world: Group | None) -> MLXGroup:
     if world is None:
         group = mx.distributed.init(strict=True, backend=_BACKEND[name])
         return MLXGroup(group, name, None)
-    if name == "ring":
+    if world.size == 1:  # nobody to connect to: MLX's singleton group (ops are copies)
+        unset = {k: None for k in ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_RANK")}
+        group = _with_env(unset, lambda: mx.distributed.init(strict=False, backend=_BACKEND[name]))
+    elif name == "ring":
         group = _ring_over_mpi(mx, world)
     else:
         group = _jaccl_over_mpi(mx, world)
@@ -118,9 +121,14 @@ def init_group(name: str, world: Group | None) -> MLXGroup:
     return MLXGroup(group, name, world)
 
 
-def _with_env(extra: dict[str, str], fn):
+def _with_env(extra: dict[str, str | None], fn):
+    """Call ``fn`` with ``extra`` set in os.environ (None: unset), then restore it."""
     saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
+    for k, v in extra.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         return fn()
     finally:
@@ -150,6 +158,29 @@ def _ring_over_mpi(mx, world: Group):
         os.unlink(fh.name)
 
 
+def mpi_all_gather_factory(comm):
+    """JACCL's side channel over an mpi4py communicator.
+
+    Returns ``factory(rank, size)`` -> ``all_gather(src: bytes, n_bytes) -> bytes``
+    (every rank's ``n_bytes`` in rank order), the callable MLX's
+    ``init(backend="jaccl", all_gather_factory=...)`` expects.
+    """
+
+    def factory(rank: int, size: int):
+        if (rank, size) != (comm.Get_rank(), comm.Get_size()):
+            raise RuntimeError(f"jaccl asks for rank {rank} of {size}, MPI has "
+                               f"{comm.Get_rank()} of {comm.Get_size()}")
+
+        def all_gather(src: bytes, n_bytes: int) -> bytes:
+            out = bytearray(size * n_bytes)
+            comm.Allgather(bytes(src[:n_bytes]), out)
+            return bytes(out)
+
+        return all_gather
+
+    return factory
+
+
 def _jaccl_over_mpi(mx, world: Group):
     spec = rdma_env.matrix_spec_from_env()
     problem = "no device matrix (HPCMAC_IBV_DEVICES)" if not spec else ""
@@ -164,16 +195,7 @@ def _jaccl_over_mpi(mx, world: Group):
     problems = [p for p in world.allgather_obj(problem) if p]
     if problems:
         raise RuntimeError(f"rdma: {problems[0]}")
-    comm = world.comm  # the mpi4py communicator: JACCL's side channel
-
-    def factory(rank: int, size: int):
-        def all_gather(src: bytes, n_bytes: int) -> bytes:
-            out = bytearray(size * n_bytes)
-            comm.Allgather(bytes(src[:n_bytes]), out)
-            return bytes(out)
-
-        return all_gather
-
+    factory = mpi_all_gather_factory(world.comm)
     import json
 
     with tempfile.NamedTemporaryFile("w", prefix="hpcmac-ibv-", suffix=".json",
@@ -271,7 +293,10 @@ class MLXGroup(Group):
         return self._fallback
 
     # -- point to point -----------------------------------------------------
-    def _check_neighbour(self, peer: int) -> None:
+    def _check_peer(self, peer: int, tag: int) -> None:
+        if tag != 0:
+            raise ValueError(f"{self.transport} without mpi: MLX has no message tags "
+                             f"(tag {tag}); launch with mpirun for tagged messages")
         if not 0 <= peer < self._size:
             raise ValueError(f"peer {peer} is not a rank of a group of {self._size}")
         if self.transport == "ring" and self._size > 2 and peer not in (
@@ -294,7 +319,7 @@ class MLXGroup(Group):
     def isend(self, buf, dest, tag=0):
         if self._fallback is not None:
             return self._fallback.isend(buf, dest, tag)
-        self._check_neighbour(dest)
+        self._check_peer(dest, tag)
         buf = np.ascontiguousarray(buf)
         if not self._native(buf.dtype):
             buf = buf.view(np.uint8)
@@ -308,7 +333,7 @@ class MLXGroup(Group):
     def irecv(self, buf, source, tag=0):
         if self._fallback is not None:
             return self._fallback.irecv(buf, source, tag)
-        self._check_neighbour(source)
+        self._check_peer(source, tag)
         if buf.size == 0:
             return _MLXRequest(self._mx.array(0), None)
         if self._native(buf.dtype):
@@ -319,6 +344,12 @@ class MLXGroup(Group):
                                         stream=self._recv_stream)
         self._mx.async_eval(arr)
         return _MLXRequest(arr, target)
+
+    def waitall(self, requests):
+        if self._fallback is not None:
+            return self._fallback.waitall(requests)
+        for req in requests:
+            req.wait()
 
     # -- collectives ----------------------------------------------------------
     def bcast(self, buf, root=0):

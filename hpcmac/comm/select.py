@@ -102,6 +102,7 @@ def _choose(name: str, strict: bool) -> Group:
         _log(f"transport: local ({why})")
         return LocalGroup()
     world = MPIGroup()
+    _agree_on_request(world, name, strict)
     if name == "mpi":
         _log_rank0(world.rank, "transport: mpi")
         return world
@@ -134,6 +135,15 @@ def _choose_mlx_launch(name: str, strict: bool, launched: str) -> Group:
     note = group.fallback_note() + (f"; {rejected}" if rejected else "")
     _log_rank0(rank, f"transport: {launched} ({note})")
     return group
+
+
+def _agree_on_request(world: Group, name: str, strict: bool) -> None:
+    """Collective: every rank must ask for the same transport, else all raise the same error."""
+    asks = world.allgather_obj((name, strict))
+    if len(set(asks)) > 1:
+        detail = ", ".join(f"rank {r} asks {n}{' (strict)' if st else ''}"
+                           for r, (n, st) in enumerate(asks))
+        raise UsageError(f"ranks disagree on the transport: {detail}")
 
 
 def _launcher_backend(name: str) -> str:

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcmac import comm
+from hpcmac.comm.contract import GroupContract
+
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "harness"
 VENV_BIN = Path(sys.executable).parent
@@ -85,6 +88,16 @@ def leftovers(marker: str) -> list[str]:
         if marker in cmdline:
             found.append(f"{pid}: {cmdline}")
     return found
+
+
+class TestRingSingletonContract(GroupContract):
+    """One process (an MPI singleton): the ring transport is MLX's size-1 group."""
+
+    transport = "ring"
+
+    @pytest.fixture
+    def group(self):
+        return comm.init("ring", strict=True)
 
 
 LOG_LINE = {
