@@ -173,7 +173,7 @@ def run(world, impls: list, p2p_impls: list, args) -> dict:
             t = _median_rounds(world, fns, rounds)
             report["latency"].append({"bytes": size, **{m.name: t[i] * 1e6
                                                         for i, m in enumerate(p2p_impls)}})
-        for size in _sizes(KiB, args.max_bandwidth):
+        for size in _sizes(args.min_bandwidth, args.max_bandwidth):
             buf = np.zeros(size, dtype=np.uint8)
             window = max(1, min(64, (64 * MiB) // size))
             # up to 40 windows, at most ~256 MiB per measurement (4 windows when --quick)
@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size")
     parser.add_argument("--quick", action="store_true", help="few iterations, small sizes (tests)")
     parser.add_argument("--max-latency", type=_size_arg, default=None, help="default 1M")
+    parser.add_argument("--min-bandwidth", type=_size_arg, default=KiB, help="default 1K")
     parser.add_argument("--max-bandwidth", type=_size_arg, default=None, help="default 64M")
     parser.add_argument("--max-collective", type=_size_arg, default=None, help="default 1M")
     args = parser.parse_args(argv)

@@ -181,20 +181,28 @@ def mpi_all_gather_factory(comm):
     return factory
 
 
-def _jaccl_over_mpi(mx, world: Group):
+def rdma_matrix_problem(size: int, rank: int) -> tuple[list | None, str]:
+    """(device matrix, '') when this rank's matrix fits ``size`` ranks, else (None, reason).
+
+    Not collective: each rank reads its own ``HPCMAC_IBV_DEVICES``/``MLX_IBV_DEVICES``
+    and checks it against this host's ``ibv_devices``.
+    """
     spec = rdma_env.matrix_spec_from_env()
-    problem = "no device matrix (HPCMAC_IBV_DEVICES)" if not spec else ""
-    matrix = None
-    if spec:
-        try:
-            matrix = rdma_env.load_device_matrix(spec)
-            problem = rdma_env.check_device_matrix(matrix, world.size, world.rank,
-                                                   rdma_env.local_devices())
-        except ValueError as exc:
-            problem = str(exc)
+    if not spec:
+        return None, "rdma: no device matrix (HPCMAC_IBV_DEVICES)"
+    try:
+        matrix = rdma_env.load_device_matrix(spec)
+    except ValueError as exc:
+        return None, f"rdma: {exc}"
+    problem = rdma_env.check_device_matrix(matrix, size, rank, rdma_env.local_devices())
+    return (None, f"rdma: {problem}") if problem else (matrix, "")
+
+
+def _jaccl_over_mpi(mx, world: Group):
+    matrix, problem = rdma_matrix_problem(world.size, world.rank)
     problems = [p for p in world.allgather_obj(problem) if p]
     if problems:
-        raise RuntimeError(f"rdma: {problems[0]}")
+        raise RuntimeError(problems[0])
     factory = mpi_all_gather_factory(world.comm)
     import json
 

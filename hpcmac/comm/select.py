@@ -155,6 +155,9 @@ def _mlx_reason(world: Group, name: str) -> str:
     from hpcmac.comm import mlx as mlx_backend
 
     ok, why = mlx_backend.is_available(name)
+    if ok and name == "rdma":  # the device matrix must fit this job's ranks too
+        why = mlx_backend.rdma_matrix_problem(world.size, world.rank)[1]
+        ok = not why
     verdicts = world.allgather_obj((ok, why))
     bad = [(r, reason) for r, (good, reason) in enumerate(verdicts) if not good]
     if not bad:

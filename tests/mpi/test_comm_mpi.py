@@ -129,6 +129,34 @@ def test_bad_device_matrix_stops_rdma_on_every_rank(tmp_path, monkeypatch):
     parallel_assert(True, "", w)
 
 
+def test_auto_rejects_rdma_whose_matrix_does_not_fit(monkeypatch, capfd):
+    # as on a Mac mesh with jaccl: everything usable but the matrix (two ranks on one host)
+    import json
+
+    from hpcmac.comm import mlx as mlx_backend
+    from hpcmac.comm import rdma_env, select
+
+    w = world()
+    monkeypatch.setattr(select, "_cached", {})
+    monkeypatch.delenv("HPCMAC_QUIET_TRANSPORT", raising=False)
+    monkeypatch.setattr(mlx_backend, "is_available", lambda name: (True, ""))
+    monkeypatch.setattr(rdma_env, "local_devices", lambda: ["rdma_en2"])
+    matrix = [[None if i == j else "rdma_en2" for j in range(w.size)] for i in range(w.size)]
+    if w.size > 1:
+        matrix[0][1] = matrix[1][0] = None
+    monkeypatch.setenv("HPCMAC_IBV_DEVICES", json.dumps(matrix))
+    if w.size == 1:  # one rank: [[null]] is a valid (empty) mesh
+        got, why = mlx_backend.rdma_matrix_problem(1, 0)
+        parallel_assert(got == [[None]] and why == "", why, w)
+        return
+    g = comm.init("auto")
+    err = capfd.readouterr().err
+    expect = "transport: mpi (rdma: device matrix [0][1] is null: ranks 0 and 1 are not cabled)"
+    parallel_assert(g.transport == "mpi" and (expect in err) == (w.rank == 0), err, w)
+    with pytest.raises(UsageError, match="not cabled"):
+        comm.init("rdma", strict=True)
+
+
 def test_unknown_transport_is_usage_error_listing_valid_ones(monkeypatch):
     with pytest.raises(UsageError, match="auto, mpi, rdma, ring, local"):
         comm.init("infiniband")

@@ -6,6 +6,7 @@ contract (tests/harness/case_comm_ring.py) or a rank that dies mid-collective
 and that no process of the job is left running.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -158,3 +159,45 @@ def test_peer_dying_mid_collective_ends_the_job(launcher, transport, np_):
     while leftovers(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not leftovers(marker), leftovers(marker)
+
+
+def _netns_ok() -> bool:
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which("ip") is not None and sys.platform.startswith("linux")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not _netns_ok(), reason="needs root and iproute2 for network namespaces")
+def test_ring_listens_on_the_cable_towards_its_left_neighbour():
+    """Two 'hosts' (network namespaces) joined by one /30 'cable', each with other addresses
+    too: the ring bootstrap must pick this host's end of the cable to the left neighbour."""
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"hpcc-{tag}-a", f"hpcc-{tag}-b"
+    net = 10 + int(tag, 16) % 200
+    cmds = [["ip", "netns", "add", a], ["ip", "netns", "add", b],
+            ["ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}"],
+            ["ip", "link", "set", f"va{tag}", "netns", a],
+            ["ip", "link", "set", f"vb{tag}", "netns", b],
+            ["ip", "-n", a, "addr", "add", f"10.213.{net}.1/30", "dev", f"va{tag}"],
+            ["ip", "-n", b, "addr", "add", f"10.213.{net}.2/30", "dev", f"vb{tag}"],
+            ["ip", "-n", b, "addr", "add", "10.212.0.9/32", "dev", "lo"],
+            ["ip", "-n", a, "link", "set", f"va{tag}", "up"],
+            ["ip", "-n", b, "link", "set", f"vb{tag}", "up"],
+            ["ip", "-n", a, "link", "set", "lo", "up"], ["ip", "-n", b, "link", "set", "lo", "up"]]
+    probe = ("import json, sys; from hpcmac.comm import ring_env as r; "
+             "mine = r.local_ipv4(); "
+             "ips = [json.loads(sys.argv[1]), mine]; "
+             "print(json.dumps([mine, r.listen_address(1, ['a', 'b'], ips)]))")
+    try:
+        for c in cmds:
+            subprocess.run(c, check=True, capture_output=True, timeout=10)
+        left_ips = json.dumps(["10.212.7.7", f"10.213.{net}.1"])  # an unreachable one first
+        out = subprocess.run(["ip", "netns", "exec", b, sys.executable, "-c", probe, left_ips],
+                             capture_output=True, text=True, timeout=30, env=_env(), check=True)
+        mine, chosen = json.loads(out.stdout)
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+    assert f"10.213.{net}.2" in mine and "10.212.0.9" in mine and mine[-1] == "127.0.0.1", mine
+    assert chosen == f"10.213.{net}.2"
