@@ -1,27 +1,45 @@
 """Progress of a running factorisation on stderr: columns done, elapsed, ETA.
 
 Only rank 0 shows it, and only when asked or when the user is at a terminal.
-Open MPI hands a rank's stdout a pseudo-terminal when ``mpirun``'s is one, but
-its stderr a pipe that it forwards line by line (a ``\r`` redraw would show
-only at the end): so "a terminal" means stderr or stdout is one, and on a
-non-terminal stderr the progress comes as whole lines, a few seconds apart.
+Under ``mpirun`` a rank's own streams say nothing about that: Open MPI gives
+every rank's stdout a pseudo-terminal (even in batch) and its stderr a pipe
+that it forwards line by line (a ``\r`` redraw would show only at the end). So
+"a terminal" means this process's stderr is one, or, under a launcher, the
+launcher's (its parent's) stderr is one (Linux ``/proc``); on a non-terminal
+stderr the progress comes as whole lines, a few seconds apart.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
 
 
 def want_progress(setting: str, stream: TextIO | None = None) -> bool:
-    """``setting`` "on", "off" or "auto": a terminal on ``stream`` (default: stderr or stdout)."""
+    """``setting`` "on", "off" or "auto": a terminal on ``stream`` (default: stderr, or the
+    launcher's stderr when started by one)."""
     if setting == "on":
         return True
     if setting == "off":
         return False
-    streams = (sys.stderr, sys.stdout) if stream is None else (stream,)
-    return any(_isatty(s) for s in streams)
+    if stream is not None:
+        return _isatty(stream)
+    return _isatty(sys.stderr) or (_launched() and _parent_stderr_is_tty())
+
+
+def _launched() -> bool:
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+def _parent_stderr_is_tty() -> bool:
+    """Whether the launcher that started us (our parent) writes its stderr to a terminal."""
+    try:
+        target = os.readlink(f"/proc/{os.getppid()}/fd/2")
+    except OSError:
+        return False
+    return target.startswith(("/dev/pts/", "/dev/tty"))
 
 
 def _isatty(stream) -> bool:
