@@ -151,7 +151,12 @@ class _Loader:
         return w
 
     def __call__(self, name: str, shape: tuple):
+        """A vector or a norm weight, as a backend array."""
         return self.be.asarray(self.np(name, shape))
+
+    def w(self, name: str, shape: tuple):
+        """A matrix used by ``backend.linear`` (stored the backend's way)."""
+        return self.be.weight(self.np(name, shape))
 
     def experts(self, layer: int, which: str, shape: tuple) -> np.ndarray:
         w = self.ckpt.experts(layer, which)
@@ -175,27 +180,27 @@ def _load_layer(ld: _Loader, cfg: ModelConfig, i: int) -> dict:
         nope, rd, r, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, \
             cfg.v_head_dim
         if cfg.q_lora_rank:
-            w["wq_a"] = ld(a + "q_a_proj.weight", (cfg.q_lora_rank, D))
+            w["wq_a"] = ld.w(a + "q_a_proj.weight", (cfg.q_lora_rank, D))
             w["q_a_norm"] = ld(a + "q_a_layernorm.weight", (cfg.q_lora_rank,))
-            w["wq_b"] = ld(a + "q_b_proj.weight", (H * (nope + rd), cfg.q_lora_rank))
+            w["wq_b"] = ld.w(a + "q_b_proj.weight", (H * (nope + rd), cfg.q_lora_rank))
         else:
-            w["wq"] = ld(a + "q_proj.weight", (H * (nope + rd), D))
-        w["wkv_a"] = ld(a + "kv_a_proj_with_mqa.weight", (r + rd, D))
+            w["wq"] = ld.w(a + "q_proj.weight", (H * (nope + rd), D))
+        w["wkv_a"] = ld.w(a + "kv_a_proj_with_mqa.weight", (r + rd, D))
         w["kv_a_norm"] = ld(a + "kv_a_layernorm.weight", (r,))
         kvb = ld.np(a + "kv_b_proj.weight", (H * (nope + vd), r)).reshape(H, nope + vd, r)
         w["w_uk"] = be.asarray(kvb[:, :nope, :])  # (H, nope, r)
         w["w_uv_t"] = be.asarray(kvb[:, nope:, :].transpose(0, 2, 1))  # (H, r, vd)
-        w["wo"] = ld(a + "o_proj.weight", (D, H * vd))
+        w["wo"] = ld.w(a + "o_proj.weight", (D, H * vd))
     else:
         KV, d = cfg.n_kv_heads, cfg.head_dim
         qkv = [ld.np(a + "q_proj.weight", (H * d, D)), ld.np(a + "k_proj.weight", (KV * d, D)),
                ld.np(a + "v_proj.weight", (KV * d, D))]
-        w["wqkv"] = be.asarray(np.concatenate(qkv, axis=0))
+        w["wqkv"] = be.weight(np.concatenate(qkv, axis=0))
         if cfg.attention_bias:
             w["bqkv"] = be.asarray(np.concatenate(
                 [ld.np(a + "q_proj.bias", (H * d,)), ld.np(a + "k_proj.bias", (KV * d,)),
                  ld.np(a + "v_proj.bias", (KV * d,))]))
-        w["wo"] = ld(a + "o_proj.weight", (D, H * d))
+        w["wo"] = ld.w(a + "o_proj.weight", (D, H * d))
         if cfg.o_bias:
             w["bo"] = ld(a + "o_proj.bias", (D,))
         if cfg.qk_norm:
@@ -204,25 +209,25 @@ def _load_layer(ld: _Loader, cfg: ModelConfig, i: int) -> dict:
     m = p + "mlp."
     if cfg.is_moe_layer(i):
         E, I = cfg.n_experts, cfg.moe_intermediate
-        w["router"] = ld(m + "gate.weight", (E, D))
+        w["router"] = ld.w(m + "gate.weight", (E, D))
         if cfg.arch == "deepseek_v3":
             w["router_bias"] = ld.np(m + "gate.e_score_correction_bias", (E,))
         gate = ld.experts(i, "gate", (E, I, D))
         up = ld.experts(i, "up", (E, I, D))
-        w["e_gu"] = be.asarray(np.concatenate([gate, up], axis=1))  # (E, 2I, D)
+        w["e_gu"] = be.weight(np.concatenate([gate, up], axis=1))  # (E, 2I, D)
         del gate, up
-        w["e_down"] = be.asarray(ld.experts(i, "down", (E, D, I)))
+        w["e_down"] = be.weight(ld.experts(i, "down", (E, D, I)))
         if cfg.n_shared_experts:
             S = I * cfg.n_shared_experts
             s = m + "shared_experts."
-            w["s_w_gu"] = be.asarray(np.concatenate(
+            w["s_w_gu"] = be.weight(np.concatenate(
                 [ld.np(s + "gate_proj.weight", (S, D)), ld.np(s + "up_proj.weight", (S, D))]))
-            w["s_w_down"] = ld(s + "down_proj.weight", (D, S))
+            w["s_w_down"] = ld.w(s + "down_proj.weight", (D, S))
     else:
         I = cfg.intermediate
-        w["w_gu"] = be.asarray(np.concatenate(
+        w["w_gu"] = be.weight(np.concatenate(
             [ld.np(m + "gate_proj.weight", (I, D)), ld.np(m + "up_proj.weight", (I, D))]))
-        w["w_down"] = ld(m + "down_proj.weight", (D, I))
+        w["w_down"] = ld.w(m + "down_proj.weight", (D, I))
         if cfg.mlp_bias:
             w["b_gu"] = be.asarray(np.concatenate(
                 [ld.np(m + "gate_proj.bias", (I,)), ld.np(m + "up_proj.bias", (I,))]))
@@ -257,10 +262,10 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
             extra["embed"] = True
             extra["embed_np"] = emb
         if last and cfg.tie_embeddings:
-            extra["head"] = be.asarray(emb)
+            extra["head"] = be.weight(emb)
     layers = [_load_layer(ld, cfg, i) for i in range(start, end)]
     if last:
         extra["norm"] = ld("model.norm.weight", (cfg.hidden,))
         if not cfg.tie_embeddings:
-            extra["head"] = ld("lm_head.weight", (cfg.vocab, cfg.hidden))
+            extra["head"] = ld.w("lm_head.weight", (cfg.vocab, cfg.hidden))
     return Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes)

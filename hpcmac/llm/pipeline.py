@@ -28,7 +28,9 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
 from __future__ import annotations
 
 import math
+import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -41,23 +43,13 @@ import numpy as np
 
 from hpcmac.comm.base import Group
 from hpcmac.errors import UsageError
+from hpcmac.llm.sampling import Sampler, SamplingParams
 from hpcmac.llm.stages import StageSpec
 
 FWD, CTRL, STOP = 1, 2, 3
 TAG_FWD, TAG_RET = 71, 72
 HDR = 4
 META = 5
-
-
-@dataclass
-class SamplingParams:
-    """How the last stage picks each token (per sequence)."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: no limit
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int = 0
 
 
 @dataclass
@@ -166,23 +158,15 @@ class PipelineResult:
 
 
 class _SeqSampler:
-    """Per-sequence sampling state on the last stage: history and random stream."""
+    """Per-sequence sampling state on the last stage: what it has seen, its random stream."""
 
     def __init__(self, prompt: Sequence[int], params: SamplingParams):
-        self.params = params
-        self.history = list(prompt)
-        self.rng = np.random.default_rng(params.seed)
+        self.sampler = Sampler(params)
+        self.seen = list(prompt)
 
     def sample(self, logits: np.ndarray) -> int:
-        from hpcmac.llm import sampling
-
-        p = self.params
-        tok = sampling.sample(
-            logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-            repetition_penalty=p.repetition_penalty, history=self.history, rng=self.rng,
-        )
-        tok = int(tok)
-        self.history.append(tok)
+        tok = self.sampler(logits, self.seen)
+        self.seen.append(tok)
         return tok
 
 
@@ -212,51 +196,51 @@ class _Link:
 
     def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
         req = self.group.irecv(buf, source, tag)
-        self.wd.wait(req, source, "to send")
+        self.wd.wait(req, source, "to send", grace=0.5 * self.group.rank)
         return buf
 
 
 class _Watchdog:
-    """Ends the job when this rank waits on a peer for longer than ``timeout`` seconds.
+    """Waits on requests politely, and ends the job when a peer stays silent too long.
 
-    A killed rank is reported by the launcher (Open MPI names rank and host);
-    a hung one (stopped, or a dead link that TCP has not noticed) is caught here.
+    Waiting polls the request: a short spin (the next message is usually close),
+    then sleeps growing to half a millisecond, so a waiting stage leaves the CPU
+    to the stage that computes (several ranks may share a machine) and Ctrl-C
+    is seen at once. A killed rank is reported by the launcher (Open MPI names
+    rank and host); a hung one (stopped, or behind a dead link that TCP has not
+    noticed) is caught here after ``timeout`` seconds (0: never).
     """
+
+    #: seconds to poll without sleeping (HPCMAC_PIPELINE_SPIN overrides)
+    SPIN_S = float(os.environ.get("HPCMAC_PIPELINE_SPIN", "2e-4"))
+    MAX_SLEEP_S = 5e-4
 
     def __init__(self, group: Group, hosts: Sequence[str], timeout: float):
         self.group, self.hosts, self.timeout = group, list(hosts), timeout
-        self._since: float | None = None
-        self._peer, self._what = -1, ""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if timeout > 0 and group.size > 1:
-            self._thread = threading.Thread(target=self._watch, daemon=True)
-            self._thread.start()
 
-    def wait(self, req, peer: int, what: str) -> None:
-        self._peer, self._what = peer, what
-        self._since = time.monotonic()
-        try:
-            req.wait()
-        finally:
-            self._since = None
-
-    def close(self) -> None:
-        self._stop.set()
+    def wait(self, req, peer: int, what: str, grace: float = 0.0) -> None:
+        """Block until ``req`` completes; after ``timeout + grace`` s of silence, abort."""
+        if req.test():
+            return
+        limit = self.timeout + grace
+        t0 = time.monotonic()
+        delay = 0.0
+        while not req.test():
+            now = time.monotonic()
+            if now - t0 > self.SPIN_S:
+                time.sleep(delay)
+                delay = min(2 * delay or 2e-5, self.MAX_SLEEP_S)
+            if self.timeout > 0 and now - t0 > limit:
+                self._fail(peer, what, limit)
 
     def _name(self, r: int) -> str:
         return f"rank {r} on {self.hosts[r]}" if 0 <= r < len(self.hosts) else "a peer"
 
-    def _watch(self) -> None:
-        tick = min(1.0, self.timeout / 4)
-        while not self._stop.wait(tick):
-            since = self._since
-            if since is not None and time.monotonic() - since > self.timeout:
-                me = self._name(self.group.rank)
-                print(f"error: {me} waited {self.timeout:g} s for {self._name(self._peer)} "
-                      f"{self._what}; it has died or hung, ending the job",
-                      file=sys.stderr, flush=True)
-                self.group.abort(1)
+    def _fail(self, peer: int, what: str, limit: float) -> None:
+        me = self._name(self.group.rank)
+        print(f"error: {me} waited {limit:g} s for {self._name(peer)} {what}; "
+              "it has died or hung, ending the job", file=sys.stderr, flush=True)
+        self.group.abort(1)
 
 
 # -- the run ------------------------------------------------------------------------
@@ -373,7 +357,7 @@ def _serve(st: _StageState, t_start: float) -> None:
 
 class _Seq:
     __slots__ = ("idx", "req", "tokens", "n_prompt", "fed", "slot", "waiting", "finish",
-                 "t_admit", "t_first", "t_done")
+                 "t_admit", "t_first", "t_done", "last_mb")
 
     def __init__(self, idx: int, req: Request):
         self.idx, self.req = idx, req
@@ -382,6 +366,7 @@ class _Seq:
         self.fed = 0
         self.slot = -1
         self.waiting = False  # a sampled token is on its way back
+        self.last_mb = -1  # the last micro-batch it was in
         self.finish = ""
         self.t_admit = self.t_first = self.t_done = 0.0
 
@@ -398,7 +383,10 @@ class _Scheduler:
                  stop_check: Callable[[int, list[int]], bool] | None):
         self.st, self.t0 = st, t_start
         self.seqs = [_Seq(i, r) for i, r in enumerate(requests)]
-        self.queue = deque(self.seqs)
+        for s in self.seqs:
+            if s.req.max_tokens <= 0:
+                s.finish = "length"
+        self.queue = deque(s for s in self.seqs if not s.finish)
         self.active: list[_Seq] = []
         self.free_slots = list(range(st.plan.max_slots))[::-1]
         self.inflight: deque = deque()
@@ -421,23 +409,21 @@ class _Scheduler:
             self.ctrl["add"].append((s.idx, list(s.req.prompt), s.req.sampling))
 
     def form(self) -> list[tuple[_Seq, int]]:
+        """The next micro-batch: ready sequences, least recently served first.
+
+        At most ``ceil(active / micro_batches)`` sequences and ``prefill_chunk``
+        tokens (a decoding sequence brings one token, a prompt a chunk of it).
+        """
         plan = self.st.plan
         cap = max(1, math.ceil(len(self.active) / plan.micro_batches))
         budget = max(plan.chunk, cap)
         out, used = [], 0
-        ready = [s for s in self.active if s.ready]
-        # decoding sequences first (one token each), then prompt chunks
-        for s in ready:
-            if len(out) < cap and len(s.tokens) - s.fed == 1 and s.fed >= s.n_prompt:
-                out.append((s, 1))
-                used += 1
-        for s in ready:
+        for s in sorted((s for s in self.active if s.ready), key=lambda s: s.last_mb):
             if len(out) >= cap or used >= budget:
                 break
-            if s.fed < s.n_prompt:
-                n = min(len(s.tokens) - s.fed, budget - used)
-                out.append((s, n))
-                used += n
+            n = min(len(s.tokens) - s.fed, budget - used)
+            out.append((s, n))
+            used += n
         return out
 
     def send_ctrl(self) -> None:
@@ -461,6 +447,7 @@ class _Scheduler:
             meta[k] = (s.idx, s.slot, n, s.fed, int(sample))
             toks.extend(s.tokens[s.fed : s.fed + n])
             s.fed += n
+            s.last_mb = self.mb_id
             if sample:
                 s.waiting = True
                 sampled.append(s)
@@ -489,7 +476,8 @@ class _Scheduler:
             return False
         mb_id, sampled, buf, req = self.inflight[0]
         if block:
-            self.st.link.wd.wait(req, self.size - 1, "to send back tokens")
+            self.st.link.wd.wait(req, self.size - 1, "to send back tokens",
+                                 grace=0.5 * self.size + 1.0)
         elif not req.test():
             return False
         self.inflight.popleft()
@@ -524,35 +512,42 @@ class _Scheduler:
         self.free_slots.append(s.slot)
         self.ctrl["free"].append((s.idx, s.slot))
 
+    def interrupt(self, signum=None, frame=None) -> None:
+        """SIGINT: the first stops cleanly (in-flight micro-batches return, then STOP
+        goes down the pipeline); a second one raises KeyboardInterrupt (the job aborts)."""
+        if self.stopping:
+            raise KeyboardInterrupt
+        self.stopping = True
+        print("interrupted: stopping the pipeline (Ctrl-C again to abort)",
+              file=sys.stderr, flush=True)
+
     def run(self) -> None:
         plan = self.st.plan
         while True:
-            try:
-                if self.stopping:
-                    while self.collect(block=True):
-                        pass
-                    break
-                self.admit()
-                while self.collect(block=False):
+            if self.stopping:
+                while self.collect(block=True):
                     pass
-                if len(self.inflight) < plan.micro_batches:
-                    mb = self.form()
-                    if mb:
-                        self.issue(mb)
-                        continue
-                if self.inflight:
-                    self.collect(block=True)
-                elif not self.active and not self.queue:
-                    break
-            except KeyboardInterrupt:
-                # stop cleanly: let the micro-batches in flight come back, then STOP all
-                self.stopping = True
+                break
+            self.admit()
+            while self.collect(block=False):
+                pass
+            if len(self.inflight) < plan.micro_batches:
+                mb = self.form()
+                if mb:
+                    self.issue(mb)
+                    continue
+            if self.inflight:
+                self.collect(block=True)
+            elif not self.active and not self.queue:
+                break
         t = self.now()
         for s in self.seqs:
-            if not s.finish and s.slot >= 0:
+            if s.finish:
+                continue
+            if s.slot >= 0:
                 s.finish = "interrupted"
                 s.t_done = t
-            elif not s.finish:
+            else:
                 s.finish = "interrupted"
                 s.t_admit = s.t_first = s.t_done = t
         self.send_ctrl()
@@ -625,23 +620,27 @@ def run_pipeline(
     seq_results = None
     interrupted = False
     decode_tokens = 0
-    try:
-        if group.rank == 0:
-            sched = _Scheduler(st, requests, t_start, on_token, stop_check)
+    if group.rank == 0:
+        sched = _Scheduler(st, requests, t_start, on_token, stop_check)
+        old = None
+        if threading.current_thread() is threading.main_thread():
+            old = signal.signal(signal.SIGINT, sched.interrupt)
+        try:
             sched.run()
-            st.link.flush()
-            st.stats.wall_s = time.perf_counter() - t_start
-            interrupted = sched.stopping
-            decode_tokens = sched.decode_tokens
-            seq_results = [
-                SeqResult(s.idx, list(s.req.prompt), s.tokens[s.n_prompt :], s.finish,
-                          s.t_admit, s.t_first, s.t_done)
-                for s in sched.seqs
-            ]
-        else:
-            _serve(st, t_start)
-    finally:
-        watchdog.close()
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+        st.link.flush()
+        st.stats.wall_s = time.perf_counter() - t_start
+        interrupted = sched.stopping
+        decode_tokens = sched.decode_tokens
+        seq_results = [
+            SeqResult(s.idx, list(s.req.prompt), s.tokens[s.n_prompt :], s.finish,
+                      s.t_admit, s.t_first, s.t_done)
+            for s in sched.seqs
+        ]
+    else:
+        _serve(st, t_start)
     for (dest, phase), nb in st.link.bytes.items():
         is_ret = dest == 0 and group.rank == p - 1 and p > 1
         target = st.stats.ret_sent if is_ret else st.stats.sent

@@ -1,0 +1,243 @@
+"""``python -m hpcmac.bench.llm``: decode speed against the memory-bandwidth bound and llama.cpp.
+
+Measured in one run, in interleaved rounds (medians reported), with the same
+number of BLAS / llama.cpp threads:
+
+* the machine's read bandwidth (BLAS ``sdot`` over two arrays far larger than cache),
+* single-sequence decode tok/s, against the bound ``bandwidth / weight bytes per token``,
+* batched decode of ``--batch`` sequences (aggregate tok/s) against the single rate,
+* llama.cpp (``xllamacpp`` wheel, if installed) on the same weights as an F32 GGUF.
+
+By default the model is a random float32 Llama of ~150M parameters (~490 MB read
+per token) written to a temporary folder; ``--model`` benchmarks any checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hpcmac.errors import UsageError, run_cli
+
+
+def write_random_llama(folder: Path, hidden: int, layers: int, intermediate: int, vocab: int,
+                       heads: int, kv_heads: int, seed: int = 0) -> Path:
+    """A random float32 Llama checkpoint (config.json + model.safetensors), numpy only."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    d = hidden // heads
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+           "intermediate_size": intermediate, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
+           "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "torch_dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
+
+    t = {"model.embed_tokens.weight": w(vocab, hidden), "lm_head.weight": w(vocab, hidden),
+         "model.norm.weight": np.ones(hidden, np.float32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
+        t[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
+        t[p + "self_attn.q_proj.weight"] = w(heads * d, hidden)
+        t[p + "self_attn.k_proj.weight"] = w(kv_heads * d, hidden)
+        t[p + "self_attn.v_proj.weight"] = w(kv_heads * d, hidden)
+        t[p + "self_attn.o_proj.weight"] = w(hidden, heads * d)
+        t[p + "mlp.gate_proj.weight"] = w(intermediate, hidden)
+        t[p + "mlp.up_proj.weight"] = w(intermediate, hidden)
+        t[p + "mlp.down_proj.weight"] = w(hidden, intermediate)
+    save_file(t, str(folder / "model.safetensors"))
+    return folder
+
+
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Read bandwidth in bytes/s: BLAS sdot over two float32 arrays of nbytes/2 each."""
+    n = nbytes // 8
+    a = np.ones(n, dtype=np.float32)
+    b = np.ones(n, dtype=np.float32)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * n * 4 / statistics.median(times)
+
+
+def decode_rate(stage, n_seq: int, steps: int, prompt_len: int = 16) -> float:
+    """Aggregate decode tok/s of n_seq sequences (median step time), after a prefill."""
+    from hpcmac.llm.model import Batch
+
+    cache = stage.new_cache(n_seq, prompt_len + steps + 1)
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(0, stage.config.vocab, size=(n_seq, prompt_len))
+    slots = list(range(n_seq))
+    h = stage.forward(stage.embed(prompts.ravel()), Batch(slots, [prompt_len] * n_seq,
+                                                          [0] * n_seq), cache)
+    last = np.cumsum([prompt_len] * n_seq) - 1
+    toks = stage.logits(h[last]).argmax(axis=1)
+    times = []
+    for s in range(steps):
+        t = time.perf_counter()
+        h = stage.forward(stage.embed(toks), Batch(slots, [1] * n_seq,
+                                                   [prompt_len + s] * n_seq), cache)
+        toks = stage.logits(h).argmax(axis=1)
+        times.append(time.perf_counter() - t)
+    return n_seq / statistics.median(times)
+
+
+def llamacpp_rate(gguf_path: Path, threads: int, steps: int, vocab: int) -> float | None:
+    """llama.cpp decode tok/s on the same weights (None if xllamacpp is not installed)."""
+    try:
+        import xllamacpp as xlc
+    except ImportError:
+        return None
+    p = xlc.CommonParams()
+    p.model.path = str(gguf_path)
+    p.n_ctx = 256
+    p.cpuparams.n_threads = threads
+    p.cpuparams_batch.n_threads = threads
+    server = xlc.Server(p)
+    prompt = [int(x) for x in np.random.default_rng(1).integers(0, vocab, 16)]
+    rates = []
+    for _ in range(2):  # the first request warms up
+        res = server.handle_completions({"prompt": prompt, "max_tokens": steps, "n_predict": steps,
+                                         "temperature": 0, "ignore_eos": True,
+                                         "cache_prompt": False})
+        rates.append(res["timings"]["predicted_per_second"])
+    del server
+    return rates[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcmac.bench.llm",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: a random float32 Llama)")
+    ap.add_argument("--workdir", default=None, help="where the random model and GGUF go")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--threads", type=int, default=1, help="BLAS and llama.cpp threads")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    ap.add_argument("--batch", type=int, default=4, help="sequences in the batched run")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--backend", default="numpy")
+    ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    if args.threads < 1 or args.steps < 1 or args.batch < 1 or args.rounds < 1:
+        raise UsageError("--threads, --steps, --batch and --rounds must be >= 1")
+    from threadpoolctl import threadpool_limits
+
+    from hpcmac.llm.model import load_stage
+
+    tmp = None
+    if args.workdir:
+        work = Path(args.workdir)
+    else:
+        work = Path(tmp := tempfile.mkdtemp(prefix="hpcmac-llm-"))
+    model = args.model
+    if model is None:
+        model = write_random_llama(work / "llama", args.hidden, args.layers, args.intermediate,
+                                   args.vocab, heads=args.hidden // 64,
+                                   kv_heads=max(1, args.hidden // 256))
+    stage = load_stage(model, 0, _n_layers(model), True, True, backend=args.backend)
+    cfg = stage.config
+    per_token = stage.nbytes - cfg.vocab * cfg.hidden * 4 * (0 if cfg.tie_embeddings else 1)
+    gguf_path = None
+    if not args.no_llamacpp and args.model is None:
+        try:
+            import xllamacpp  # noqa: F401
+
+            from hpcmac.llm.fixtures import write_gguf
+
+            gguf_path = write_gguf(model, work / "llama-f32.gguf", "F32")
+        except ImportError:
+            gguf_path = None
+    rounds = []
+    with threadpool_limits(args.threads):
+        for _ in range(args.rounds):
+            r = {"bandwidth": read_bandwidth(),
+                 "single": decode_rate(stage, 1, args.steps),
+                 "batched": decode_rate(stage, args.batch, args.steps)}
+            if gguf_path is not None:
+                with _quiet_stderr():  # llama.cpp logs every load to fd 2
+                    r["llamacpp"] = llamacpp_rate(gguf_path, args.threads, args.steps, cfg.vocab)
+            rounds.append(r)
+    for r in rounds:  # ratios within a round: the load of a shared machine shifts between rounds
+        r["single_vs_bound"] = r["single"] * per_token / r["bandwidth"]
+        r["batched_vs_single"] = r["batched"] / r["single"]
+        if r.get("llamacpp"):
+            r["vs_llamacpp"] = r["single"] / r["llamacpp"]
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    bound = med["bandwidth"] / per_token
+    print(f"hpcmac.bench.llm: {platform.processor() or platform.machine()}, {os.cpu_count()} "
+          f"cores, {args.threads} thread(s), backend {args.backend}; medians of {args.rounds} "
+          "rounds; ratios are medians of per-round ratios (a shared machine's load shifts)")
+    print(f"model: {cfg.arch}, {cfg.n_layers} layers, hidden {cfg.hidden}, "
+          f"{stage.nbytes / 1e6:.0f} MB float32, {per_token / 1e6:.0f} MB read per token")
+    rows = [("read bandwidth (sdot)", f"{med['bandwidth'] / 1e9:.1f} GB/s", "", ""),
+            ("decode, 1 sequence", f"{med['single']:.1f} tok/s", f"bound {bound:.1f} tok/s",
+             f"{med['single_vs_bound']:.2f}"),
+            (f"decode, {args.batch} sequences", f"{med['batched']:.1f} tok/s",
+             f"1 seq {med['single']:.1f} tok/s", f"{med['batched_vs_single']:.2f}")]
+    if "vs_llamacpp" in med:
+        rows.append(("llama.cpp F32, 1 sequence", f"{med['llamacpp']:.1f} tok/s",
+                     f"hpcmac {med['single']:.1f} tok/s", f"{med['vs_llamacpp']:.2f}"))
+    else:
+        rows.append(("llama.cpp", "not run", "xllamacpp not installed or --model given", ""))
+    print(f"{'measure':<28}{'value':>14}  {'reference':<28}{'ratio':>6}")
+    for name, val, ref, ratio in rows:
+        print(f"{name:<28}{val:>14}  {ref:<28}{ratio:>6}")
+    if args.json:
+        out = {"threads": args.threads, "backend": args.backend, "weight_bytes": stage.nbytes,
+               "bytes_per_token": per_token, "rounds": rounds, "median": med,
+               "bound_tok_s": bound, "single_vs_bound": med["single_vs_bound"],
+               "batched_vs_single": med["batched_vs_single"],
+               "vs_llamacpp": med.get("vs_llamacpp")}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if tmp is not None:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(null)
+        os.close(saved)
+
+
+def _n_layers(model) -> int:
+    from hpcmac.llm.config import load_config
+
+    return load_config(model).n_layers
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
