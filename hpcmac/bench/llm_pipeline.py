@@ -1,17 +1,20 @@
 """Pipeline-parallel decoding at 1, 2, 4 ... ranks, measured in one run.
 
 ``python -m hpcmac.bench.llm_pipeline [--model smollm2] [--ranks 1,2,4] [--json FILE]``
-(also ``python -m hpcmac.llm bench``) launches ``tools/mpirun NP`` once per rank
-count, each rank with one BLAS thread, and each job measures on the same
-prompts:
+(also ``python -m hpcmac.llm bench``) starts one job of ``max(ranks)`` ranks
+(``tools/mpirun``, one BLAS thread per rank). The job splits its world into a
+pipeline of the first 1, 2, 4 ... ranks, loads every pipeline's stages once,
+and then measures the pipelines in turn, round after round, so that the load of
+a shared machine weighs on all of them alike (ranks outside the pipeline being
+measured sleep). On the same prompts it measures:
 
 * one sequence: time to first token, prefill tok/s, decode tok/s;
 * ``--batches 4,16`` sequences in flight: aggregate decode tok/s, with the
   sequences split into one micro-batch per stage (on one rank: one batch);
 * bytes sent per decoded token on each link, and each stage's busy fraction.
 
-The table gives every rate as a ratio to the 1-rank job of the same run,
-the reference. Medians of ``--repeats`` runs.
+The table gives every rate as a ratio to the first pipeline (1 rank), the
+reference, measured in the same rounds. Medians of ``--repeats`` rounds.
 """
 
 from __future__ import annotations
@@ -67,42 +70,85 @@ def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(3, vocab, length)] for _ in range(n)]
 
 
+class _Sleeper:
+    """Ranks outside the pipeline being measured wait here without using the CPU."""
+
+    def __init__(self, world):
+        from hpcmac.llm.pipeline_link import Watchdog
+
+        self.world = world
+        # idle for seconds: poll every 20 ms at most, not to disturb the ranks measured
+        self.wd = Watchdog(world, [""] * world.size, timeout=0, max_sleep=0.02)
+
+    def sync(self) -> None:
+        """Collective over the world, each rank sleeping while it waits."""
+        import numpy as np
+
+        w = self.world
+        if w.size == 1:
+            return
+        buf = np.zeros(1, dtype=np.int64)
+        if w.rank == 0:
+            for r in range(1, w.size):
+                self.wd.wait(w.irecv(buf, r, 91), r, "")
+            for r in range(1, w.size):
+                w.send(buf, r, 92)
+        else:
+            w.send(buf, 0, 91)
+            self.wd.wait(w.irecv(buf, 0, 92), 0, "")
+
+
 def worker(args) -> int:
-    """Collective: load this rank's stage once, run every measurement, rank 0 writes JSON."""
+    """Collective: load every pipeline's stages once, measure them round-robin; rank 0 writes."""
     from hpcmac import comm
     from hpcmac.llm.config import load_config
     from hpcmac.llm.model import load_stage
     from hpcmac.llm.pipeline import Request, run_pipeline
     from hpcmac.llm.pipeline_cli import agree, plan_stages
 
-    group = comm.init(args.transport)
-    cfg = agree(group, lambda: load_config(args.model))
+    world = comm.init(args.transport)
+    ranks = _ints(args.ranks, "--ranks")
+    cfg = agree(world, lambda: load_config(args.model))
     batches = _ints(args.batches, "--batches")
     max_b = max(batches)
     max_len = max(args.prompt_len, args.batch_prompt_len) + args.new
-    plan = plan_stages(group, args.model, cfg, None, os.environ.get("HPCMAC_HOSTFILE"),
-                       max_b * max_len)
-    spec = plan.stages[group.rank]
-    stage = load_stage(args.model, spec.start, spec.end, first=spec.first, last=spec.last)
+    sleeper = _Sleeper(world)
+    pipes = {}
+    for np_ in ranks:
+        sub = world.split(0 if world.rank < np_ else 1, world.rank)
+        if world.rank < np_:
+            plan = plan_stages(sub, args.model, cfg, None, os.environ.get("HPCMAC_HOSTFILE"),
+                               max_b * max_len)
+            spec = plan.stages[sub.rank]
+            stage = load_stage(args.model, spec.start, spec.end, first=spec.first,
+                               last=spec.last)
+            pipes[np_] = (sub, plan, spec, stage)
+        sleeper.sync()
 
-    def run(prompts, n_new):
+    def run(np_, prompts, n_new):
+        sub, plan, spec, stage = pipes[np_]
         reqs = [Request(p, n_new) for p in prompts]  # no EOS: exactly n_new tokens
-        return run_pipeline(group, stage, spec, cfg.hidden, reqs, max_batch=len(prompts),
-                            max_len=max_len, hosts=plan.hosts, timeout=120)
+        return run_pipeline(sub, stage, spec, cfg.hidden, reqs, max_batch=len(prompts),
+                            max_len=max_len, hosts=plan.hosts, timeout=300)
 
-    run(_prompts(cfg.vocab, 1, 8, 0), 4)  # warm-up
     single = _prompts(cfg.vocab, 1, args.prompt_len, 1)
-    rows = {"single": [], **{f"batch{b}": [] for b in batches}}
-    for _ in range(args.repeats):
-        rows["single"].append(_measure(run(single, args.new)))
-        for b in batches:
-            rows[f"batch{b}"].append(_measure(run(_prompts(cfg.vocab, b, args.batch_prompt_len,
-                                                           2), args.new)))
-    if group.rank == 0:
-        doc = {"ranks": group.size, "layers": [s.n_layers for s in plan.stages],
-               "hidden": cfg.hidden, "model": args.model,
-               "results": {k: _median(v) for k, v in rows.items()}}
-        Path(args.worker).write_text(json.dumps(doc, indent=1))
+    many = {b: _prompts(cfg.vocab, b, args.batch_prompt_len, 2) for b in batches}
+    rows = {np_: {"single": [], **{f"batch{b}": [] for b in batches}} for np_ in ranks}
+    for rep in range(args.repeats + 1):  # round 0 warms up
+        for np_ in ranks:
+            if world.rank < np_:
+                got = {"single": _measure(run(np_, single, args.new))}
+                for b in batches:
+                    got[f"batch{b}"] = _measure(run(np_, many[b], args.new))
+                if rep > 0:
+                    for k, v in got.items():
+                        rows[np_][k].append(v)
+            sleeper.sync()
+    if world.rank == 0:
+        docs = [{"ranks": np_, "layers": [s.n_layers for s in pipes[np_][1].stages],
+                 "hidden": cfg.hidden, "model": args.model,
+                 "results": {k: _median(v) for k, v in rows[np_].items()}} for np_ in ranks]
+        Path(args.worker).write_text(json.dumps(docs, indent=1))
     return 0
 
 
@@ -114,6 +160,9 @@ def _measure(res) -> dict:
         "decode_tok_s": res.decode_tok_s(),
         "per_seq_decode_tok_s": statistics.median(s.decode_tok_s for s in res.seqs),
         "busy": [st.busy for st in res.stats],
+        # CPU seconds per generated token of the busiest stage: the rate each rank
+        # would reach with a core of its own
+        "cpu_s_per_token": max(st.cpu_s for st in res.stats) / max(res.generated, 1),
         "bytes_per_token": [x["bytes_per_token"] for x in res.link_bytes_per_token()],
         "links": [x["link"] for x in res.link_bytes_per_token()],
     }
@@ -134,15 +183,17 @@ def _median(runs: list[dict]) -> dict:
 # -- the driver -----------------------------------------------------------------------
 
 
-def launch(np_: int, args, out: str) -> dict:
+def launch(args, out: str) -> list[dict]:
+    """Run the measuring job on ``max(ranks)`` ranks; the per-pipeline results."""
+    np_ = max(_ints(args.ranks, "--ranks"))
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1", HPCMAC_QUIET_TRANSPORT="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [str(ROOT / "tools" / "mpirun"), str(np_), sys.executable, "-m",
            "hpcmac.bench.llm_pipeline", "--worker", out, "--model", args.model,
-           "--prompt-len", str(args.prompt_len), "--new", str(args.new),
-           "--batches", args.batches, "--batch-prompt-len", str(args.batch_prompt_len),
-           "--repeats", str(args.repeats)]
+           "--ranks", args.ranks, "--prompt-len", str(args.prompt_len), "--new",
+           str(args.new), "--batches", args.batches, "--batch-prompt-len",
+           str(args.batch_prompt_len), "--repeats", str(args.repeats)]
     if args.transport:
         cmd += ["--transport", args.transport]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -156,7 +207,8 @@ def table(docs: list[dict], batches: list[int]) -> str:
     ref = docs[0]["results"]
     head = ["ranks", "layers", "TTFT s", "prefill tok/s", "decode tok/s (x)"]
     head += [f"{b} seqs agg tok/s (x)" for b in batches]
-    head += ["bytes/token/link", "busy (1 seq)", f"busy ({batches[-1]} seqs)"]
+    head += ["bytes/token/link", "busy (1 seq)", f"busy ({batches[-1]} seqs)",
+             f"CPU-bound x (1 seq, {batches[-1]} seqs)"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for d in docs:
         r = d["results"]
@@ -170,7 +222,10 @@ def table(docs: list[dict], batches: list[int]) -> str:
             row.append(f"{x:.1f} ({x / x0:.2f}x)")
         row.append(" ".join(f"{v:.0f}" for v in s["bytes_per_token"]) or "-")
         row.append(" ".join(f"{v:.0%}" for v in s["busy"]))
-        row.append(" ".join(f"{v:.0%}" for v in r[f"batch{batches[-1]}"]["busy"]))
+        big = f"batch{batches[-1]}"
+        row.append(" ".join(f"{v:.0%}" for v in r[big]["busy"]))
+        row.append(f"{ref['single']['cpu_s_per_token'] / s['cpu_s_per_token']:.2f} "
+                   f"{ref[big]['cpu_s_per_token'] / r[big]['cpu_s_per_token']:.2f}")
         lines.append(" | ".join(row))
     return "\n".join(lines)
 
@@ -182,21 +237,23 @@ def main(argv: list[str] | None = None) -> int:
     ranks = _ints(args.ranks, "--ranks")
     batches = _ints(args.batches, "--batches")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    docs = []
+    print(f"running pipelines of {', '.join(map(str, ranks))} ranks in one "
+          f"{max(ranks)}-rank job ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for np_ in ranks:
-            print(f"running {np_} rank{'s' * (np_ > 1)} ...", file=sys.stderr, flush=True)
-            docs.append(launch(np_, args, f"{tmp}/np{np_}.json"))
+        docs = launch(args, f"{tmp}/runs.json")
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"model {args.model}, hidden {docs[0]['hidden']}; one BLAS thread per rank; "
           f"{os.cpu_count()} cores; load average {load:.1f} before, {load_after:.1f} after")
     print(f"one sequence: {args.prompt_len}-token prompt, {args.new} new tokens; batches: "
           f"{args.batch_prompt_len}-token prompts, {args.new} new each; median of "
-          f"{args.repeats}; (x) = ratio to {docs[0]['ranks']} rank(s) in this run")
+          f"{args.repeats} rounds; (x) = ratio to {docs[0]['ranks']} rank(s) in the same "
+          "rounds")
     print(table(docs, batches))
     h = docs[0]["hidden"]
     print(f"bytes/token/link: decode bytes per decoded token on each link r->r+1 and the "
           f"token link last->0; one hidden vector is {4 * h} bytes")
+    print("CPU-bound x: the 1-rank CPU time per token over the busiest stage's, i.e. the "
+          "ratio if every rank had a core of its own (derived, not a wall-clock rate)")
     if args.json:
         Path(args.json).write_text(json.dumps({"load_before": load, "load_after": load_after,
                                                "args": vars(args), "runs": docs}, indent=1))

@@ -28,7 +28,6 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import signal
 import socket
@@ -43,6 +42,8 @@ import numpy as np
 
 from hpcmac.comm.base import Group
 from hpcmac.errors import UsageError
+from hpcmac.llm.pipeline_link import Link, Watchdog
+from hpcmac.llm.pipeline_results import PipelineResult, RankStats, SeqResult
 from hpcmac.llm.sampling import Sampler, SamplingParams
 from hpcmac.llm.stages import StageSpec
 
@@ -50,6 +51,8 @@ FWD, CTRL, STOP = 1, 2, 3
 TAG_FWD, TAG_RET = 71, 72
 HDR = 4
 META = 5
+
+__all__ = ["PipelineResult", "RankStats", "Request", "SeqResult", "run_pipeline"]
 
 
 @dataclass
@@ -60,98 +63,6 @@ class Request:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class SeqResult:
-    """What one sequence produced, with its timings (seconds since the run started)."""
-
-    index: int
-    prompt_tokens: list[int]
-    tokens: list[int]
-    finish: str  # "eos", "length", "stop" or "interrupted"
-    t_admit: float
-    t_first: float
-    t_done: float
-    logits: list[np.ndarray] | None = None  # (vocab,) float32 per sampled step, if kept
-
-    @property
-    def ttft(self) -> float:
-        return self.t_first - self.t_admit
-
-    @property
-    def decode_tok_s(self) -> float:
-        n = len(self.tokens) - 1
-        dt = self.t_done - self.t_first
-        return n / dt if n > 0 and dt > 0 else 0.0
-
-
-@dataclass
-class RankStats:
-    """One rank's counters for a run (local)."""
-
-    rank: int
-    host: str
-    layers: tuple[int, int]
-    wall_s: float = 0.0
-    busy_s: float = 0.0
-    micro_batches: int = 0
-    sent: dict[str, int] = field(default_factory=dict)  # "decode"/"prefill"/"ctrl" -> bytes
-    sent_to: int = -1
-    ret_sent: dict[str, int] = field(default_factory=dict)  # last stage -> rank 0
-
-    @property
-    def busy(self) -> float:
-        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
-
-
-@dataclass
-class PipelineResult:
-    """Global: the same on every rank after :func:`run_pipeline`."""
-
-    seqs: list[SeqResult]
-    stats: list[RankStats]
-    wall_s: float
-    decode_tokens: int  # tokens fed during decode (one per sequence per step)
-    interrupted: bool = False
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(s.prompt_tokens) for s in self.seqs)
-
-    @property
-    def generated(self) -> int:
-        return sum(len(s.tokens) for s in self.seqs)
-
-    def decode_tok_s(self) -> float:
-        """Aggregate decode rate: tokens after each first one, over the decode span."""
-        n = sum(max(len(s.tokens) - 1, 0) for s in self.seqs)
-        live = [s for s in self.seqs if len(s.tokens) > 1]
-        if not live:
-            return 0.0
-        span = max(s.t_done for s in live) - min(s.t_first for s in live)
-        return n / span if span > 0 else 0.0
-
-    def prefill_tok_s(self) -> float:
-        """Prompt tokens over the time until the last first token."""
-        if not self.seqs:
-            return 0.0
-        span = max(s.t_first for s in self.seqs) - min(s.t_admit for s in self.seqs)
-        return self.prompt_tokens / span if span > 0 else 0.0
-
-    def link_bytes_per_token(self) -> list[dict[str, float]]:
-        """Per link (r -> r+1, and last -> 0): decode bytes per decoded token."""
-        out = []
-        n = max(self.decode_tokens, 1)
-        for st in self.stats:
-            if st.sent_to >= 0:
-                out.append({"link": f"{st.rank}->{st.sent_to}",
-                            "bytes_per_token": st.sent.get("decode", 0) / n})
-        for st in self.stats:
-            if st.ret_sent:
-                out.append({"link": f"{st.rank}->0 (tokens)",
-                            "bytes_per_token": st.ret_sent.get("decode", 0) / n})
-        return out
 
 
 # -- sampling on the last stage ----------------------------------------------------
@@ -168,79 +79,6 @@ class _SeqSampler:
         tok = self.sampler(logits, self.seen)
         self.seen.append(tok)
         return tok
-
-
-# -- communication with byte counting and a watchdog ------------------------------
-
-
-class _Link:
-    """Sends through the group with non-blocking calls, counting bytes by phase."""
-
-    def __init__(self, group: Group, watchdog: _Watchdog, depth: int = 8):
-        self.group, self.wd, self.depth = group, watchdog, depth
-        self.pending: deque = deque()
-        self.bytes: dict[tuple[int, str], int] = {}
-
-    def send(self, buf: np.ndarray, dest: int, tag: int, phase: str) -> None:
-        self.pending.append((self.group.isend(buf, dest, tag), buf))
-        key = (dest, phase)
-        self.bytes[key] = self.bytes.get(key, 0) + buf.nbytes
-        while len(self.pending) > self.depth:
-            req, _ = self.pending.popleft()
-            self.wd.wait(req, dest, "to accept a message")
-
-    def flush(self) -> None:
-        while self.pending:
-            req, _ = self.pending.popleft()
-            self.wd.wait(req, -1, "to accept a message")
-
-    def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
-        req = self.group.irecv(buf, source, tag)
-        self.wd.wait(req, source, "to send", grace=0.5 * self.group.rank)
-        return buf
-
-
-class _Watchdog:
-    """Waits on requests politely, and ends the job when a peer stays silent too long.
-
-    Waiting polls the request: a short spin (the next message is usually close),
-    then sleeps growing to half a millisecond, so a waiting stage leaves the CPU
-    to the stage that computes (several ranks may share a machine) and Ctrl-C
-    is seen at once. A killed rank is reported by the launcher (Open MPI names
-    rank and host); a hung one (stopped, or behind a dead link that TCP has not
-    noticed) is caught here after ``timeout`` seconds (0: never).
-    """
-
-    #: seconds to poll without sleeping (HPCMAC_PIPELINE_SPIN overrides)
-    SPIN_S = float(os.environ.get("HPCMAC_PIPELINE_SPIN", "2e-4"))
-    MAX_SLEEP_S = 5e-4
-
-    def __init__(self, group: Group, hosts: Sequence[str], timeout: float):
-        self.group, self.hosts, self.timeout = group, list(hosts), timeout
-
-    def wait(self, req, peer: int, what: str, grace: float = 0.0) -> None:
-        """Block until ``req`` completes; after ``timeout + grace`` s of silence, abort."""
-        if req.test():
-            return
-        limit = self.timeout + grace
-        t0 = time.monotonic()
-        delay = 0.0
-        while not req.test():
-            now = time.monotonic()
-            if now - t0 > self.SPIN_S:
-                time.sleep(delay)
-                delay = min(2 * delay or 2e-5, self.MAX_SLEEP_S)
-            if self.timeout > 0 and now - t0 > limit:
-                self._fail(peer, what, limit)
-
-    def _name(self, r: int) -> str:
-        return f"rank {r} on {self.hosts[r]}" if 0 <= r < len(self.hosts) else "a peer"
-
-    def _fail(self, peer: int, what: str, limit: float) -> None:
-        me = self._name(self.group.rank)
-        print(f"error: {me} waited {limit:g} s for {self._name(peer)} {what}; "
-              "it has died or hung, ending the job", file=sys.stderr, flush=True)
-        self.group.abort(1)
 
 
 # -- the run ------------------------------------------------------------------------
@@ -262,10 +100,10 @@ class _StageState:
     """One rank's stage, its cache and counters."""
 
     def __init__(self, group: Group, stage, spec: StageSpec, hidden: int, plan: _Plan,
-                 watchdog: _Watchdog, host: str):
+                 watchdog: Watchdog, host: str):
         self.group, self.stage, self.spec, self.hidden, self.plan = group, stage, spec, hidden, plan
         self.cache = stage.new_cache(plan.max_slots, plan.max_len)
-        self.link = _Link(group, watchdog)
+        self.link = Link(group, watchdog)
         self.stats = RankStats(group.rank, host, (spec.start, spec.end))
         self.samplers: dict[int, _SeqSampler] = {}
         self.logits: dict[int, list[np.ndarray]] = {}
@@ -292,6 +130,7 @@ class _StageState:
         """
         from hpcmac.llm.model import Batch
 
+        c0 = time.process_time()
         t0 = time.perf_counter()
         slots = [int(s) for s in meta[:, 1]]
         lengths = [int(n) for n in meta[:, 2]]
@@ -312,6 +151,7 @@ class _StageState:
                     if self.plan.keep_logits:
                         self.logits[idx].append(logits[k].copy())
         self.stats.busy_s += time.perf_counter() - t0
+        self.stats.cpu_s += time.process_time() - c0
         self.stats.micro_batches += 1
         return h, toks
 
@@ -611,7 +451,7 @@ def run_pipeline(
             keep_logits=keep_logits,
         )
     plan = group.bcast_obj(plan, 0)
-    watchdog = _Watchdog(group, hosts, timeout)
+    watchdog = Watchdog(group, hosts, timeout)
     st = _StageState(group, stage, spec, hidden, plan, watchdog, hosts[group.rank])
     if p > 1:
         st.stats.sent_to = st.next if st.next >= 0 else -1

@@ -7,10 +7,11 @@ global inputs, so every rank computes the same split or raises the same
 :class:`~hpcmac.errors.UsageError`.
 
 The default split is proportional to each rank's memory budget: it minimises
-the largest fill fraction ``bytes_r / budget_r`` over the ranks, where
-``bytes_r`` counts the rank's layers plus the embedding on the first stage
-and the final norm and head on the last; among the splits reaching that
-minimum it takes the most even one (smallest sum of squared fill fractions).
+the largest ``load_r / budget_r`` over the ranks, where the load is what the
+stage reads for each token (its layers, plus the final norm and head on the
+last stage), subject to every stage's bytes (the embedding on the first stage
+too) fitting its budget; among the splits reaching that minimum it takes the
+most even one (smallest sum of squares). See :func:`proportional_counts`.
 """
 
 from __future__ import annotations
@@ -137,8 +138,14 @@ def proportional_counts(
         last stage must hold its own copy).
     budgets : memory budget of each rank in bytes (global), all > 0.
 
-    Returns the counts minimising the largest ``bytes_r / budgets[r]``; ties go
-    to the smallest sum of squared fractions, then to earlier ranks.
+    Returns the counts minimising the largest ``load_r / budgets[r]``, where the
+    load is what a stage reads for every token (its layers, and the head on the
+    last stage), among the splits where every stage's bytes (the embedding too)
+    fit its budget: the stages then take time in proportion to their memory,
+    and the embedding, which costs memory but no time (one row per token), is
+    not paid for with layers. When no split fits, the counts minimising the
+    largest ``bytes_r / budgets[r]`` (the check before loading then refuses).
+    Ties go to the smallest sum of squared fractions.
     """
     n, p = len(layer_bytes), len(budgets)
     check_ranks(n, p)
@@ -148,19 +155,36 @@ def proportional_counts(
     for b in layer_bytes:
         prefix.append(prefix[-1] + int(b))
 
-    def frac(r: int, i: int, j: int) -> float:
+    def held(r: int, i: int, j: int) -> float:
         extra = (embed_bytes if r == 0 else 0) + (head_bytes if r == p - 1 else 0)
-        return (prefix[j] - prefix[i] + extra) / budgets[r]
+        return prefix[j] - prefix[i] + extra
 
+    def load(r: int, i: int, j: int) -> float:
+        return (prefix[j] - prefix[i] + (head_bytes if r == p - 1 else 0)) / budgets[r]
+
+    counts = _minmax_split(n, p, load, lambda r, i, j: held(r, i, j) <= budgets[r])
+    if counts is None:
+        counts = _minmax_split(n, p, lambda r, i, j: held(r, i, j) / budgets[r],
+                               lambda r, i, j: True)
+    return counts
+
+
+def _minmax_split(n: int, p: int, cost, allowed) -> list[int] | None:
+    """Contiguous split of n layers over p ranks (>= 1 each) minimising the largest
+    ``cost(r, i, j)`` over allowed stages ``[i, j)``, then the sum of squared costs."""
     inf = float("inf")
-    # pass 1: the smallest achievable maximum fill fraction
+
+    def c(r: int, i: int, j: int) -> float:
+        return cost(r, i, j) if allowed(r, i, j) else inf
+
+    # pass 1: the smallest achievable maximum
     best = [[inf] * (n + 1) for _ in range(p + 1)]
     best[0][0] = 0.0
     for r in range(1, p + 1):
         for j in range(r, n - (p - r) + 1):
-            best[r][j] = min(
-                max(best[r - 1][i], frac(r - 1, i, j)) for i in range(r - 1, j)
-            )
+            best[r][j] = min(max(best[r - 1][i], c(r - 1, i, j)) for i in range(r - 1, j))
+    if best[p][n] == inf:
+        return None
     limit = best[p][n] * (1 + 1e-12)
     # pass 2: among splits within that maximum, the most even (least sum of squares)
     sq = [[inf] * (n + 1) for _ in range(p + 1)]
@@ -169,7 +193,7 @@ def proportional_counts(
     for r in range(1, p + 1):
         for j in range(r, n - (p - r) + 1):
             for i in range(r - 1, j):
-                f = frac(r - 1, i, j)
+                f = c(r - 1, i, j)
                 if f > limit or sq[r - 1][i] == inf:
                     continue
                 v = sq[r - 1][i] + f * f

@@ -271,3 +271,14 @@ def test_ctrl_c_on_rank0_stops_every_rank(slow_llama, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["interrupted"] and doc["finish_reason"] == "interrupted"
     assert 0 < len(doc["tokens"]) < 3900
+
+
+@pytest.mark.timeout(900)
+def test_parity_suite_at_np3():
+    """``make test`` runs tests/mpi at np 1, 2 and 4; the pipeline parity tests also at 3."""
+    cmd = [MPIRUN, "3", PY, "-m", "mpi4py", "-m", "hpcmac.testing",
+           "tests/mpi/test_pipeline_parity.py", "-q", "-x"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=850,
+                          cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "passed" in proc.stdout and "failed" not in proc.stdout

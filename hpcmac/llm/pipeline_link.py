@@ -1,0 +1,90 @@
+"""The pipeline's messages: non-blocking sends that count bytes, waits that time out.
+
+Communication goes through a :class:`hpcmac.comm.Group` only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from hpcmac.comm.base import Group
+
+
+class Link:
+    """Sends through the group with non-blocking calls, counting bytes by phase."""
+
+    def __init__(self, group: Group, watchdog: Watchdog, depth: int = 8):
+        self.group, self.wd, self.depth = group, watchdog, depth
+        self.pending: deque = deque()
+        self.bytes: dict[tuple[int, str], int] = {}
+
+    def send(self, buf: np.ndarray, dest: int, tag: int, phase: str) -> None:
+        self.pending.append((self.group.isend(buf, dest, tag), buf))
+        key = (dest, phase)
+        self.bytes[key] = self.bytes.get(key, 0) + buf.nbytes
+        while len(self.pending) > self.depth:
+            req, _ = self.pending.popleft()
+            self.wd.wait(req, dest, "to accept a message")
+
+    def flush(self) -> None:
+        while self.pending:
+            req, _ = self.pending.popleft()
+            self.wd.wait(req, -1, "to accept a message")
+
+    def recv(self, buf: np.ndarray, source: int, tag: int) -> np.ndarray:
+        req = self.group.irecv(buf, source, tag)
+        self.wd.wait(req, source, "to send", grace=0.5 * self.group.rank)
+        return buf
+
+
+class Watchdog:
+    """Waits on requests politely, and ends the job when a peer stays silent too long.
+
+    Waiting polls the request: a short spin (the next message is usually close),
+    then sleeps growing to half a millisecond, so a waiting stage leaves the CPU
+    to the stage that computes (several ranks may share a machine) and Ctrl-C
+    is seen at once. A killed rank is reported by the launcher (Open MPI names
+    rank and host); a hung one (stopped, or behind a dead link that TCP has not
+    noticed) is caught here after ``timeout`` seconds (0: never).
+    """
+
+    #: seconds to poll without sleeping (HPCMAC_PIPELINE_SPIN overrides)
+    SPIN_S = float(os.environ.get("HPCMAC_PIPELINE_SPIN", "2e-4"))
+    #: the longest sleep between two polls (HPCMAC_PIPELINE_MAX_SLEEP overrides)
+    MAX_SLEEP_S = float(os.environ.get("HPCMAC_PIPELINE_MAX_SLEEP", "5e-4"))
+
+    def __init__(self, group: Group, hosts: Sequence[str], timeout: float,
+                 max_sleep: float | None = None):
+        self.group, self.hosts, self.timeout = group, list(hosts), timeout
+        if max_sleep is not None:
+            self.MAX_SLEEP_S = max_sleep
+
+    def wait(self, req, peer: int, what: str, grace: float = 0.0) -> None:
+        """Block until ``req`` completes; after ``timeout + grace`` s of silence, abort."""
+        if req.test():
+            return
+        limit = self.timeout + grace
+        t0 = time.monotonic()
+        delay = 0.0
+        while not req.test():
+            now = time.monotonic()
+            if now - t0 > self.SPIN_S:
+                time.sleep(delay)
+                delay = min(2 * delay or 2e-5, self.MAX_SLEEP_S)
+            if self.timeout > 0 and now - t0 > limit:
+                self._fail(peer, what, limit)
+
+    def _name(self, r: int) -> str:
+        return f"rank {r} on {self.hosts[r]}" if 0 <= r < len(self.hosts) else "a peer"
+
+    def _fail(self, peer: int, what: str, limit: float) -> None:
+        me = self._name(self.group.rank)
+        print(f"error: {me} waited {limit:g} s for {self._name(peer)} {what}; "
+              "it has died or hung, ending the job", file=sys.stderr, flush=True)
+        self.group.abort(1)
