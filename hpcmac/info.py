@@ -55,7 +55,9 @@ def transports(world) -> list[tuple[str, bool, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcmac info", description=__doc__)
-    parser.add_argument("--transport", default=None, help="transport to try (default: auto)")
+    from hpcmac.comm import add_transport_argument
+
+    add_transport_argument(parser)
     args = parser.parse_args(argv)
 
     import os
@@ -66,21 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HPCMAC_QUIET_TRANSPORT", "1")
     from hpcmac import __version__, comm
 
-    world = comm.init(args.transport)
+    world = comm.init(args.transport, args.transport_strict)
     from mpi4py import MPI
 
     hosts = world.allgather_obj(socket.gethostname())
     seen = world.allgather_obj([(n, ok) for n, ok, _ in transports(world)])
     if world.rank != 0:
         return 0
-    print(f"hpcmac       {__version__}  (python {platform.python_version()}, {platform.platform()})")
+    py = f"python {platform.python_version()}, {platform.platform()}"
+    print(f"hpcmac       {__version__}  ({py})")
     print(f"MPI          {MPI.Get_library_version().splitlines()[0].strip()}")
-    print(f"mpi4py       {__import__('mpi4py').__version__}, MPI standard {'.'.join(map(str, MPI.Get_version()))}")
+    standard = ".".join(map(str, MPI.Get_version()))
+    print(f"mpi4py       {__import__('mpi4py').__version__}, MPI standard {standard}")
     print(f"ranks        {world.size} on {len(set(hosts))} host(s)")
     for r, h in enumerate(hosts):
         print(f"  rank {r:<4} {h}")
     rows = transports(world)
-    for i, (name, ok, why) in enumerate(rows):
+    for i, (name, _ok, why) in enumerate(rows):
         everywhere = all(s[i][1] for s in seen)
         state = "usable on every rank" if everywhere else ("not usable: " + (why or "on some rank"))
         print(f"transport    {name:<6} {state}")

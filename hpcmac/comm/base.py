@@ -64,6 +64,11 @@ class Group(abc.ABC):
     def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> Request:
         """Start receiving into ``buf``; read it only after the request completes."""
 
+    def waitall(self, requests: list[Request]) -> None:
+        """Not collective: wait for every request in ``requests`` (one call for many)."""
+        for req in requests:
+            req.wait()
+
     # -- collectives ----------------------------------------------------------
     @abc.abstractmethod
     def bcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:

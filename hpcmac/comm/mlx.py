@@ -106,7 +106,10 @@ def init_group(name: str, world: Group | None) -> MLXGroup:
     if world is None:
         group = mx.distributed.init(strict=True, backend=_BACKEND[name])
         return MLXGroup(group, name, None)
-    if name == "ring":
+    if world.size == 1:  # nobody to connect to: MLX's singleton group (ops are copies)
+        unset = {k: None for k in ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_RANK")}
+        group = _with_env(unset, lambda: mx.distributed.init(strict=False, backend=_BACKEND[name]))
+    elif name == "ring":
         group = _ring_over_mpi(mx, world)
     else:
         group = _jaccl_over_mpi(mx, world)
@@ -118,9 +121,14 @@ def init_group(name: str, world: Group | None) -> MLXGroup:
     return MLXGroup(group, name, world)
 
 
-def _with_env(extra: dict[str, str], fn):
+def _with_env(extra: dict[str, str | None], fn):
+    """Call ``fn`` with ``extra`` set in os.environ (None: unset), then restore it."""
     saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
+    for k, v in extra.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         return fn()
     finally:
@@ -150,23 +158,19 @@ def _ring_over_mpi(mx, world: Group):
         os.unlink(fh.name)
 
 
-def _jaccl_over_mpi(mx, world: Group):
-    spec = rdma_env.matrix_spec_from_env()
-    problem = "no device matrix (HPCMAC_IBV_DEVICES)" if not spec else ""
-    matrix = None
-    if spec:
-        try:
-            matrix = rdma_env.load_device_matrix(spec)
-            problem = rdma_env.check_device_matrix(matrix, world.size, world.rank,
-                                                   rdma_env.local_devices())
-        except ValueError as exc:
-            problem = str(exc)
-    problems = [p for p in world.allgather_obj(problem) if p]
-    if problems:
-        raise RuntimeError(f"rdma: {problems[0]}")
-    comm = world.comm  # the mpi4py communicator: JACCL's side channel
+def mpi_all_gather_factory(comm):
+    """JACCL's side channel over an mpi4py communicator.
+
+    Returns ``factory(rank, size)`` -> ``all_gather(src: bytes, n_bytes) -> bytes``
+    (every rank's ``n_bytes`` in rank order), the callable MLX's
+    ``init(backend="jaccl", all_gather_factory=...)`` expects.
+    """
 
     def factory(rank: int, size: int):
+        if (rank, size) != (comm.Get_rank(), comm.Get_size()):
+            raise RuntimeError(f"jaccl asks for rank {rank} of {size}, MPI has "
+                               f"{comm.Get_rank()} of {comm.Get_size()}")
+
         def all_gather(src: bytes, n_bytes: int) -> bytes:
             out = bytearray(size * n_bytes)
             comm.Allgather(bytes(src[:n_bytes]), out)
@@ -174,6 +178,32 @@ def _jaccl_over_mpi(mx, world: Group):
 
         return all_gather
 
+    return factory
+
+
+def rdma_matrix_problem(size: int, rank: int) -> tuple[list | None, str]:
+    """(device matrix, '') when this rank's matrix fits ``size`` ranks, else (None, reason).
+
+    Not collective: each rank reads its own ``HPCMAC_IBV_DEVICES``/``MLX_IBV_DEVICES``
+    and checks it against this host's ``ibv_devices``.
+    """
+    spec = rdma_env.matrix_spec_from_env()
+    if not spec:
+        return None, "rdma: no device matrix (HPCMAC_IBV_DEVICES)"
+    try:
+        matrix = rdma_env.load_device_matrix(spec)
+    except ValueError as exc:
+        return None, f"rdma: {exc}"
+    problem = rdma_env.check_device_matrix(matrix, size, rank, rdma_env.local_devices())
+    return (None, f"rdma: {problem}") if problem else (matrix, "")
+
+
+def _jaccl_over_mpi(mx, world: Group):
+    matrix, problem = rdma_matrix_problem(world.size, world.rank)
+    problems = [p for p in world.allgather_obj(problem) if p]
+    if problems:
+        raise RuntimeError(problems[0])
+    factory = mpi_all_gather_factory(world.comm)
     import json
 
     with tempfile.NamedTemporaryFile("w", prefix="hpcmac-ibv-", suffix=".json",
@@ -254,6 +284,10 @@ class MLXGroup(Group):
         return "no mpi: split to whole/single ranks only"
 
     # -- helpers ------------------------------------------------------------
+    def _arr(self, a: np.ndarray):
+        """numpy -> mx.array, keeping the dtype (MLX would turn float64 into float32)."""
+        return self._mx.array(a, dtype=_mx_dtype(self._mx, a.dtype))
+
     def _run(self, arr) -> np.ndarray:
         self._mx.eval(arr)
         return np.asarray(arr)
@@ -267,7 +301,10 @@ class MLXGroup(Group):
         return self._fallback
 
     # -- point to point -----------------------------------------------------
-    def _check_neighbour(self, peer: int) -> None:
+    def _check_peer(self, peer: int, tag: int) -> None:
+        if tag != 0:
+            raise ValueError(f"{self.transport} without mpi: MLX has no message tags "
+                             f"(tag {tag}); launch with mpirun for tagged messages")
         if not 0 <= peer < self._size:
             raise ValueError(f"peer {peer} is not a rank of a group of {self._size}")
         if self.transport == "ring" and self._size > 2 and peer not in (
@@ -290,13 +327,13 @@ class MLXGroup(Group):
     def isend(self, buf, dest, tag=0):
         if self._fallback is not None:
             return self._fallback.isend(buf, dest, tag)
-        self._check_neighbour(dest)
+        self._check_peer(dest, tag)
         buf = np.ascontiguousarray(buf)
         if not self._native(buf.dtype):
             buf = buf.view(np.uint8)
         if buf.size == 0:
             return _MLXRequest(self._mx.array(0), None)
-        arr = self._mx.distributed.send(self._mx.array(buf), dest, group=self._g,
+        arr = self._mx.distributed.send(self._arr(buf), dest, group=self._g,
                                         stream=self._send_stream)
         self._mx.async_eval(arr)
         return _MLXRequest(arr, None)
@@ -304,7 +341,7 @@ class MLXGroup(Group):
     def irecv(self, buf, source, tag=0):
         if self._fallback is not None:
             return self._fallback.irecv(buf, source, tag)
-        self._check_neighbour(source)
+        self._check_peer(source, tag)
         if buf.size == 0:
             return _MLXRequest(self._mx.array(0), None)
         if self._native(buf.dtype):
@@ -315,6 +352,12 @@ class MLXGroup(Group):
                                         stream=self._recv_stream)
         self._mx.async_eval(arr)
         return _MLXRequest(arr, target)
+
+    def waitall(self, requests):
+        if self._fallback is not None:
+            return self._fallback.waitall(requests)
+        for req in requests:
+            req.wait()
 
     # -- collectives ----------------------------------------------------------
     def bcast(self, buf, root=0):
@@ -330,7 +373,7 @@ class MLXGroup(Group):
             mine = raw.view(word)
         else:
             mine = np.zeros(raw.nbytes // np.dtype(word).itemsize, word)
-        got = self._run(self._mx.distributed.all_max(self._mx.array(mine), group=self._g,
+        got = self._run(self._mx.distributed.all_max(self._arr(mine), group=self._g,
                                                      stream=self._stream))
         buf[...] = got.view(np.uint8).view(buf.dtype).reshape(buf.shape)
         return buf
@@ -348,7 +391,7 @@ class MLXGroup(Group):
         elif not self._native(buf.dtype):
             return self._need_fallback(f"allreduce of {buf.dtype}").allreduce(buf, op, out)
         src = np.ascontiguousarray(src)
-        got = self._run(fn(self._mx.array(src), group=self._g, stream=self._stream))
+        got = self._run(fn(self._arr(src), group=self._g, stream=self._stream))
         out[...] = got.view(buf.dtype).reshape(buf.shape)
         return out
 
@@ -368,7 +411,7 @@ class MLXGroup(Group):
         if not self._native(src.dtype):
             src = src.view(np.uint8)
         got = self._run(self._mx.distributed.all_gather(
-            self._mx.array(src.reshape(1, -1)), group=self._g, stream=self._stream))
+            self._arr(src.reshape(1, -1)), group=self._g, stream=self._stream))
         out[...] = got.reshape(-1).view(buf.dtype).reshape(out.shape)
         return out
 
@@ -380,13 +423,13 @@ class MLXGroup(Group):
                 f"reduce_scatter: leading dimension {buf.shape[0]} != group size {self._size}")
         if self.transport == "rdma" and op == "sum" and self._native(buf.dtype) and buf.size:
             got = self._run(self._mx.distributed.sum_scatter(
-                self._mx.array(np.ascontiguousarray(buf)), group=self._g, stream=self._stream))
+                self._arr(np.ascontiguousarray(buf)), group=self._g, stream=self._stream))
             return np.array(got.reshape(buf.shape[1:]), dtype=buf.dtype)
         # MLX's ring has no reduce-scatter: reduce everything, keep my block
         return np.array(self.allreduce(buf, op)[self._rank], copy=True)
 
     def barrier(self):
-        self._run(self._mx.distributed.all_sum(self._mx.array(np.zeros(1, np.int32)),
+        self._run(self._mx.distributed.all_sum(self._arr(np.zeros(1, np.int32)),
                                                group=self._g, stream=self._stream))
 
     def split(self, color, key=0):

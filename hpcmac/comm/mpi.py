@@ -8,6 +8,8 @@ import numpy as np
 
 from hpcmac.comm.base import Group, Request, check_op
 
+_BOOL = np.dtype(np.bool_)
+
 
 def is_available() -> tuple[bool, str]:
     """(usable, reason) without initialising anything beyond importing mpi4py."""
@@ -19,25 +21,45 @@ def is_available() -> tuple[bool, str]:
 
 
 class MPIRequest(Request):
-    """An mpi4py request; ``keep`` holds a temporary buffer alive, ``into`` receives it."""
+    """An mpi4py request (kept slim: one is built per isend/irecv)."""
 
-    __slots__ = ("_req", "_keep", "_into")
+    __slots__ = ("_req",)
 
-    def __init__(self, req, keep: np.ndarray | None = None, into: np.ndarray | None = None):
+    def __init__(self, req):
+        self._req = req
+
+    def wait(self) -> None:
+        self._req.Wait()
+
+    def test(self) -> bool:
+        return bool(self._req.Test())
+
+    def _finish(self) -> None:
+        """After completion: nothing to do for a request on the caller's own buffer."""
+
+
+class _CopyRequest(MPIRequest):
+    """A request on a contiguous temporary: ``keep`` alive, copied ``into`` on completion."""
+
+    __slots__ = ("_keep", "_into")
+
+    def __init__(self, req, keep: np.ndarray, into: np.ndarray | None = None):
         self._req, self._keep, self._into = req, keep, into
 
     def wait(self) -> None:
         self._req.Wait()
-        if self._into is not None:
-            self._into[...] = self._keep
-            self._into = None
+        self._finish()
 
     def test(self) -> bool:
         done = bool(self._req.Test())
-        if done and self._into is not None:
+        if done:
+            self._finish()
+        return done
+
+    def _finish(self) -> None:
+        if self._into is not None:
             self._into[...] = self._keep
             self._into = None
-        return done
 
 
 class MPIGroup(Group):
@@ -85,14 +107,21 @@ class MPIGroup(Group):
             return MPIRequest(self.comm.Isend(buf, dest, tag))
         except BufferError:
             tmp = np.ascontiguousarray(buf)
-            return MPIRequest(self.comm.Isend(tmp, dest, tag), keep=tmp)
+            return _CopyRequest(self.comm.Isend(tmp, dest, tag), tmp)
 
     def irecv(self, buf, source, tag=0):
         try:
             return MPIRequest(self.comm.Irecv(buf, source, tag))
         except BufferError:
             tmp = np.empty(buf.shape, dtype=buf.dtype)
-            return MPIRequest(self.comm.Irecv(tmp, source, tag), keep=tmp, into=buf)
+            return _CopyRequest(self.comm.Irecv(tmp, source, tag), tmp, into=buf)
+
+    def waitall(self, requests):
+        # one MPI_Waitall instead of a Python loop: it matters for streams of isends
+        self._MPI.Request.Waitall([r._req for r in requests])
+        for r in requests:
+            if r.__class__ is not MPIRequest:
+                r._finish()
 
     def bcast(self, buf, root=0):
         try:
@@ -104,12 +133,10 @@ class MPIGroup(Group):
         return buf
 
     def allreduce(self, buf, op="sum", out=None):
-        try:
-            mop = self._ops[op]
-        except (KeyError, TypeError):
+        mop = self._ops.get(op)
+        if mop is None:
             check_op(op)
-            raise
-        if buf.dtype == np.bool_:  # MPI has no MAX/MIN on C bool: reduce bytes (sum = or)
+        if buf.dtype is _BOOL:  # MPI has no MAX/MIN on C bool: reduce bytes (sum = or)
             res = self.allreduce(np.ascontiguousarray(buf).view(np.uint8),
                                  "max" if op == "sum" else op).view(np.bool_)
             if out is None:
@@ -118,13 +145,13 @@ class MPIGroup(Group):
             return out
         if out is None:
             out = np.empty(buf.shape, dtype=buf.dtype)
-        if not (out.flags.c_contiguous and buf.flags.c_contiguous):
+        try:
+            if out is buf:
+                self.comm.Allreduce(self._IN_PLACE, out, mop)
+            else:
+                self.comm.Allreduce(buf, out, mop)
+        except BufferError:  # a non-contiguous view: reduce a contiguous copy
             out[...] = self.allreduce(np.ascontiguousarray(buf), op)
-            return out
-        if out is buf:
-            self.comm.Allreduce(self._IN_PLACE, out, mop)
-        else:
-            self.comm.Allreduce(buf, out, mop)
         return out
 
     def allreduce_maxloc(self, value, index):
@@ -151,7 +178,7 @@ class MPIGroup(Group):
         if buf.shape[0] != self._size:
             raise ValueError(
                 f"reduce_scatter: leading dimension {buf.shape[0]} != group size {self._size}")
-        if buf.dtype == np.bool_:  # as in allreduce: bytes, sum = or
+        if buf.dtype is _BOOL:  # as in allreduce: bytes, sum = or
             op8 = "max" if op == "sum" else op
             return self.reduce_scatter(buf.view(np.uint8), op8).view(np.bool_)
         out = np.empty(buf.shape[1:], dtype=buf.dtype)

@@ -102,6 +102,7 @@ def _choose(name: str, strict: bool) -> Group:
         _log(f"transport: local ({why})")
         return LocalGroup()
     world = MPIGroup()
+    _agree_on_request(world, name, strict)
     if name == "mpi":
         _log_rank0(world.rank, "transport: mpi")
         return world
@@ -136,6 +137,15 @@ def _choose_mlx_launch(name: str, strict: bool, launched: str) -> Group:
     return group
 
 
+def _agree_on_request(world: Group, name: str, strict: bool) -> None:
+    """Collective: every rank must ask for the same transport, else all raise the same error."""
+    asks = world.allgather_obj((name, strict))
+    if len(set(asks)) > 1:
+        detail = ", ".join(f"rank {r} asks {n}{' (strict)' if st else ''}"
+                           for r, (n, st) in enumerate(asks))
+        raise UsageError(f"ranks disagree on the transport: {detail}")
+
+
 def _launcher_backend(name: str) -> str:
     return "jaccl" if name == "rdma" else name
 
@@ -145,6 +155,9 @@ def _mlx_reason(world: Group, name: str) -> str:
     from hpcmac.comm import mlx as mlx_backend
 
     ok, why = mlx_backend.is_available(name)
+    if ok and name == "rdma":  # the device matrix must fit this job's ranks too
+        why = mlx_backend.rdma_matrix_problem(world.size, world.rank)[1]
+        ok = not why
     verdicts = world.allgather_obj((ok, why))
     bad = [(r, reason) for r, (good, reason) in enumerate(verdicts) if not good]
     if not bad:

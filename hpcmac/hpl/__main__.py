@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from hpcmac import comm
 from hpcmac.errors import UsageError, run_cli, world_rank
 from hpcmac.hpl import config as hplconfig
 
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="rank 0 shows columns factored, elapsed and ETA on stderr: "
                    "auto = when stderr is a terminal (default)")
+    comm.add_transport_argument(p)
     p.add_argument("--blas-threads", type=int, metavar="T", default=None,
                    help="BLAS threads per rank; 0 leaves BLAS alone. Default: the "
                    "OMP_NUM_THREADS/OPENBLAS_NUM_THREADS environment if set, else the "
@@ -157,11 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.blas_threads is not None and args.blas_threads < 0:
         raise UsageError(f"--blas-threads: expected an integer >= 0, found {args.blas_threads}")
 
-    from hpcmac import comm
     from hpcmac.hpl import driver, report
     from hpcmac.hpl.progress import want_progress
 
-    world = comm.init()
+    world = comm.init(args.transport, args.transport_strict)
     text, name = _read_input(world, args.dat)
     if name:
         cfg = hplconfig.parse_hpl_dat(text, name)

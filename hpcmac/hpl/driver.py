@@ -257,6 +257,11 @@ class Driver:
         try:
             res = run_one(grid, n, nb, v, options, self.cfg.threshold, self.solve,
                           progress=prog, after_panel=self.after_panel)
+        except np.linalg.LinAlgError as exc:
+            # raised on every grid rank alike (an exactly zero pivot): netlib skips the run
+            self.kskip += 1
+            self._write(f"HPL WARNING: {label}: the solve reports {exc}, skip\n")
+            return
         finally:
             if prog is not None:
                 prog.close()

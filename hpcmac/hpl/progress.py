@@ -1,23 +1,48 @@
 """Progress of a running factorisation on stderr: columns done, elapsed, ETA.
 
-Only rank 0 shows it, and only when asked or when stderr is a terminal (under
-``mpirun`` a rank's stderr is usually a pipe: then ``--progress`` turns it on).
+Only rank 0 shows it, and only when asked or when the user is at a terminal.
+Under ``mpirun`` a rank's own streams say nothing about that: Open MPI gives
+every rank's stdout a pseudo-terminal (even in batch) and its stderr a pipe
+that it forwards line by line (a ``\r`` redraw would show only at the end). So
+"a terminal" means this process's stderr is one, or, under a launcher, the
+launcher's (its parent's) stderr is one (Linux ``/proc``); on a non-terminal
+stderr the progress comes as whole lines, a few seconds apart.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
 
 
 def want_progress(setting: str, stream: TextIO | None = None) -> bool:
-    """``setting`` "on", "off" or "auto" (a terminal on ``stream``, default stderr)."""
+    """``setting`` "on", "off" or "auto": a terminal on ``stream`` (default: stderr, or the
+    launcher's stderr when started by one)."""
     if setting == "on":
         return True
     if setting == "off":
         return False
-    stream = sys.stderr if stream is None else stream
+    if stream is not None:
+        return _isatty(stream)
+    return _isatty(sys.stderr) or (_launched() and _parent_stderr_is_tty())
+
+
+def _launched() -> bool:
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+def _parent_stderr_is_tty() -> bool:
+    """Whether the launcher that started us (our parent) writes its stderr to a terminal."""
+    try:
+        target = os.readlink(f"/proc/{os.getppid()}/fd/2")
+    except OSError:
+        return False
+    return target.startswith(("/dev/pts/", "/dev/tty"))
+
+
+def _isatty(stream) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
@@ -38,9 +63,13 @@ class Progress:
     Local: make one on the rank that shows progress and pass None elsewhere.
     """
 
-    def __init__(self, label: str, stream: TextIO | None = None, min_interval: float = 0.2):
+    def __init__(self, label: str, stream: TextIO | None = None,
+                 min_interval: float | None = None):
         self.label = label
         self.stream = sys.stderr if stream is None else stream
+        self.redraw = _isatty(self.stream)
+        if min_interval is None:
+            min_interval = 0.2 if self.redraw else 3.0
         self.min_interval = min_interval
         self.t0 = time.perf_counter()
         self._last = -1.0
@@ -55,15 +84,16 @@ class Progress:
         frac = work_fraction(done, n)
         eta = elapsed * (1.0 - frac) / frac if frac > 0 else float("nan")
         eta_s = f"{eta:7.1f}s" if eta == eta else "      ?"
-        self.stream.write(
-            f"\r{self.label}: {done:>{len(str(n))}d}/{n} columns ({100.0 * frac:5.1f}% of flops)"
-            f"  elapsed {elapsed:7.1f}s  ETA {eta_s}"
-        )
-        self._shown = True
-        if done >= n:
-            self.close()
+        line = (f"{self.label}: {done:>{len(str(n))}d}/{n} columns ({100.0 * frac:5.1f}% of flops)"
+                f"  elapsed {elapsed:7.1f}s  ETA {eta_s}")
+        if self.redraw:
+            self.stream.write("\r" + line)
+            self._shown = True
+            if done >= n:
+                self.close()
         else:
-            self.stream.flush()
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
         """End the progress line (once)."""

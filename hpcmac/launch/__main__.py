@@ -55,10 +55,18 @@ def _run_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _warn(hf) -> None:
+    from hpcmac.launch.hostfile import advise
+
+    for line in advise(hf):
+        print(f"warning: {hf.source}: {line}", file=sys.stderr, flush=True)
+
+
 def _launch(argv: list[str]) -> int:
     a = _run_parser().parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     hf = load(a.hostfile)
+    _warn(hf)
     opts = runner.Options(via=a.via, np=a.np, mpirun=a.mpirun, agent=a.agent,
                           mca=[tuple(m) for m in a.mca], env=a.env, transport=a.transport,
                           backend=a.backend, oversubscribe=a.oversubscribe, timeout=a.timeout)
@@ -78,6 +86,7 @@ def _check(argv: list[str]) -> int:
     ap.add_argument("--hostfile", required=True)
     a = ap.parse_args(argv)
     hf = load(a.hostfile)
+    _warn(hf)
     from hpcmac.launch.topology import is_full_mesh, ring_order
 
     shape = "full mesh" if is_full_mesh(hf) else (
@@ -173,10 +182,16 @@ def _discover(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in SUBCOMMANDS:
-        return {"check": _check, "convert": _convert, "routes": _routes,
-                "discover": _discover}[args[0]](args[1:])
-    return _launch(args)
+    try:
+        if args and args[0] in SUBCOMMANDS:
+            return {"check": _check, "convert": _convert, "routes": _routes,
+                     "discover": _discover}[args[0]](args[1:])
+        return _launch(args)
+    except BrokenPipeError:  # output piped into `head`: not an error worth a traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -105,9 +105,28 @@ def ibv_matrix(hf: Hostfile) -> list[list[str | None]]:
     return rows
 
 
-def ibv_devices_env(hf: Hostfile) -> str:
-    """The value of ``HPCMAC_IBV_DEVICES`` (and ``MLX_IBV_DEVICES``): the matrix as JSON."""
-    return json.dumps(ibv_matrix(hf), separators=(",", ":"))
+def ibv_rank_matrix(hf: Hostfile, np: int | None = None) -> list[list[str | None]]:
+    """The device matrix by rank, for ``np`` ranks placed by slot (mpirun's default).
+
+    With one rank per host it is :func:`ibv_matrix`; ranks sharing a host get
+    null between them (no cable), so a transport that needs a device for every
+    pair sees that it cannot run and says so.
+    """
+    from hpcmac.launch.topology import rank_hosts
+
+    names = hf.names
+    by_host = ibv_matrix(hf)
+    hosts = [names.index(h) for h in rank_hosts(hf, np)]
+    return [[None if a == b else by_host[a][b] for b in hosts] for a in hosts]
+
+
+def ibv_devices_env(hf: Hostfile, np: int | None = None) -> str:
+    """The value of ``HPCMAC_IBV_DEVICES``: the rank matrix as inline JSON.
+
+    Without ``np`` (and for ``mlx.launch``, one rank per host) it is the host matrix.
+    """
+    matrix = ibv_matrix(hf) if np is None else ibv_rank_matrix(hf, np)
+    return json.dumps(matrix, separators=(",", ":"))
 
 
 # ------------------------------------------------------------------ routes

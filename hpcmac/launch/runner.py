@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -67,14 +68,8 @@ class Plan:
             lines += [f"#   {line}" for line in content.splitlines()]
         for k, v in self.env.items():
             lines.append(f"# env {k}={v}")
-        lines.append(" ".join(_quote(a) for a in self.argv))
+        lines.append(shlex.join(self.argv))
         return "\n".join(lines)
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
 
 
 def find_mpirun() -> str:
@@ -124,9 +119,19 @@ def _check_options(hf: Hostfile, opts: Options, command: list[str]) -> None:
         if opts.np is not None and opts.np > slots and not opts.oversubscribe:
             raise UsageError(f"--np {opts.np} is more than the {slots} slots in {hf.source} "
                              "(add --oversubscribe, or raise 'slots')")
-    elif opts.np is not None and opts.np != len(hf.hosts):
-        raise UsageError(f"--via mlx starts one rank per host: --np {opts.np} but "
-                         f"{hf.source} has {len(hf.hosts)} hosts")
+    else:
+        if opts.np is not None and opts.np != len(hf.hosts):
+            raise UsageError(f"--via mlx starts one rank per host: --np {opts.np} but "
+                             f"{hf.source} has {len(hf.hosts)} hosts")
+        backend = opts.backend or hf.backend or "ring"
+        if backend.startswith("jaccl") and not hf.hosts[0].ips:
+            raise UsageError(f"{hf.source}: host {hf.hosts[0].name!r}: field 'ips' is needed "
+                             f"for --backend {backend} (rank 0's address is the coordinator)")
+        if backend == "ring" and len(hf.hosts) > 1 and not hf.links:
+            no_ip = [h.name for h in hf.hosts if not h.ips]
+            if no_ip:
+                raise UsageError(f"{hf.source}: host {no_ip[0]!r}: field 'ips' is needed for "
+                                 "--backend ring when the hostfile has no links")
 
 
 def _rank_env(hf: Hostfile, opts: Options) -> list[str]:
@@ -134,7 +139,8 @@ def _rank_env(hf: Hostfile, opts: Options) -> list[str]:
     if opts.transport:
         env.append(f"HPCMAC_TRANSPORT={opts.transport}")
     if any(d for row in convert.ibv_matrix(hf) for d in row):
-        env.append(f"HPCMAC_IBV_DEVICES={convert.ibv_devices_env(hf)}")
+        np = None if opts.via == "mlx" else (opts.np or hf.total_slots())
+        env.append(f"HPCMAC_IBV_DEVICES={convert.ibv_devices_env(hf, np)}")
     if not hf.source.startswith("<"):
         env.append(f"HPCMAC_HOSTFILE={os.path.abspath(hf.source)}")
     return env + list(opts.env)

@@ -89,3 +89,22 @@ def required_routes(hf: Hostfile) -> list[Route]:
                 addr = other.end_of(peer.host).addr
                 routes.append(Route(host=h, addr=addr, iface=mine.iface, peer=peer.host))
     return routes
+
+
+def rank_hosts(hf: Hostfile, np: int | None = None) -> list[str]:
+    """Host name of each rank when ``mpirun --hostfile`` maps by slot (its default).
+
+    Ranks fill the first host's slots, then the next host's, and wrap around
+    (oversubscribing) when ``np`` exceeds the slots. Local vs global: the
+    same on every rank.
+    """
+    order = [h.name for h in hf.hosts for _ in range(h.slots)]
+    np = len(order) if np is None else np
+    return [order[r % len(order)] for r in range(np)]
+
+
+def memory_per_rank(hf: Hostfile, np: int | None = None) -> list[float | None]:
+    """Each rank's share of its host's ``memory_gb`` (None where the host has none)."""
+    hosts = rank_hosts(hf, np)
+    return [None if hf.host(h).memory_gb is None else hf.host(h).memory_gb / hosts.count(h)
+            for h in hosts]

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.linalg
-from scipy.linalg.blas import get_blas_funcs
 from scipy.linalg.lapack import get_lapack_funcs
 
 from hpcmac.linalg import layout
 from hpcmac.linalg.checks import check_finite as _check_finite
 from hpcmac.linalg.checks import float_dtype, require
 from hpcmac.linalg.distmatrix import DistMatrix
-from hpcmac.linalg.kernels import gemm_update
+from hpcmac.linalg.kernels import gemm_update, trsm_right
 from hpcmac.linalg.trisolve import solve_triangular
 
 #: local columns updated by one GEMM below the diagonal band
@@ -41,11 +40,11 @@ def cho_factor(a: DistMatrix, lower: bool = False, overwrite_a: bool = False,
     read. ``c`` has ``a``'s layout; ``mb != nb`` is handled by a
     redistribution to square blocks and back.
     """
+    if not a.grid.in_grid:   # ranks outside the grid take no part
+        return a, lower
     n, n2 = a.gshape
     require(n == n2, f"cho_factor: expected a square matrix, got shape {a.gshape}")
     grid = a.grid
-    if not grid.in_grid:
-        return a.copy(), lower
     if check_finite:
         _check_finite(a, "a")
     dtype = float_dtype(a.dtype)
@@ -78,7 +77,6 @@ def factor_lower(x: DistMatrix) -> None:
     dtype = x.dtype
     cplx = np.iscomplexobj(x.local)
     potrf = get_lapack_funcs("potrf", dtype=dtype)
-    trsm = get_blas_funcs("trsm", dtype=dtype)
     tb = "C" if cplx else "T"
     chunk = max(nb, (CHUNK // nb) * nb)
     nblk = (n + nb - 1) // nb
@@ -103,10 +101,12 @@ def factor_lower(x: DistMatrix) -> None:
             failed = int(dbuf[-1].real)
             if not failed and lm > r1:
                 lkk = dbuf[:-1].reshape((w, w), order="F")
-                sol = trsm(1.0, lkk, np.asfortranarray(x.local[r1:, lc:lc + w]), side=1,
-                           lower=1, trans_a=2 if cplx else 1)
-                x.local[r1:, lc:lc + w] = sol
-                pan[:-1].reshape((rest, w), order="F")[rows[r1:] - k1, :] = sol
+                sol = x.local[r1:, lc:lc + w]
+                trsm_right(sol, lkk, lower=True, trans=tb)       # L_ik = A_ik L_kk^-H
+                if P == 1:   # my rows below k are exactly rows k1.. of the panel
+                    pan[:-1].reshape((rest, w), order="F")[...] = sol
+                else:
+                    pan[:-1].reshape((rest, w), order="F")[rows[r1:] - k1, :] = sol
             if myrow == pk:
                 pan[-1] = failed
             if P > 1:
@@ -120,8 +120,9 @@ def factor_lower(x: DistMatrix) -> None:
         if lm <= r1 or ln <= c1:
             continue
         full = pan[:-1].reshape((rest, w), order="F")
-        lr = np.asfortranarray(full[rows[r1:] - k1])   # (my rows below k, w)
-        lcol = full[cols[c1:] - k1]                      # (my columns right of k, w)
+        # (my rows below k, w) and (my columns right of k, w): no copy when contiguous
+        lr = full if P == 1 else np.asfortranarray(full[rows[r1:] - k1])
+        lcol = full if Q == 1 else full[cols[c1:] - k1]
         for ca in range(c1, ln, chunk):
             cb = min(ln, ca + chunk)
             band_end = int(cols[cb - 1]) + 1     # rows from here on lie below every chunk column
@@ -145,6 +146,8 @@ def cho_solve(c_and_lower: tuple[DistMatrix, bool], b: DistMatrix, overwrite_b: 
     back in ``b``'s layout.
     """
     c, lower = c_and_lower
+    if not c.grid.in_grid:
+        return b
     require(c.gshape[0] == c.gshape[1], f"cho_solve: the factor must be square, got {c.gshape}")
     require(b.gshape[0] == c.gshape[0],
             f"cho_solve: incompatible dimensions: factor {c.gshape}, b {b.gshape}")

@@ -19,6 +19,8 @@ _P = ctypes.c_void_p
 _ARGS = {
     # name: (char, char, int, int, int, alpha, a, lda, b, ldb, beta, c, ldc)
     "gemm": [ctypes.c_char_p, ctypes.c_char_p] + [_P] * 11,
+    # side, uplo, transa, diag, m, n, alpha, a, lda, b, ldb
+    "trsm": [ctypes.c_char_p] * 4 + [_P] * 7,
 }
 _PREFIX = {np.dtype(np.float64): "d", np.dtype(np.float32): "s", np.dtype(np.complex128): "z",
            np.dtype(np.complex64): "c"}
@@ -119,3 +121,40 @@ def gemm_update(c: np.ndarray, a: np.ndarray, b: np.ndarray, alpha=-1.0, beta=1.
     sz = ctypes.sizeof(ctypes.c_int)
     fn(opa, opb, base, base + sz, base + 2 * sz, pal, a.ctypes.data, base + 3 * sz,
        b.ctypes.data, base + 4 * sz, pbe, c.ctypes.data, base + 5 * sz)
+
+
+def trsm_right(b: np.ndarray, t: np.ndarray, lower: bool, trans: str = "N",
+               unit: bool = False) -> None:
+    """``b = b @ op(t)^-1`` in place (``op`` = identity, ``.T``, ``.conj().T``).
+
+    ``b`` (m, n) may be a strided view into a Fortran-order array; ``t`` (n, n)
+    is read in its ``lower`` (or upper) triangle only.
+    """
+    m, n = b.shape
+    if m == 0 or n == 0:
+        return
+    dt = b.dtype
+    prefix = _PREFIX.get(dt)
+    vb = _fortran_view(b) if prefix else None
+    if vb is None or vb[1] or t.dtype != dt:
+        from scipy.linalg import solve_triangular
+
+        opt = {"N": t, "T": t.T, "C": t.conj().T}[trans]
+        low = lower if trans == "N" else not lower
+        # X op(t) = B  <=>  op(t)^T X^T = B^T
+        b[...] = solve_triangular(opt.T, b.T, lower=not low, unit_diagonal=unit).T
+        return
+    t = np.asfortranarray(t)
+    lda = max(1, t.shape[0])
+    fn = _routine(prefix + "trsm")
+    if prefix in "ds":
+        al = np.ctypeslib.as_ctypes_type(dt)(1.0)
+        pal = ctypes.addressof(al)
+    else:
+        al = np.array([1.0], dtype=dt)
+        pal = al.ctypes.data
+    ints = (ctypes.c_int * 4)(m, n, lda, vb[0])
+    base = ctypes.addressof(ints)
+    sz = ctypes.sizeof(ctypes.c_int)
+    fn(b"R", b"L" if lower else b"U", trans.encode(), b"U" if unit else b"N", base, base + sz,
+       pal, t.ctypes.data, base + 2 * sz, b.ctypes.data, base + 3 * sz)

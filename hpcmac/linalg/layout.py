@@ -24,6 +24,12 @@ def numroc(n: int, nb: int, iproc: int, nprocs: int, isrc: int = 0) -> int:
     return count
 
 
+def lshape(gshape: tuple[int, int], mb: int, nb: int, prow: int, pcol: int, nprow: int,
+           npcol: int) -> tuple[int, int]:
+    """Local shape of grid position (prow, pcol)'s piece of a ``gshape`` matrix (mb x nb blocks)."""
+    return numroc(gshape[0], mb, prow, nprow), numroc(gshape[1], nb, pcol, npcol)
+
+
 def owner(g, nb: int, nprocs: int, isrc: int = 0):
     """Process that owns global index ``g``."""
     return (g // nb + isrc) % nprocs

@@ -104,9 +104,9 @@ class _Panel:
         self.bc: RowBcast | None = None
         self.received = False  # True once ipiv/zero must be read from buf
 
-    def poll(self) -> None:
-        if self.bc is not None:
-            self.bc.test()
+    def poll(self) -> bool:
+        """Advance the broadcast; True once this rank's part of it is done."""
+        return self.bc is None or self.bc.test()
 
     def complete(self) -> None:
         if self.bc is not None:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from hpcmac.linalg import layout
-from hpcmac.linalg.checks import check_finite, float_dtype, require, same_grid
+from hpcmac.linalg.checks import check_finite as _check_finite
+from hpcmac.linalg.checks import float_dtype, require, same_grid
 from hpcmac.linalg.distmatrix import DistMatrix
 from hpcmac.linalg.kernels import gemm_update
 
 #: inner-dimension width of one local update (several blocks per GEMM, so C is
 #: streamed through memory fewer times)
-PANEL = 512
+PANEL = 1024
 
 
 def _segments(k0: int, k1: int, anb: int, bmb: int) -> list[tuple[int, int]]:
@@ -31,32 +32,36 @@ def _segments(k0: int, k1: int, anb: int, bmb: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def matmul(a: DistMatrix, b: DistMatrix, check_finite_: bool = False) -> DistMatrix:
+def matmul(a: DistMatrix, b: DistMatrix, check_finite: bool = False) -> DistMatrix:
     """Collective over the grid: ``a @ b`` as a DistMatrix with blocks ``a.mb`` × ``b.nb``.
 
     Parameters
     ----------
     a, b : DistMatrix
         Global shapes (m, k) and (k, n) on the same grid. Any block sizes.
-    check_finite_ : bool
+    check_finite : bool
         Check both operands for infs and NaNs first (one reduction each).
     """
     same_grid("matmul", a, b)
     grid = a.grid
+    if not grid.in_grid:   # ranks outside the grid take no part (and may not know shapes)
+        return DistMatrix(np.zeros((0, 0), dtype=float_dtype(a.dtype, b.dtype), order="F"),
+                          (a.gshape[0], b.gshape[1]), a.mb, b.nb, grid)
     m, k = a.gshape
     k2, n = b.gshape
     require(k == k2, f"matmul: shapes {a.gshape} and {b.gshape} not aligned: "
                      f"{k} (dim 1) != {k2} (dim 0)")
     dtype = float_dtype(a.dtype, b.dtype)
     c = DistMatrix.zeros((m, n), grid, a.mb, b.nb, dtype)
-    if not grid.in_grid:
-        return c
-    if check_finite_:
-        check_finite(a, "a")
-        check_finite(b, "b")
+    if check_finite:
+        _check_finite(a, "a")
+        _check_finite(b, "b")
     al = a.local if a.dtype == dtype else a.local.astype(dtype, order="F")
     bl = b.local if b.dtype == dtype else b.local.astype(dtype, order="F")
     lm, ln = c.lshape
+    if grid.nprow == 1 and grid.npcol == 1:   # one rank holds everything: one GEMM
+        gemm_update(c.local, al, bl, alpha=1.0, beta=0.0)
+        return c
     acol_g = a.cols          # global column indices of my A columns
     brow_g = b.rows          # global row indices of my B rows
     width = max(PANEL, a.nb, b.mb)

@@ -6,9 +6,11 @@ of the solution needs the sum of the blocks already solved times ``T``'s
 off-diagonal blocks in its block row (``op = N``) or block column
 (``op = T``): each process of that grid row (column) adds its local part, one
 ``allreduce`` along the row (column) combines them, the diagonal block's
-owner solves the small triangle and broadcasts the block to the grid. This is
-netlib HPL's final ``U x = y`` solve (HPL_pdtrsv) in its simplest,
-O(n^2 / (P Q)) work per rank, form.
+owner solves the small triangle and broadcasts the block down its process
+column (row), the only ranks that use it later; one ``allreduce`` at the end
+replicates the solution. This is netlib HPL's final ``U x = y`` solve
+(HPL_pdtrsv) in its simplest, O(n^2 / (P Q)) work per rank, form: one
+reduction and one broadcast per block, none at all on one process.
 """
 
 from __future__ import annotations
@@ -63,13 +65,26 @@ def block_trsv(a, x: np.ndarray, n: int, lower: bool, unit: bool, trans: bool) -
             if r1 > r0:
                 np.matmul(A[r0:r1, lc:lc + kb].T, x[grows[r0:r1]], out=part)
             s = g.col.allreduce(part) if p > 1 else part
+        # who keeps x_k: the diagonal block's process column (row for trans)
+        if not trans:
+            keeper, line, root = mycol == pcol, g.col, prow
+        else:
+            keeper, line, root = myrow == prow, g.row, pcol
+        if not keeper:
+            continue
         xk = np.empty((kb, nrhs))
         if myrow == prow and mycol == pcol:
             lr, lc = int(layout.g2l(k0, nb, p)), int(layout.g2l(k0, nb, q))
             xk[...] = solve_triangular(A[lr:lr + kb, lc:lc + kb], x[k0:k0 + kb] - s,
                                        trans=1 if trans else 0, lower=lower,
                                        unit_diagonal=unit, check_finite=False)
-        if p * q > 1:
-            g.all.bcast(xk, g.rank_of(prow, pcol))
+        if line.size > 1:
+            line.bcast(xk, root)
         x[k0:k0 + kb] = xk
+    # replicate: each rank contributes the blocks its process column (row) kept
+    across, ncoord, mine = (g.row, q, mycol) if not trans else (g.col, p, myrow)
+    if ncoord > 1:
+        owners = layout.owner(np.arange(n), nb, ncoord)
+        x[owners != mine] = 0.0
+        across.allreduce(x, "sum", out=x)
     return x

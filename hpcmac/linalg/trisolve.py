@@ -45,6 +45,8 @@ def solve_triangular(a: DistMatrix, b: DistMatrix, trans=0, lower: bool = False,
         x, global (n, nrhs), in ``b``'s layout. Raises LinAlgError naming the
         first zero diagonal entry (global index, 0-based) on every grid rank.
     """
+    if not a.grid.in_grid:   # ranks outside the grid take no part
+        return b
     same_grid("solve_triangular", a, b)
     require(trans in _TRANS,
             f"solve_triangular: trans must be 0, 1, 2, 'N', 'T' or 'C', got {trans!r}")
@@ -54,8 +56,6 @@ def solve_triangular(a: DistMatrix, b: DistMatrix, trans=0, lower: bool = False,
             f"solve_triangular: shapes of a {a.gshape} and b {b.gshape} are incompatible")
     grid = a.grid
     dtype = float_dtype(a.dtype, b.dtype)
-    if not grid.in_grid:
-        return DistMatrix.empty(b.gshape, grid, b.mb, b.nb, dtype)
     if check_finite:
         _check_finite(a, "a")
         _check_finite(b, "b")

@@ -34,21 +34,23 @@ def solve_u(l1: int, l1_transposed: bool, jb: int, u: int, ldu: int, nc: int,
 
 def gemm_update(mrows: int, nc: int, jb: int, l2: int, ldl: int, u: int, ldu: int,
                 u_transposed: bool, c: int, ldc: int, chunk: int = 0,
-                poll: Callable[[], object] | None = None) -> None:
+                poll: Callable[[], bool] | None = None) -> None:
     """C (mrows x nc) -= L2 (mrows x jb) U (jb x nc; U^T nc x jb when ``u_transposed``).
 
     With ``poll`` the columns go in chunks of ``chunk`` and ``poll()`` runs
-    between them.
+    between them until it returns True (the broadcast it drives is done);
+    the remaining columns then go in one call.
     """
     if mrows <= 0 or nc <= 0 or jb <= 0:
         if poll is not None:
             poll()
         return
     tb = "T" if u_transposed else "N"
-    step = nc if (poll is None or chunk <= 0) else chunk
-    for c0 in range(0, nc, step):
-        w = min(step, nc - c0)
+    c0 = 0
+    while c0 < nc:
+        w = nc - c0 if (poll is None or chunk <= 0) else min(chunk, nc - c0)
         uoff = u + 8 * (c0 if u_transposed else c0 * ldu)
         blas.dgemm("N", tb, mrows, w, jb, -1.0, l2, ldl, uoff, ldu, 1.0, c + 8 * c0 * ldc, ldc)
-        if poll is not None:
-            poll()
+        c0 += w
+        if poll is not None and poll():
+            poll = None

@@ -84,10 +84,13 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
-    """Convert a random Llama/Qwen2/Qwen3 folder to one GGUF file with 2-D weights as ``qtype``.
+def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
+               split_kv_b: bool = False) -> Path:
+    """Convert a random Llama/Qwen2/Qwen3/Qwen3-MoE folder to one GGUF file, weights as ``qtype``.
 
     ``qtype`` is F32, F16 or Q8_0 (norms and biases stay F32, as llama.cpp keeps them).
+    DeepSeek-V3 folders become ``deepseek2`` GGUFs with ``attn_kv_b``, or with the
+    newer ``attn_k_b``/``attn_v_b`` split if ``split_kv_b``.
     """
     import gguf
 
@@ -96,7 +99,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
 
     folder, out = Path(folder), Path(out)
     raw = json.loads((folder / "config.json").read_text())
-    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[raw["model_type"]]
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+            "deepseek_v3": "deepseek2"}[raw["model_type"]]
     ckpt = SafetensorsCheckpoint(folder)
     cfg = ckpt.config()
     w = gguf.GGUFWriter(str(out), arch)
@@ -106,12 +110,33 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     w.add_feed_forward_length(cfg.intermediate)
     w.add_head_count(cfg.n_heads)
     w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    if arch == "deepseek2":  # the absorbed (MQA) lengths, as llama.cpp's converter writes
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+    else:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rope_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_vocab_size(cfg.vocab)
+    if cfg.n_experts:
+        w.add_expert_count(cfg.n_experts)
+        w.add_expert_used_count(cfg.n_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate)
+    if arch == "deepseek2":
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
     # a placeholder byte-level vocabulary (llama.cpp needs one; prompts are given as ids)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -121,15 +146,27 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     gtype = getattr(gguf.GGMLQuantizationType, qtype)
-    for name in ckpt.names():
-        t = ckpt.get(name)
+    tensors = {n: ckpt.get(n) for n in ckpt.names() if ".experts." not in n}
+    for i in range(cfg.n_layers):  # routed experts: one (E, out, in) tensor per projection
+        if cfg.is_moe_layer(i):
+            for which in ("gate", "up", "down"):
+                tensors[f"blk.{i}.ffn_{which}_exps.weight"] = ckpt.experts(i, which)
+    if split_kv_b:
+        for i in range(cfg.n_layers):
+            kv = tensors.pop(f"model.layers.{i}.self_attn.kv_b_proj.weight")
+            kv = kv.reshape(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+            tensors[f"blk.{i}.attn_k_b.weight"] = np.ascontiguousarray(
+                kv[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1))  # (H, r, nope)
+            tensors[f"blk.{i}.attn_v_b.weight"] = np.ascontiguousarray(
+                kv[:, cfg.qk_nope_head_dim:])  # (H, v, r)
+    for name, t in tensors.items():
         if arch == "llama" and name.endswith("q_proj.weight"):
             t = _permute(t, cfg.n_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             t = _permute(t, cfg.n_kv_heads)
-        gname = gguf_name(name)
+        gname = name if name.startswith("blk.") else gguf_name(name)
         block = gguf.GGML_QUANT_SIZES[gtype][0]
-        if t.ndim == 2 and qtype != "F32" and t.shape[1] % block == 0:
+        if t.ndim >= 2 and qtype != "F32" and t.shape[-1] % block == 0:
             data = gguf.quants.quantize(t, gtype)
             w.add_tensor(gname, data, raw_dtype=gtype)
         else:

@@ -171,8 +171,13 @@ class GGUFCheckpoint:
             cfg.q_lora_rank = int(self._meta("attention.q_lora_rank", 0)) or None
             cfg.kv_lora_rank = int(self._need("attention.kv_lora_rank"))
             cfg.qk_rope_head_dim = int(self._need("rope.dimension_count"))
+            # newer converters write the absorbed (MQA) lengths as key/value_length
+            # and the per-head ones as key/value_length_mla
+            head_dim = int(self._meta("attention.key_length_mla", head_dim))
+            cfg.head_dim = head_dim
             cfg.qk_nope_head_dim = head_dim - cfg.qk_rope_head_dim
-            cfg.v_head_dim = int(self._need("attention.value_length"))
+            cfg.v_head_dim = int(self._meta("attention.value_length_mla", 0)
+                                 or self._need("attention.value_length"))
             cfg.n_kv_heads = n_heads
             cfg.n_shared_experts = int(self._meta("expert_shared_count", 0) or 0)
             cfg.first_k_dense = int(self._meta("leading_dense_block_count", 0) or 0)
@@ -181,10 +186,6 @@ class GGUFCheckpoint:
             cfg.n_group = int(self._meta("expert_group_count", 1) or 1)
             cfg.topk_group = int(self._meta("expert_group_used_count", 1) or 1)
             cfg.rope_interleave = True
-            if "blk.0.attn_kv_b.weight" not in self._tensors and \
-                    f"blk.{cfg.first_k_dense}.attn_kv_b.weight" not in self._tensors:
-                raise UsageError(f"{self.path}: DeepSeek GGUF without attn_kv_b (split "
-                                 "attn_k_b/attn_v_b layout) is not supported")
         self._cfg = cfg
         return cfg
 
@@ -203,10 +204,12 @@ class GGUFCheckpoint:
         return self._tensors[g]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name.endswith("self_attn.kv_b_proj.weight") and gguf_name(name) not in self._tensors:
+            return self.shape_of_kv_b(name)
         return tuple(int(s) for s in reversed(self._tensor(name).shape.tolist()))
 
     def numel(self, name: str) -> int:
-        return int(self._tensor(name).n_elements)
+        return int(np.prod(self.shape(name), dtype=np.int64))
 
     def _dequant(self, t) -> np.ndarray:
         from gguf import quants
@@ -221,6 +224,8 @@ class GGUFCheckpoint:
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as float32 in Hugging Face layout (out, in)."""
+        if name.endswith("self_attn.kv_b_proj.weight") and gguf_name(name) not in self._tensors:
+            return self._kv_b_from_split(name)
         w = self._dequant(self._tensor(name))
         if self._arch_gguf == "llama":
             cfg = self.config()
@@ -229,6 +234,18 @@ class GGUFCheckpoint:
             elif name.endswith("self_attn.k_proj.weight"):
                 w = unpermute_rows(w, cfg.n_kv_heads)
         return w
+
+    def _kv_b_from_split(self, name: str) -> np.ndarray:
+        """kv_b_proj (H*(nope+v), r) rebuilt from attn_k_b (H, r, nope) and attn_v_b (H, v, r)."""
+        base = gguf_name(name)[:-len("attn_kv_b.weight")]
+        k_b = self._dequant(self._tensor(name, base + "attn_k_b.weight"))
+        v_b = self._dequant(self._tensor(name, base + "attn_v_b.weight"))
+        kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # (H, nope+v, r)
+        return np.ascontiguousarray(kv.reshape(-1, kv.shape[-1]))
+
+    def shape_of_kv_b(self, name: str) -> tuple[int, ...]:
+        cfg = self.config()
+        return (cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
 
     def experts(self, layer: int, which: str) -> np.ndarray:
         """Routed expert weights of one layer, (E, out, in)."""

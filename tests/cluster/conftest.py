@@ -20,9 +20,53 @@ ROOT = Path(__file__).resolve().parents[2]
 MESH_HOSTFILE = ROOT / "hostfiles" / "mesh-4.json"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _sweep_stale() -> None:
+    """Remove what an earlier session killed hard (no finalizer ran) left behind:
+    namespaces ``hm<pid>-*``/``hb<pid>-*`` and Slurm dirs ``hpcmac-slurm-<pid>-*``
+    whose creating process is gone."""
+    import re
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    netns = Path("/run/netns")
+    for p in netns.glob("h[mb]*-*") if netns.is_dir() else []:
+        m = re.match(r"^h[mb](\d+)-", p.name)
+        if m and not _alive(int(m.group(1))):
+            pids = subprocess.run(["ip", "netns", "pids", p.name], capture_output=True,
+                                  text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", p.name], capture_output=True)
+    for d in Path(tempfile.gettempdir()).glob("hpcmac-slurm-*-*"):
+        m = re.match(r"^hpcmac-slurm-(\d+)-", d.name)
+        if m and not _alive(int(m.group(1))):
+            from slurm import Slurm
+
+            Slurm(d).stop()
+            shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def mesh_capability() -> str:
-    return capability()
+    why = capability()
+    if not why:
+        _sweep_stale()
+    return why
 
 
 def _mesh(prefix: str, routes: bool, why: str):
@@ -76,7 +120,8 @@ def slurm():
     why = capability()
     if why:
         pytest.skip(f"no Slurm on this machine: {why}")
-    root = Path(tempfile.mkdtemp(prefix="hpcmac-slurm-"))
+    _sweep_stale()
+    root = Path(tempfile.mkdtemp(prefix=f"hpcmac-slurm-{os.getpid()}-"))
     root.chmod(0o755)  # munged runs as the munge user and must reach its socket dir
     s = Slurm(root, cpus=os.cpu_count() or 2)
     try:

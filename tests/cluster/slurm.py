@@ -127,8 +127,11 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=10 State=UP OverSubscr
             p = self.root / pidfile
             try:
                 pid = int(p.read_text().split()[0])
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except (OSError, ValueError, IndexError):
                 continue
+            if str(self.root).encode() not in cmd:
+                continue  # the pid was reused by something that is not ours
             try:
                 os.kill(pid, signal.SIGTERM)
                 for _ in range(50):

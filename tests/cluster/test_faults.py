@@ -88,6 +88,7 @@ def test_fault_ends_the_job_with_an_error_naming_the_host(healed, kind, limit):
     p = start(mesh)
     named = inject(mesh, kind)
     elapsed, out = finish(p, limit)
+    print(f"{kind}: job ended {elapsed:.1f} s after the fault, exit {p.returncode}")
     assert p.returncode != 0, out[-2000:]
     assert elapsed < limit, f"{kind}: job took {elapsed:.1f} s to end (limit {limit} s)"
     assert "error" in out.lower()

@@ -127,3 +127,23 @@ def test_mlx_ring_rank_failure_is_the_job_exit_code(mesh, tmp_path):
     assert res.returncode == 7, res.stderr[-2000:]
     assert "rank 2 exited with code 7" in res.stderr
     assert mesh.wait_idle(10) == []
+
+
+def test_hpcmac_ring_transport_across_four_hosts(mesh):
+    """hpcmac's ``ring`` transport (MLX ring bootstrapped over MPI) under mpirun: the
+    allreduce bytes go through MLX's ring over the mesh cables."""
+    pytest.importorskip("mlx.core")
+    before = mesh.counters()
+    res = launch(mesh, ["-m", "hpcmac.launch.selftest", "--mib", "8", "--no-p2p"],
+                 "--transport", "ring", "--env", "HPCMAC_TRANSPORT_STRICT=1")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "transport: ring" in res.stderr
+    assert res.stdout.rstrip().endswith("PASSED"), out[-2000:]
+    after = mesh.counters()
+    names = mesh.hf.names
+    for i, a in enumerate(names):
+        lk = mesh.hf.link_between(a, names[(i + 1) % len(names)])
+        sent = [after[(x, lk.end_of(x).iface)][1] - before[(x, lk.end_of(x).iface)][1]
+                for x in (lk.ends[0].host, lk.ends[1].host)]
+        assert max(sent) > 2**20, f"only {sent} bytes on the {lk.label} cable"

@@ -11,6 +11,7 @@ from hpcmac import comm
 from hpcmac.comm.grid import Grid
 from hpcmac.hpl import config, driver, matgen
 from hpcmac.linalg import layout
+from hpcmac.linalg.lu import LUOptions, hpl_solve
 from hpcmac.testing import parallel_allclose, parallel_assert
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
@@ -20,29 +21,7 @@ GRIDS = [(1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1)]
 SIZES = [(37, 8), (5, 8), (64, 6)]
 
 
-def _solver():
-    """The real distributed LU (hpcmac.linalg.lu) when present, else a test-only stand-in."""
-    try:
-        from hpcmac.linalg.lu import LUOptions, hpl_solve
-
-        return hpl_solve, LUOptions
-    except ImportError:
-        return _standin_solve, dict
-
-
-def _standin_solve(a, opts, progress=None, after_panel=None):
-    # TEMPORARY, test-only: gather and solve with scipy, until hpcmac.linalg.lu lands
-    n = a.gshape[0]
-    if after_panel is not None:
-        for j in range(-(-n // a.nb)):
-            after_panel(j, a)
-    full = a.allgather()
-    if progress is not None:
-        progress(n, n)
-    return scipy.linalg.solve(full[:, :n], full[:, n])
-
-
-SOLVE, OPTIONS = _solver()
+SOLVE, OPTIONS = hpl_solve, LUOptions
 
 
 def _opts(pfact="right", rfact="crout", bcast="1ringM", depth=1, swap="mix", swap_threshold=64,
@@ -139,11 +118,13 @@ def test_solution_equals_scipy():
 
 
 def _corrupt(n, nb):
-    """after_panel hook: after panel 1, add 1000 to trailing entry (n-1, n-1) on its owner."""
+    """after_panel hook: once the second panel (global columns nb..) is factored, add 1000
+    to the trailing entry (n-1, n-1) on its owner, mid-run."""
+    second = nb if n > nb else 0  # hpl_solve passes the panel's first global column
 
     def hook(j, a):
         g = a.grid
-        if j == min(1, (n - 1) // nb) and g.myrow == layout.owner(n - 1, nb, g.nprow) \
+        if j == second and g.myrow == layout.owner(n - 1, nb, g.nprow) \
                 and g.mycol == layout.owner(n - 1, nb, g.npcol):
             a.local[layout.g2l(n - 1, nb, g.nprow), layout.g2l(n - 1, nb, g.npcol)] += 1000.0
 

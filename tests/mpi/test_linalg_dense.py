@@ -23,7 +23,11 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matmul_against_numpy(dtype):
+@pytest.mark.parametrize("panel", [1024, 5])
+def test_matmul_against_numpy(dtype, panel, monkeypatch):
+    import hpcmac.linalg.summa
+
+    monkeypatch.setattr(hpcmac.linalg.summa, "PANEL", panel)   # 5: many panels, odd cuts
     rng = np.random.default_rng(1)
     for _g, grid in each_grid():
         for (m, k, n), (amb, anb), (bmb, bnb) in [((13, 11, 9), (3, 2), (4, 3)),
@@ -98,7 +102,11 @@ def test_helpers_owner_g2l_l2g():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cholesky_and_cho_solve(dtype):
+@pytest.mark.parametrize("chunk", [512, 1])
+def test_cholesky_and_cho_solve(dtype, chunk, monkeypatch):
+    import hpcmac.linalg.cholesky
+
+    monkeypatch.setattr(hpcmac.linalg.cholesky, "CHUNK", chunk)   # 1: one block per chunk
     rng = np.random.default_rng(4)
     for _g, grid in each_grid():
         n = 19
@@ -180,3 +188,23 @@ def test_errors_are_the_same_on_every_rank(shape_index):
     msg = same_error_everywhere(group, lambda: solve_triangular(dist(t, grid, 2, 2), rhs),
                                 LinAlgError)
     assert "diagonal 4" in msg, msg
+
+
+def test_ranks_outside_the_grid_take_no_part():
+    """A 1 x 1 grid at any rank count, operands scattered by from_global (idle ranks do not
+    know the shapes): every call returns on the idle ranks and is right on rank 0."""
+    g = world()
+    grid = Grid(g, 1, 1)
+    rng = np.random.default_rng(7)
+    a0, b0 = spd(rng, 9, np.float64), rand(rng, (9, 2), np.float64)
+    a = DistMatrix.from_global(a0 if g.rank == 0 else None, grid, 4, 4)
+    b = DistMatrix.from_global(b0 if g.rank == 0 else None, grid, 4, 4)
+    results = [matmul(a, b).gather(), solve(a, b).gather(), solve(a, b0),
+               cho_solve(cho_factor(a), b).gather(), solve_triangular(a, b).gather(),
+               norm(a, 1)]
+    if g.rank == 0:
+        expect = [a0 @ b0, sl.solve(a0, b0), sl.solve(a0, b0), sl.solve(a0, b0),
+                  sl.solve_triangular(a0, b0), sl.norm(a0, 1)]
+        for got, want in zip(results, expect):
+            np.testing.assert_allclose(got, want, rtol=1e-9)
+    g.barrier()

@@ -51,6 +51,38 @@ def test_lu_solve_and_solve(dtype):
                                       atol=tol, group=grid.all)
 
 
+def test_complex_solve_through_the_real_form():
+    rng = np.random.default_rng(12)
+    for _g, grid in each_grid():
+        n = 14
+        a = rand(rng, (n, n), np.complex128)
+        b = rand(rng, (n, 2), np.complex128)
+        for transposed in (False, True):
+            x = solve(dist(a, grid, 3, 5), dist(b, grid, 4, 1), transposed=transposed)
+            full = x.allgather()
+            if grid.in_grid:
+                parallel_assert((x.mb, x.nb, x.dtype) == (4, 1, np.complex128), "layout",
+                                grid.all)
+                ref = sl.solve(a.T if transposed else a, b)   # scipy has no complex transposed
+                parallel_allclose(full, ref, rtol=1e-9, atol=1e-10, group=grid.all)
+        x = solve(dist(a.real.copy(), grid, 4, 4), b[:, 0])   # real matrix, complex rhs
+        if grid.in_grid:
+            parallel_allclose(x, sl.solve(a.real, b[:, 0]), rtol=1e-9, atol=1e-10,
+                              group=grid.all)
+
+
+def test_complex_singular_names_the_complex_index():
+    grid = grid_at(0)
+    if not grid.in_grid:
+        return
+    rng = np.random.default_rng(13)
+    sing = rand(rng, (8, 8), np.complex128)
+    sing[:, 5] = 0
+    msg = same_error_everywhere(grid.all, lambda: solve(dist(sing, grid, 2, 2), np.ones(8)),
+                                LinAlgError)
+    assert "global index 5" in msg, msg
+
+
 @pytest.mark.parametrize("shape_index", [0, 1])
 def test_singular_and_bad_input_raise_everywhere(shape_index):
     grid = grid_at(shape_index)

@@ -163,3 +163,12 @@ def test_default_config_uses_every_rank(nprocs, grid):
     assert cfg.ns == [config.DEFAULT_N] and cfg.nbs == [config.DEFAULT_NB]
     assert [v.tv for v in cfg.variants()] == ["WR11C2R4"]
     assert config.check_grids(cfg, nprocs) == []
+
+
+@pytest.mark.parametrize("name, runs", [("sweep.dat", 2 * 3 * 36), ("bench.dat", 2)])
+def test_example_files_parse(name, runs):
+    from pathlib import Path
+
+    path = Path(config.__file__).parent / "examples" / name
+    cfg = config.parse_hpl_dat(path.read_text(), str(path))
+    assert len(list(cfg.runs(4))) == runs

@@ -26,13 +26,22 @@ def test_work_fraction_counts_flops_not_columns():
 
 
 def test_progress_line_shows_columns_elapsed_eta():
-    out = io.StringIO()
+    out = Tty()
     p = progress.Progress("WR11C2R4 N=100", stream=out, min_interval=0.0)
     p(50, 100)
     p(100, 100)
     text = out.getvalue()
     assert "\rWR11C2R4 N=100:  50/100 columns ( 87.5% of flops)" in text
     assert "elapsed" in text and "ETA" in text and text.endswith("\n")
+
+
+def test_progress_on_a_pipe_is_whole_lines():
+    out = io.StringIO()
+    p = progress.Progress("X", stream=out, min_interval=0.0)
+    p(1, 4)
+    p(4, 4)
+    lines = out.getvalue().split("\n")
+    assert "\r" not in out.getvalue() and len(lines) == 3 and lines[1].startswith("X: 4/4")
 
 
 def test_blas_threads_policy():

@@ -143,3 +143,42 @@ def test_route_table_parser_reads_abbreviated_macos_networks():
     assert rows["127.0.0.0/8"] == "lo0"
     assert rows["192.168.1.0/24"] == "en0"
     assert convert.route_iface(convert.parse_route_table(MACOS_TABLE), "10.77.12.2") == "en2"
+
+
+def test_rank_placement_and_memory_share_follow_mpiruns_by_slot_mapping():
+    from hpcmac.launch.topology import memory_per_rank, rank_hosts
+
+    d = json.loads((HOSTFILES / "mesh-4-mixed.json").read_text())
+    d["hosts"][0]["slots"] = 2
+    hf = parse(d)
+    assert rank_hosts(hf) == ["mac1", "mac1", "mac2", "mac3", "mac4"]
+    assert memory_per_rank(hf) == [256, 256, 512, 256, 256]
+    assert rank_hosts(hf, 7)[5:] == ["mac1", "mac1"]  # oversubscribed: wraps around
+
+
+def test_mlx_launch_needs_addresses(tmp_path):
+    from hpcmac.errors import UsageError
+    from hpcmac.launch import runner
+
+    d = json.loads((HOSTFILES / "mesh-2.json").read_text())
+    d["hosts"][0]["ips"] = []
+    hf = parse(d, "h.json")
+    with pytest.raises(UsageError, match="host 'mac1': field 'ips' is needed for --backend jaccl"):
+        runner.plan(hf, ["x"], runner.Options(via="mlx"), str(tmp_path))
+    runner.plan(hf, ["x"], runner.Options(via="mlx", backend="ring"), str(tmp_path))  # links
+    d.pop("links")
+    with pytest.raises(UsageError, match="field 'ips' is needed for --backend ring"):
+        runner.plan(parse(d, "h.json"), ["x"], runner.Options(via="mlx", backend="ring"),
+                    str(tmp_path))
+
+
+def test_ibv_rank_matrix_follows_rank_placement():
+    d = json.loads((HOSTFILES / "mesh-2.json").read_text())
+    d["hosts"][0]["slots"] = 2
+    hf = parse(d)
+    assert convert.ibv_rank_matrix(hf) == [[None, None, "rdma_en2"],
+                                           [None, None, "rdma_en2"],
+                                           ["rdma_en2", "rdma_en2", None]]
+    assert convert.ibv_rank_matrix(hf, 2) == [[None, None], [None, None]]  # both on mac1
+    one_each = load(HOSTFILES / "mesh-4.json")
+    assert convert.ibv_rank_matrix(one_each) == convert.ibv_matrix(one_each)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpcmac.errors import UsageError
-from hpcmac.launch.hostfile import load, parse, validate
+from hpcmac.launch.hostfile import advise, load, parse, validate
 from hpcmac.launch.topology import is_full_mesh, missing_mesh_pairs, ring_order
 
 HOSTFILES = Path(__file__).resolve().parents[2] / "hostfiles"
@@ -186,7 +186,7 @@ def test_rdma_matrix_must_match_the_links_with_null_diagonal():
     assert any("has 3 entries, expected one per host (4)" in p for p in problems(bad))
 
 
-def test_slots_memory_and_more_than_four_meshed_hosts():
+def test_slots_memory_and_more_than_four_meshed_hosts_is_a_warning():
     d = mesh4()
     d["hosts"][0]["slots"] = 0
     d["hosts"][1]["memory_gb"] = -1
@@ -203,8 +203,11 @@ def test_slots_memory_and_more_than_four_meshed_hosts():
                 {"host": f"m{i}", "iface": f"en{j + 2}", "addr": f"10.9.{k}.1"},
                 {"host": f"m{j}", "iface": f"en{i + 2}", "addr": f"10.9.{k}.2"}]})
             k += 1
-    out = problems({"hosts": hosts, "links": links})
-    assert len(out) == 1 and "more than 4 fully meshed hosts" in out[0]
+    five = parse({"hosts": hosts, "links": links})
+    assert validate(five) == []
+    (warning,) = advise(five)
+    assert "5 hosts in a Thunderbolt full mesh" in warning and "more than 4 Macs" in warning
+    assert advise(parse(mesh4())) == []
 
 
 def test_envs_backend_topology_checked():

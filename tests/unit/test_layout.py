@@ -5,7 +5,6 @@ import pytest
 
 from hpcmac.io.hdf5 import _runs
 from hpcmac.linalg import layout
-from hpcmac.linalg.kernels import gemm_update
 from hpcmac.linalg.vectors import block_range
 
 CASES = [(n, nb, p) for n in (0, 1, 7, 16, 23) for nb in (1, 3, 4, 8, 30) for p in (1, 2, 3, 4)]
@@ -64,23 +63,10 @@ def test_block_range_partitions(n, size):
     assert max(lens) - min(lens) <= 1
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])
-@pytest.mark.parametrize("trans_b", ["N", "T", "C"])
-def test_gemm_update_in_place_on_strided_views(dtype, trans_b):
-    rng = np.random.default_rng(0)
-    for m, n, k in [(5, 4, 3), (1, 1, 4), (1, 6, 2), (6, 1, 2), (0, 3, 2), (3, 3, 0)]:
-        for a_fortran in (False, True):
-            for b_fortran in (False, True):
-                a = rng.standard_normal((m, k)).astype(dtype)
-                b = rng.standard_normal((k, n) if trans_b == "N" else (n, k)).astype(dtype)
-                if np.iscomplexobj(a):
-                    a, b = a + 1j * a[::-1], b - 2j
-                a = np.asfortranarray(a) if a_fortran else a
-                b = np.asfortranarray(b) if b_fortran else b
-                c = np.asfortranarray(rng.standard_normal((m + 3, n + 2)).astype(dtype))
-                ref = c.copy()
-                ob = {"N": b, "T": b.T, "C": b.conj().T}[trans_b]
-                ref[1:1 + m, 2:2 + n] += -0.5 * (a @ ob)
-                gemm_update(c[1:1 + m, 2:2 + n], a, b, alpha=-0.5, trans_b=trans_b)
-                tol = 1e-5 if dtype == np.float32 else 1e-12
-                np.testing.assert_allclose(c, ref, rtol=tol, atol=tol)
+def test_lshape_tiles_the_matrix():
+    for m, n, mb, nb, p, q in [(7, 5, 2, 3, 2, 2), (16, 9, 4, 4, 3, 1), (1, 30, 5, 7, 1, 4)]:
+        shapes = [[layout.lshape((m, n), mb, nb, i, j, p, q) for j in range(q)] for i in range(p)]
+        assert sum(shapes[i][0][0] for i in range(p)) == m
+        assert sum(shapes[0][j][1] for j in range(q)) == n
+        assert all(shapes[i][j] == (shapes[i][0][0], shapes[0][j][1])
+                   for i in range(p) for j in range(q))
