@@ -10,6 +10,7 @@ BENCHES = {
     "hpl": "hpcmac HPL vs netlib HPL and the DGEMM ceiling",
     "linalg": "SUMMA matmul and Cholesky vs numpy/scipy",
     "llm": "decode tok/s vs the memory-bandwidth bound and llama.cpp",
+    "llm_pipeline": "pipeline decode at 1/2/4 ranks: TTFT, prefill, decode, bytes per link, busy",
 }
 
 

@@ -14,11 +14,18 @@ from hpcmac.errors import UsageError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hpcmac.llm",
-                                 description="Decoder-only LLM inference (one rank).")
+    from hpcmac.llm.pipeline_cli import add_pipeline_arguments
+
+    ap = argparse.ArgumentParser(
+        prog="python -m hpcmac.llm",
+        description="Decoder-only LLM inference, pipeline-parallel over the ranks of the job.")
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text for one prompt")
+    g = sub.add_parser("generate", help="generate text (one rank, or a pipeline over the ranks)")
     add_generate_args(g)
+    add_pipeline_arguments(g)
+    b = sub.add_parser("bench", add_help=False,
+                       help="pipeline benchmark at 1, 2, 4 ranks (see bench --help)")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
 
 
@@ -148,9 +155,18 @@ def run_generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        return run_generate(args)
-    return 2
+    if args.command == "bench":
+        from hpcmac.bench.llm_pipeline import main as bench_main
+
+        return bench_main(args.rest)
+    from hpcmac.errors import world_size
+
+    # one rank and one prompt: the single-stage generator; otherwise the pipeline
+    if world_size() > 1 or args.batch or args.split or args.transport:
+        from hpcmac.llm.pipeline_cli import run_generate as run_pipeline
+
+        return run_pipeline(args)
+    return run_generate(args)
 
 
 if __name__ == "__main__":
