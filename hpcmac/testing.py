@@ -81,6 +81,16 @@ class _Prefixed(io.TextIOBase):
         return getattr(self._raw, "encoding", "utf-8")
 
 
+class _QuietMPIInfo:
+    """Drop pytest-mpi's end-of-run "MPI Information" block (mpi4py's rc and build
+    config, repeated by every rank); ``python -m hpcmac info`` says the same once."""
+
+    def pytest_sessionstart(self, session) -> None:
+        for plugin in session.config.pluginmanager.get_plugins():
+            if type(plugin).__name__ == "MPIPlugin" and hasattr(plugin, "_is_testing_mpi"):
+                plugin._is_testing_mpi = False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run pytest on this rank of an MPI job; the exit status is the job's verdict."""
     import pytest
@@ -95,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = f"[rank {rank}] "
         sys.stdout = _Prefixed(sys.__stdout__, prefix)
         sys.stderr = _Prefixed(sys.__stderr__, prefix)
-    code = int(pytest.main(args))
+    code = int(pytest.main(args, plugins=[_QuietMPIInfo()]))
     sys.stdout.flush()
     sys.stderr.flush()
     # one verdict for the job: any rank's failure fails all
