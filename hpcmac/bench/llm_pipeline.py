@@ -78,7 +78,7 @@ class _Sleeper:
 
         self.world = world
         # idle for seconds: poll every 20 ms at most, not to disturb the ranks measured
-        self.wd = Watchdog(world, [""] * world.size, timeout=0, max_sleep=0.02)
+        self.wd = Watchdog(world, [""] * world.size, timeout=0, max_sleep=0.02, spin=0.0)
 
     def sync(self) -> None:
         """Collective over the world, each rank sleeping while it waits."""

@@ -164,9 +164,46 @@ class MLXBackend:
         self.mx.eval(*arrays)
 
 
+#: glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_allocator_tuned = False
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc reuse freed memory instead of mapping fresh pages each step.
+
+    A decode step allocates and frees the same arrays again and again (logits,
+    the head's output, sampling: hundreds of kilobytes each). By default glibc
+    serves anything over 128 KiB with a fresh mmap and unmaps it on free, so
+    each step pays page faults on every such array, and it trims the heap's
+    top when freed memory there passes a threshold. Measured on SmolLM2 at 2
+    ranks with 2 sequences per micro-batch: a stage took 16-18 ms per
+    micro-batch instead of 11-12 ms. Arrays under 32 MiB now come from the
+    heap, and the heap keeps up to 1 GiB of freed memory at its top;
+    :func:`release_freed_memory` (called once a stage is loaded) hands back
+    what loading left. Returns whether it applied (glibc only; elsewhere
+    nothing changes). Once per process.
+    """
+    global _allocator_tuned
+    if _allocator_tuned:
+        return True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+        ok = bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(
+            mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
+        return False
+    _allocator_tuned = ok
+    return ok
+
+
 def get_backend(name: str):
     """A backend by name: ``numpy`` or ``mlx``."""
     if name == "numpy":
+        keep_freed_memory()
         return NumpyBackend()
     if name == "mlx":
         try:

@@ -57,6 +57,36 @@ _GLOBAL_MAP = {"model.embed_tokens.weight": "token_embd.weight",
                "lm_head.weight": "output.weight"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
+#: opened readers by (path, size, mtime): parsing a file's metadata (a tokenizer's
+#: vocabulary and merges are ~150k fields) takes seconds, and one run opens the
+#: same file for its plan, its stage and its tokenizer
+_READERS: dict[tuple[str, int, int], object] = {}
+_READERS_MAX = 2
+
+
+def gguf_reader(path: str | Path):
+    """A ``gguf.GGUFReader`` of ``path`` (read-only, memory-mapped), opened once per file version.
+
+    A file rewritten in place (new size or mtime) is opened again. Raises
+    :class:`UsageError` with one line when the file is not readable GGUF.
+    """
+    import gguf
+
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    reader = _READERS.get(key)
+    if reader is None:
+        try:
+            reader = gguf.GGUFReader(path, "r")
+        except Exception as exc:  # the reader raises assorted errors on a bad file
+            raise UsageError(f"{path}: not a readable GGUF file "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") from None
+        while len(_READERS) >= _READERS_MAX:
+            _READERS.pop(next(iter(_READERS)))
+        _READERS[key] = reader
+    return reader
+
 
 def gguf_name(name: str) -> str | None:
     """The GGUF tensor name of a canonical name (None when it has no GGUF equivalent)."""
@@ -78,14 +108,8 @@ class GGUFCheckpoint:
     """One GGUF file (single-file models)."""
 
     def __init__(self, path: Path):
-        import gguf
-
         self.path = Path(path)
-        try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as exc:  # the reader raises assorted errors on a bad file
-            raise UsageError(f"{self.path}: not a readable GGUF file "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") from None
+        self.reader = gguf_reader(self.path)
         size = self.path.stat().st_size
         self._tensors = {}
         for t in self.reader.tensors:

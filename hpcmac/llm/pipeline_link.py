@@ -16,6 +16,14 @@ import numpy as np
 from hpcmac.comm.base import Group
 
 
+def _cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS has no affinity call
+        return os.cpu_count() or 1
+
+
 class Link:
     """Sends through the group with non-blocking calls, counting bytes by phase."""
 
@@ -46,24 +54,37 @@ class Link:
 class Watchdog:
     """Waits on requests politely, and ends the job when a peer stays silent too long.
 
-    Waiting polls the request: a short spin (the next message is usually close),
-    then sleeps growing to half a millisecond, so a waiting stage leaves the CPU
-    to the stage that computes (several ranks may share a machine) and Ctrl-C
-    is seen at once. A killed rank is reported by the launcher (Open MPI names
-    rank and host); a hung one (stopped, or behind a dead link that TCP has not
-    noticed) is caught here after ``timeout`` seconds (0: never).
+    Waiting polls the request. It first spins (tests without sleeping), then
+    sleeps growing to half a millisecond between tests, so Ctrl-C is seen at
+    once. How long it spins depends on the host: when this host has a core for
+    each of its ranks, a waiting stage has a core to itself and spins for up to
+    50 ms (a hop then costs tens of microseconds, not the half millisecond of a
+    sleep); when ranks share cores (more ranks than cores), it spins 0.2 ms and
+    then leaves the CPU to the stage that computes. A killed rank is reported
+    by the launcher (Open MPI names rank and host); a hung one (stopped, or
+    behind a dead link that TCP has not noticed) is caught here after
+    ``timeout`` seconds (0: never).
     """
 
-    #: seconds to poll without sleeping (HPCMAC_PIPELINE_SPIN overrides)
-    SPIN_S = float(os.environ.get("HPCMAC_PIPELINE_SPIN", "2e-4"))
+    #: seconds to spin when each rank of the host has a core, and when they share cores
+    SPIN_OWN_CORE_S, SPIN_SHARED_S = 0.05, 2e-4
     #: the longest sleep between two polls (HPCMAC_PIPELINE_MAX_SLEEP overrides)
     MAX_SLEEP_S = float(os.environ.get("HPCMAC_PIPELINE_MAX_SLEEP", "5e-4"))
 
     def __init__(self, group: Group, hosts: Sequence[str], timeout: float,
-                 max_sleep: float | None = None):
+                 max_sleep: float | None = None, spin: float | None = None):
         self.group, self.hosts, self.timeout = group, list(hosts), timeout
         if max_sleep is not None:
             self.MAX_SLEEP_S = max_sleep
+        env = os.environ.get("HPCMAC_PIPELINE_SPIN")
+        if spin is not None:
+            self.spin_s = spin
+        elif env:
+            self.spin_s = float(env)
+        else:
+            here = self.hosts[group.rank] if group.rank < len(self.hosts) else ""
+            self.spin_s = (self.SPIN_OWN_CORE_S if self.hosts.count(here) <= _cores()
+                           else self.SPIN_SHARED_S)
 
     def wait(self, req, peer: int, what: str, grace: float = 0.0) -> None:
         """Block until ``req`` completes; after ``timeout + grace`` s of silence, abort."""
@@ -74,7 +95,7 @@ class Watchdog:
         delay = 0.0
         while not req.test():
             now = time.monotonic()
-            if now - t0 > self.SPIN_S:
+            if now - t0 > self.spin_s:
                 time.sleep(delay)
                 delay = min(2 * delay or 2e-5, self.MAX_SLEEP_S)
             if self.timeout > 0 and now - t0 > limit:

@@ -134,11 +134,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _from_gguf(path: Path) -> Tokenizer | None:
-    import gguf
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as TK
 
-    r = gguf.GGUFReader(path, "r")
+    from hpcmac.llm.gguf_loader import gguf_reader
+
+    r = gguf_reader(path)
 
     def field(key, default=None):
         f = r.fields.get(key)

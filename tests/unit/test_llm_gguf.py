@@ -225,3 +225,22 @@ def test_config_quirks(tmp_path):
     assert c.rope_scaling == {"type": "linear", "factor": 2.0, "rope_type": "linear"}
     (tmp_path / "config.json").write_text(json.dumps({**base, "tie_word_embeddings": True}))
     assert load_config(tmp_path).tie_embeddings
+
+
+def test_gguf_reader_opened_once_per_file_version(folders, tmp_path):
+    """One run opens a GGUF for its plan, its stage and its tokenizer: the parse is
+    done once, and a file rewritten in place is parsed again (new contents)."""
+    import os
+
+    from hpcmac.llm.gguf_loader import gguf_reader
+
+    path = write_gguf(folders["llama"], tmp_path / "m.gguf", "F32")
+    first = gguf_reader(path)
+    assert gguf_reader(path) is first
+    assert load_config(path).n_layers == load_config(folders["llama"]).n_layers
+    st = os.stat(path)
+    write_gguf(folders["qwen2"], path, "F32")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    again = gguf_reader(path)
+    assert again is not first
+    assert load_config(path).arch == "qwen2"

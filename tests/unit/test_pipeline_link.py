@@ -1,0 +1,61 @@
+"""The pipeline's waiting policy and the allocator setting decode relies on."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hpcmac.comm.local import LocalGroup
+from hpcmac.llm.pipeline_link import Watchdog, _cores
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv("HPCMAC_PIPELINE_SPIN", raising=False)
+
+
+def test_spins_when_each_rank_has_a_core():
+    g = LocalGroup()
+    assert Watchdog(g, ["a"], timeout=0).spin_s == Watchdog.SPIN_OWN_CORE_S
+    # this host runs more ranks than it has cores: spin briefly, then sleep
+    crowded = ["a"] * (_cores() + 1)
+    assert Watchdog(g, crowded, timeout=0).spin_s == Watchdog.SPIN_SHARED_S
+    # ranks on other hosts do not count
+    spread = ["a"] + ["b"] * (_cores() + 1)
+    assert Watchdog(g, spread, timeout=0).spin_s == Watchdog.SPIN_OWN_CORE_S
+
+
+def test_spin_override(monkeypatch):
+    g = LocalGroup()
+    monkeypatch.setenv("HPCMAC_PIPELINE_SPIN", "0.003")
+    assert Watchdog(g, ["a"], timeout=0).spin_s == 0.003
+    assert Watchdog(g, ["a"], timeout=0, spin=0.0).spin_s == 0.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_allocator_keeps_freed_memory():
+    """On glibc the numpy backend makes mid-sized arrays (a step's logits) come from
+    the heap, not from a fresh mmap each time (glibc's default above 128 KiB)."""
+    import ctypes
+
+    import numpy as np
+
+    from hpcmac.llm.backend import get_backend
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallInfo2
+    get_backend("numpy")
+    before = libc.mallinfo2().hblks
+    logits = np.empty((4, 49152), dtype=np.float32)  # 768 KiB
+    during = libc.mallinfo2().hblks
+    del logits
+    assert during == before, "a 768 KiB array was given its own mmap"
