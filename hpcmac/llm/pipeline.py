@@ -16,12 +16,14 @@ prefill too.
 
 Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
 
-* stage r -> r+1, tag ``TAG_FWD``: a header ``int64[4] = (kind, n, T, mb_id)``
-  then, for ``FWD``, ``meta int64 (n, 5)`` rows ``(seq, slot, length,
-  position, sample)`` and the hidden states ``float32 (T, hidden)``; for
-  ``CTRL`` a pickled dict of ``n`` bytes (sequences joining and leaving);
-  ``STOP`` ends the loop.
-* last stage -> rank 0, tag ``TAG_RET``: ``int64[1 + n_sample] = (mb_id,
+* stage r -> r+1, tag ``TAG_FWD``: a header ``int32[4] = (kind, n, T, mb_id)``
+  then, for ``FWD``, one payload ``float32[5 n + T hidden]``: the meta rows
+  ``int32 (n, 5) = (seq, slot, length, position, sample)`` (their bits) and the
+  hidden states ``(T, hidden)``; for ``CTRL`` a pickled dict of ``n`` bytes
+  (sequences joining and leaving); ``STOP`` ends the loop. A decoded token
+  thus costs one hidden vector plus 20 bytes on a link, and 16 bytes per
+  micro-batch.
+* last stage -> rank 0, tag ``TAG_RET``: ``int32[1 + n_sample] = (mb_id,
   token...)``, one message per micro-batch, in issue order.
 """
 
@@ -51,6 +53,22 @@ FWD, CTRL, STOP = 1, 2, 3
 TAG_FWD, TAG_RET = 71, 72
 HDR = 4
 META = 5
+WIRE = np.int32  # header, meta and returned token ids
+
+
+def pack(meta: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """One FWD payload: the meta rows' bits, then the hidden states (see the module doc)."""
+    n = meta.shape[0]
+    out = np.empty(n * META + h.size, dtype=np.float32)
+    out[: n * META].view(WIRE)[:] = meta.ravel()
+    out[n * META :] = h.ravel()
+    return out
+
+
+def unpack(payload: np.ndarray, n: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """(meta int32 (n, 5), hidden states float32 (T, hidden)) of a FWD payload (views)."""
+    meta = payload[: n * META].view(WIRE).reshape(n, META)
+    return meta, payload[n * META :].reshape(-1, hidden)
 
 __all__ = ["PipelineResult", "RankStats", "Request", "SeqResult", "run_pipeline"]
 
@@ -165,7 +183,7 @@ def _serve(st: _StageState, t_start: float) -> None:
     prev = st.group.rank - 1
     link = st.link
     while True:
-        hdr = link.recv(np.empty(HDR, dtype=np.int64), prev, TAG_FWD)
+        hdr = link.recv(np.empty(HDR, dtype=WIRE), prev, TAG_FWD)
         kind, n, T, mb_id = (int(v) for v in hdr)
         if kind == STOP:
             if st.next >= 0:
@@ -178,16 +196,15 @@ def _serve(st: _StageState, t_start: float) -> None:
                 link.send(hdr, st.next, TAG_FWD, "ctrl")
                 link.send(payload, st.next, TAG_FWD, "ctrl")
             continue
-        meta = link.recv(np.empty((n, META), dtype=np.int64), prev, TAG_FWD)
-        x = link.recv(np.empty((T, st.hidden), dtype=np.float32), prev, TAG_FWD)
+        payload = link.recv(np.empty(n * META + T * st.hidden, dtype=np.float32), prev, TAG_FWD)
+        meta, x = unpack(payload, n, st.hidden)
         h, toks = st.compute(x, meta)
         phase = _phase(meta)
         if st.next >= 0:
             link.send(hdr, st.next, TAG_FWD, phase)
-            link.send(meta, st.next, TAG_FWD, phase)
-            link.send(np.ascontiguousarray(h, dtype=np.float32), st.next, TAG_FWD, phase)
+            link.send(pack(meta, h), st.next, TAG_FWD, phase)
         else:
-            ret = np.empty(1 + len(toks), dtype=np.int64)
+            ret = np.empty(1 + len(toks), dtype=WIRE)
             ret[0] = mb_id
             ret[1:] = toks
             link.send(ret, 0, TAG_RET, phase)
@@ -273,13 +290,13 @@ class _Scheduler:
         self.st.apply_ctrl(ctrl)
         if self.size > 1:
             payload = np.frombuffer(pickle.dumps(ctrl), dtype=np.uint8).copy()
-            hdr = np.array([CTRL, payload.size, 0, -1], dtype=np.int64)
+            hdr = np.array([CTRL, payload.size, 0, -1], dtype=WIRE)
             self.st.link.send(hdr, 1, TAG_FWD, "ctrl")
             self.st.link.send(payload, 1, TAG_FWD, "ctrl")
 
     def issue(self, mb: list[tuple[_Seq, int]]) -> None:
         self.send_ctrl()
-        meta = np.empty((len(mb), META), dtype=np.int64)
+        meta = np.empty((len(mb), META), dtype=WIRE)
         toks = []
         sampled = []
         for k, (s, n) in enumerate(mb):
@@ -301,12 +318,11 @@ class _Scheduler:
         if self.size == 1:
             self.receive(sampled, out)
             return
-        hdr = np.array([FWD, len(mb), x.size, mb_id], dtype=np.int64)
+        hdr = np.array([FWD, len(mb), x.size, mb_id], dtype=WIRE)
         link = self.st.link
         link.send(hdr, 1, TAG_FWD, phase)
-        link.send(meta, 1, TAG_FWD, phase)
-        link.send(np.ascontiguousarray(h, dtype=np.float32), 1, TAG_FWD, phase)
-        buf = np.empty(1 + len(sampled), dtype=np.int64)
+        link.send(pack(meta, h), 1, TAG_FWD, phase)
+        buf = np.empty(1 + len(sampled), dtype=WIRE)
         req = self.st.group.irecv(buf, self.size - 1, TAG_RET)
         self.inflight.append((mb_id, sampled, buf, req))
 
@@ -392,7 +408,7 @@ class _Scheduler:
                 s.t_admit = s.t_first = s.t_done = t
         self.send_ctrl()
         if self.size > 1:
-            self.st.link.send(np.array([STOP, 0, 0, -1], dtype=np.int64), 1, TAG_FWD, "ctrl")
+            self.st.link.send(np.array([STOP, 0, 0, -1], dtype=WIRE), 1, TAG_FWD, "ctrl")
 
 
 def run_pipeline(
