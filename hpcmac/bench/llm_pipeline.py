@@ -11,7 +11,9 @@ measured sleep). On the same prompts it measures:
 * one sequence: time to first token, prefill tok/s, decode tok/s;
 * ``--batches 4,16`` sequences in flight: aggregate decode tok/s, with the
   sequences split into one micro-batch per stage (on one rank: one batch);
-* bytes sent per decoded token on each link, and each stage's busy fraction.
+* bytes sent per decoded token on each link, and each stage's busy fraction;
+* the memory bandwidth of 1, 2, 4 ... ranks streaming at once: the ceiling of
+  the pipeline's decode ratio while decode is memory-bound.
 
 The table gives every rate as a ratio to the first pipeline (1 rank), the
 reference, measured in the same rounds. Medians of ``--repeats`` rounds.
@@ -26,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,6 +101,38 @@ class _Sleeper:
             self.wd.wait(w.irecv(buf, 0, 92), 0, "")
 
 
+class _Stream:
+    """Memory bandwidth of the first k ranks reading memory at once (GB/s, all of them).
+
+    Each of the k ranks sums its own ``mib`` MiB array ``reps`` times, starting
+    together; the rate is all the bytes over the slowest rank's time. Decode of
+    a few sequences per micro-batch streams the weights, so the k-rank rate
+    over the 1-rank rate is the most a k-stage pipeline can gain while decode
+    is memory-bound (ranks on one machine share its memory bandwidth, and on
+    a shared virtual machine that share changes from minute to minute: it is
+    measured in every round, next to the pipelines).
+    """
+
+    def __init__(self, mib: int = 256):
+        import numpy as np
+
+        self.a = np.ones(mib << 18, dtype=np.float32)
+        self.a.sum()  # touch every page once
+
+    def measure(self, world, sleeper, k: int, reps: int = 8) -> float:
+        sleeper.sync()
+        world.barrier()  # start together (the sync above wakes ranks up to 20 ms apart)
+        dt = 0.0
+        if world.rank < k:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                self.a.sum()
+            dt = time.perf_counter() - t0
+        sleeper.sync()  # ranks beyond k wait here sleeping, not in a spinning collective
+        times = world.allgather_obj(dt)
+        return k * reps * self.a.nbytes / max(times[:k]) / 1e9
+
+
 def worker(args) -> int:
     """Collective: load every pipeline's stages once, measure them round-robin; rank 0 writes."""
     from hpcmac import comm
@@ -131,10 +166,16 @@ def worker(args) -> int:
         return run_pipeline(sub, stage, spec, cfg.hidden, reqs, max_batch=len(prompts),
                             max_len=max_len, hosts=plan.hosts, timeout=300)
 
+    stream = _Stream()
     single = _prompts(cfg.vocab, 1, args.prompt_len, 1)
     many = {b: _prompts(cfg.vocab, b, args.batch_prompt_len, 2) for b in batches}
     rows = {np_: {"single": [], **{f"batch{b}": [] for b in batches}} for np_ in ranks}
+    bandwidth: dict[int, list[float]] = {np_: [] for np_ in ranks}
     for rep in range(args.repeats + 1):  # round 0 warms up
+        for np_ in ranks:
+            gb_s = stream.measure(world, sleeper, np_)
+            if rep > 0:
+                bandwidth[np_].append(gb_s)
         for np_ in ranks:
             if world.rank < np_:
                 got = {"single": _measure(run(np_, single, args.new))}
@@ -147,6 +188,7 @@ def worker(args) -> int:
     if world.rank == 0:
         docs = [{"ranks": np_, "layers": [s.n_layers for s in pipes[np_][1].stages],
                  "hidden": cfg.hidden, "model": args.model,
+                 "mem_gb_s": statistics.median(bandwidth[np_]),
                  "results": {k: _median(v) for k, v in rows[np_].items()}} for np_ in ranks]
         Path(args.worker).write_text(json.dumps(docs, indent=1))
     return 0
@@ -207,8 +249,8 @@ def table(docs: list[dict], batches: list[int]) -> str:
     ref = docs[0]["results"]
     head = ["ranks", "layers", "TTFT s", "prefill tok/s", "decode tok/s (x)"]
     head += [f"{b} seqs agg tok/s (x)" for b in batches]
-    head += ["bytes/token/link", "busy (1 seq)", f"busy ({batches[-1]} seqs)",
-             f"CPU-bound x (1 seq, {batches[-1]} seqs)"]
+    head += ["memory GB/s (x)", "bytes/token/link", "busy (1 seq)",
+             f"busy ({batches[-1]} seqs)", f"CPU-bound x (1 seq, {batches[-1]} seqs)"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for d in docs:
         r = d["results"]
@@ -220,6 +262,8 @@ def table(docs: list[dict], batches: list[int]) -> str:
         for b in batches:
             x, x0 = r[f"batch{b}"]["decode_tok_s"], ref[f"batch{b}"]["decode_tok_s"]
             row.append(f"{x:.1f} ({x / x0:.2f}x)")
+        bw, bw0 = d.get("mem_gb_s", 0.0), docs[0].get("mem_gb_s", 0.0)
+        row.append(f"{bw:.1f} ({bw / bw0:.2f}x)" if bw0 else "-")
         row.append(" ".join(f"{v:.0f}" for v in s["bytes_per_token"]) or "-")
         row.append(" ".join(f"{v:.0%}" for v in s["busy"]))
         big = f"batch{batches[-1]}"
@@ -228,6 +272,41 @@ def table(docs: list[dict], batches: list[int]) -> str:
                    f"{ref[big]['cpu_s_per_token'] / r[big]['cpu_s_per_token']:.2f}")
         lines.append(" | ".join(row))
     return "\n".join(lines)
+
+
+def ceilings(docs: list[dict], batches: list[int]) -> tuple[float, float, dict] | None:
+    """(W, c, {(ranks, seqs): x}): the aggregate ratio a pipeline can reach at best.
+
+    Model: on the reference (1 rank) a decode step of B sequences takes
+    ``W + B c`` (W: streaming the weights and the per-step costs; c: the
+    cost of one more sequence), fitted on the two smallest batches. A
+    p-stage pipeline keeps p micro-batches in flight, so each stage streams
+    its 1/p of the weights p times per round of steps, at the bandwidth share
+    measured (aggregate ratio r of p ranks at once), and computes B/p
+    sequences: a round takes at least ``W p / r + B c / p``. Pipelines with
+    more ranks than the machine has cores are left out (they share cores).
+    """
+    small = sorted(batches)[:2]
+    if len(small) < 2 or small[0] == small[1]:
+        return None
+    ref = docs[0]["results"]
+    b1, b2 = small
+    t1 = b1 / ref[f"batch{b1}"]["decode_tok_s"]
+    t2 = b2 / ref[f"batch{b2}"]["decode_tok_s"]
+    c = (t2 - t1) / (b2 - b1)
+    w = t1 - b1 * c
+    if c <= 0 or w <= 0:
+        return None
+    bw0 = docs[0].get("mem_gb_s") or 0.0
+    out = {}
+    for d in docs[1:]:
+        p = d["ranks"]
+        if p > (os.cpu_count() or 1):
+            continue
+        r = min(p, d.get("mem_gb_s", 0.0) / bw0) if bw0 else p
+        for b in batches:
+            out[(p, b)] = (w + b * c) / (w * p / r + b * c / p)
+    return w, c, out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,6 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     h = docs[0]["hidden"]
     print(f"bytes/token/link: decode bytes per decoded token on each link r->r+1 and the "
           f"token link last->0; one hidden vector is {4 * h} bytes")
+    print("memory GB/s: those ranks streaming memory at once, the same job; decode with "
+          "few sequences per micro-batch streams the weights, so its (x) is the ceiling "
+          "for the decode (x) until the batches make decode compute-bound")
+    ceil = ceilings(docs, batches)
+    if ceil and ceil[2]:
+        w, c, x = ceil
+        per = "; ".join(f"{p} ranks: " + ", ".join(f"{b} seqs {x[(p, b)]:.2f}x" for b in batches)
+                        for p in sorted({p for p, _ in x}))
+        print(f"estimated ceiling of the agg (x): 1 rank decodes B sequences in W + B c per "
+              f"step (W = {w * 1e3:.1f} ms, c = {c * 1e3:.2f} ms, from the "
+              f"{sorted(batches)[0]}- and {sorted(batches)[1]}-sequence rows); p stages "
+              f"stream their weights once per micro-batch at the measured memory share: {per}")
     print("CPU-bound x: the 1-rank CPU time per token over the busiest stage's, i.e. the "
           "ratio if every rank had a core of its own (derived, not a wall-clock rate)")
     if args.json:

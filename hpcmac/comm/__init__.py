@@ -6,6 +6,7 @@
 """
 
 from hpcmac.comm.base import Group, Request
-from hpcmac.comm.select import TRANSPORTS, add_transport_argument, check_transport, init
+from hpcmac.comm.select import TRANSPORTS, add_transport_argument, announce, check_transport, init
 
-__all__ = ["Group", "Request", "TRANSPORTS", "add_transport_argument", "check_transport", "init"]
+__all__ = ["Group", "Request", "TRANSPORTS", "add_transport_argument", "announce",
+           "check_transport", "init"]

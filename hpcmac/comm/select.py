@@ -51,7 +51,8 @@ def add_transport_argument(parser: argparse.ArgumentParser) -> None:
                         help="fail instead of falling back when the transport is unusable")
 
 
-def init(transport: str | None = None, strict: bool | None = None) -> Group:
+def init(transport: str | None = None, strict: bool | None = None,
+         announce: bool = True) -> Group:
     """Collective over the launcher's world: the Group for ``transport`` (cached).
 
     Parameters
@@ -64,6 +65,9 @@ def init(transport: str | None = None, strict: bool | None = None) -> Group:
         True: an unusable requested transport raises UsageError with the
         reason instead of falling back to mpi. None reads
         ``HPCMAC_TRANSPORT_STRICT``.
+    announce : bool (global)
+        False holds the "transport: ..." line back until :func:`announce`, so a
+        command can check its input first (bad input then prints one line).
     """
     if transport:
         name = check_transport(transport)
@@ -76,9 +80,21 @@ def init(transport: str | None = None, strict: bool | None = None) -> Group:
     key = f"{name}:{int(strict)}"
     if key in _cached:
         return _cached[key]
-    group = _choose(name, strict)
+    _held[0] = not announce
+    try:
+        group = _choose(name, strict)
+    finally:
+        _held[0] = False
     _cached[key] = group
     return group
+
+
+def announce() -> None:
+    """Print the transport line(s) that ``init(announce=False)`` held back."""
+    lines = _held[1:]
+    del _held[1:]
+    for line in lines:
+        _log(line)
 
 
 def _choose(name: str, strict: bool) -> Group:
@@ -171,7 +187,14 @@ def _log_rank0(rank: int, line: str) -> None:
         _log(line)
 
 
+#: [holding back?, held lines...]
+_held: list = [False]
+
+
 def _log(line: str) -> None:
+    if _held[0]:
+        _held.append(line)
+        return
     if os.environ.get("HPCMAC_QUIET_TRANSPORT") == "1":
         return
     print(line, file=sys.stderr, flush=True)

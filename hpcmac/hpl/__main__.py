@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     from hpcmac.hpl import driver, report
     from hpcmac.hpl.progress import want_progress
 
-    world = comm.init(args.transport, args.transport_strict)
+    # the transport line waits until the input is known good: bad input is one line
+    world = comm.init(args.transport, args.transport_strict, announce=False)
     text, name = _read_input(world, args.dat)
     if name:
         cfg = hplconfig.parse_hpl_dat(text, name)
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         limiter = threadpool_limits(limits=threads, user_api="blas")  # noqa: F841 (kept alive)
 
     out = _open_output(world, cfg)
+    comm.announce()
     json_path = args.json
     on_result = (lambda results: report.write_json(json_path, results)) if json_path else None
     try:

@@ -38,6 +38,44 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
         k = be.rms_norm(k, w["k_norm"], cfg.norm_eps)
     q = apply_rope(q, cos, sin, False, xp) * scale
     k = apply_rope(k, cos, sin, False, xp)
+    if be.name == "numpy" and len(seqs) > 1 and T == len(seqs):
+        o = _decode_attention(be, q, k, v, seqs, ck, cv, g)
+    else:
+        o = _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g)
+    o = be.linear(o, w["wo"])
+    if "bo" in w:
+        o = o + w["bo"]
+    return o
+
+
+def _decode_attention(be, q, k, v, seqs, ck, cv, g: int):
+    """Decode step of several sequences (one new token each) as one batched attention.
+
+    Keys of a shorter sequence are padded to the longest and masked, so each
+    sequence's probabilities are its own; one set of numpy calls serves every
+    sequence instead of one set per sequence (numpy backend).
+    """
+    B, KV, d = len(seqs), k.shape[1], k.shape[2]
+    slots = np.fromiter((s[0] for s in seqs), dtype=np.int64, count=B)
+    pos = np.fromiter((s[3] for s in seqs), dtype=np.int64, count=B)
+    ck[slots, :, pos] = k  # (B, KV, d): row b is sequence b (one token each)
+    cv[slots, :, pos] = v
+    L = int(pos.max()) + 1
+    if slots[0] + B - 1 == slots[-1] and np.all(np.diff(slots) == 1):
+        K, V = ck[slots[0]:slots[0] + B, :, :L], cv[slots[0]:slots[0] + B, :, :L]
+    else:
+        K, V = ck[slots, :, :L], cv[slots, :, :L]  # (B, KV, L, d)
+    s = q.reshape(B, KV, g, d) @ K.swapaxes(-1, -2)  # (B, KV, g, L)
+    if pos.min() + 1 < L:
+        beyond = np.arange(L)[None, :] > pos[:, None]  # (B, L): another sequence's padding
+        s = be.where(beyond[:, None, None, :], NEG_INF, s)
+    p = be.softmax(s)
+    return (p @ V).reshape(B, KV * g * d)  # (B, H*d)
+
+
+def _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g: int):
+    """Prefill (or a mixed step): each sequence's new tokens against its own cache."""
+    T, KV, d = k.shape
     outs = []
     for slot, off, n, pos in seqs:
         L = pos + n
@@ -51,12 +89,8 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
             s = be.where(np.tile(_causal_mask(pos, n, L), (g, 1)), s, NEG_INF)
         p = be.softmax(s)
         o = p @ V  # (KV, g*n, d)
-        outs.append(o.reshape(KV, g, n, d).transpose(2, 0, 1, 3).reshape(n, H * d))
-    o = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=0)
-    o = be.linear(o, w["wo"])
-    if "bo" in w:
-        o = o + w["bo"]
-    return o
+        outs.append(o.reshape(KV, g, n, d).transpose(2, 0, 1, 3).reshape(n, KV * g * d))
+    return outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=0)
 
 
 def latent_attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cpe, cos, sin, scale: float):

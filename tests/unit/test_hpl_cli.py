@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 NP = 2
 
 
-def run_hpl(args, cwd, np_=NP, timeout=90):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HPCMAC_QUIET_TRANSPORT="1",
-               HPCMAC_MPIRUN_TIMEOUT=str(timeout))
+def run_hpl(args, cwd, np_=NP, timeout=90, quiet=True):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HPCMAC_MPIRUN_TIMEOUT=str(timeout))
+    env.pop("HPCMAC_QUIET_TRANSPORT", None)
+    if quiet:
+        env["HPCMAC_QUIET_TRANSPORT"] = "1"
     cmd = [str(ROOT / "tools" / "mpirun"), str(np_), sys.executable, "-m", "hpcmac.hpl", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout + 30)
@@ -64,6 +66,19 @@ def test_hpl_dat_in_working_directory_is_read(tmp_path):
     proc = run_hpl([], tmp_path)
     assert proc.returncode == 2
     assert error_lines(proc) == ["error: HPL.dat:6: Ns: expected N >= 0, found '-1'"]
+
+
+def test_transport_line_only_once_the_input_is_good(tmp_path):
+    """Bad input is one line even with the transport log on; a good run logs the transport."""
+    (tmp_path / "HPL.dat").write_text(FITS.replace("29 30 34 35  Ns", "29 -1 34 35"))
+    proc = run_hpl([], tmp_path, quiet=False)
+    assert proc.returncode == 2
+    assert error_lines(proc) == ["error: HPL.dat:6: Ns: expected N >= 0, found '-1'"]
+    (tmp_path / "HPL.dat").unlink()
+    proc = run_hpl(["-N", "64", "--nb", "16", "-P", "1", "-Q", "2", "--progress", "off"],
+                   tmp_path, quiet=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [ln for ln in error_lines(proc) if ln.startswith("transport: ")], proc.stderr
 
 
 def test_bad_flags_and_missing_file(tmp_path):

@@ -113,6 +113,28 @@ def test_batched_equals_unbatched(case):
         assert r.tokens == alone.tokens
 
 
+def test_decode_step_of_many_equals_each_alone(case):
+    """A decode step of several sequences (one batched attention over padded, masked
+    keys; slots out of order and of different lengths) equals each sequence alone."""
+    import copy
+
+    folder, model = case
+    stage = load_stage(folder, 0, model.config.num_hidden_layers)
+    slots = [2, 0, 1]
+    cache = stage.new_cache(3, 32)
+    for slot, p in zip(slots, PROMPTS):
+        stage.forward(stage.embed(p), Batch([slot], [len(p)], [0]), cache)
+    nxt = [4, 8, 15]
+    alone = []
+    for slot, p, t in zip(slots, PROMPTS, nxt):
+        c = copy.deepcopy(cache)
+        alone.append(stage.forward(stage.embed([t]), Batch([slot], [1], [len(p)]), c))
+    together = stage.forward(stage.embed(nxt), Batch(slots, [1] * 3, [len(p) for p in PROMPTS]),
+                             cache)
+    ref = np.concatenate(alone)
+    np.testing.assert_allclose(together, ref, rtol=0, atol=RTOL * np.abs(ref).max())
+
+
 def test_split_stages_equal_whole(case):
     """Two stages [0, 1) and [1, n) chained on one rank give the whole model's logits."""
     folder, model = case
