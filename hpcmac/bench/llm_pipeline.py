@@ -4,9 +4,10 @@
 (also ``python -m hpcmac.llm bench``) starts one job of ``max(ranks)`` ranks
 (``tools/mpirun``, one BLAS thread per rank). The job splits its world into a
 pipeline of the first 1, 2, 4 ... ranks, loads every pipeline's stages once,
-and then measures the pipelines in turn, round after round, so that the load of
-a shared machine weighs on all of them alike (ranks outside the pipeline being
-measured sleep). On the same prompts it measures:
+and then measures the pipelines in turn, each workload on every pipeline one
+after the other, round after round, so that the load of a shared machine weighs
+on all of them alike (ranks outside the pipeline being measured sleep). On the
+same prompts it measures:
 
 * one sequence: time to first token, prefill tok/s, decode tok/s;
 * ``--batches 4,16`` sequences in flight: aggregate decode tok/s, with the
@@ -176,15 +177,15 @@ def worker(args) -> int:
             gb_s = stream.measure(world, sleeper, np_)
             if rep > 0:
                 bandwidth[np_].append(gb_s)
-        for np_ in ranks:
-            if world.rank < np_:
-                got = {"single": _measure(run(np_, single, args.new))}
-                for b in batches:
-                    got[f"batch{b}"] = _measure(run(np_, many[b], args.new))
-                if rep > 0:
-                    for k, v in got.items():
-                        rows[np_][k].append(v)
-            sleeper.sync()
+        # each workload on every pipeline in turn: the compared runs are seconds apart
+        # (the share of the machine the other tenants leave changes by the minute)
+        for key, prompts in [("single", single)] + [(f"batch{b}", many[b]) for b in batches]:
+            for np_ in ranks:
+                if world.rank < np_:
+                    got = _measure(run(np_, prompts, args.new))
+                    if rep > 0:
+                        rows[np_][key].append(got)
+                sleeper.sync()
     if world.rank == 0:
         docs = [{"ranks": np_, "layers": [s.n_layers for s in pipes[np_][1].stages],
                  "hidden": cfg.hidden, "model": args.model,
