@@ -8,7 +8,9 @@ Step k on block column k (width nb):
    process rows, so every rank holds L's rows for its local rows and columns;
 3. every rank updates its part of the lower trailing matrix,
    ``A_ij -= L_i L_j^H``, in column chunks: one large GEMM below each
-   chunk, block GEMMs on the diagonal band.
+   chunk, block GEMMs on the diagonal band. With look-ahead (depth one),
+   block column k+1 is updated, factored and its broadcast started before
+   the rest of step k's update.
 A failed potrf travels with the panel: every rank raises the same
 LinAlgError naming the order of the leading minor (global, 1-based as scipy).
 """
@@ -20,6 +22,7 @@ import scipy.linalg
 from scipy.linalg.lapack import get_lapack_funcs
 
 from hpcmac.linalg import layout
+from hpcmac.linalg.broadcast import RowBcast
 from hpcmac.linalg.checks import check_finite as _check_finite
 from hpcmac.linalg.checks import float_dtype, require
 from hpcmac.linalg.distmatrix import DistMatrix
@@ -28,6 +31,8 @@ from hpcmac.linalg.trisolve import solve_triangular
 
 #: local columns updated by one GEMM below the diagonal band
 CHUNK = 512
+#: tags of the panel broadcasts (two alternate: one may still be finishing)
+BCAST_TAG = 61
 
 
 def cho_factor(a: DistMatrix, lower: bool = False, overwrite_a: bool = False,
@@ -68,7 +73,14 @@ def cho_factor(a: DistMatrix, lower: bool = False, overwrite_a: bool = False,
 
 def factor_lower(x: DistMatrix) -> None:
     """Collective over the grid: overwrite the lower triangle of ``x`` (square, mb == nb)
-    by its Cholesky factor L; entries above the diagonal are left arbitrary."""
+    by its Cholesky factor L; entries above the diagonal are left arbitrary.
+
+    Look-ahead of depth one, as HPL's: at step k the process column that owns
+    block column k+1 first updates that block column alone, factors it and
+    starts its broadcast along the process rows, and only then updates the
+    rest of its trailing matrix; the other columns receive panel k+1 while
+    they update. Nobody waits for a panel that could have been made earlier.
+    """
     n, nb = x.gshape[0], x.nb
     grid = x.grid
     P, Q, myrow, mycol = grid.nprow, grid.npcol, grid.myrow, grid.mycol
@@ -80,51 +92,71 @@ def factor_lower(x: DistMatrix) -> None:
     tb = "C" if cplx else "T"
     chunk = max(nb, (CHUNK // nb) * nb)
     nblk = (n + nb - 1) // nb
-    for k in range(nblk):
+
+    def make_panel(k: int) -> np.ndarray:
+        """L[k1:, k0:k1] (Fortran order) then the failure flag, on process column k % Q;
+        zeros elsewhere (filled by the row broadcast). Collective over that column."""
         k0, k1 = k * nb, min(n, (k + 1) * nb)
         w, rest = k1 - k0, n - k1
         pk, qk = k % P, k % Q
-        r1 = layout.first_local_at_or_after(k1, nb, myrow, P)   # my rows below block k
-        c1 = layout.first_local_at_or_after(k1, nb, mycol, Q)   # my columns right of it
-        pan = np.zeros(rest * w + 1, dtype=dtype)   # L[k1:, k0:k1] in Fortran order, then info
-        if mycol == qk:
-            lc = layout.g2l(k0, nb, Q)
-            dbuf = np.empty(w * w + 1, dtype=dtype)
-            if myrow == pk:
-                dk = layout.g2l(k0, nb, P)
-                lkk, info = potrf(x.local[dk:dk + w, lc:lc + w], lower=1, clean=0)
-                x.local[dk:dk + w, lc:lc + w] = lkk
-                dbuf[:-1] = lkk.ravel(order="F")
-                dbuf[-1] = k0 + info if info > 0 else 0
-            if P > 1:
-                grid.col.bcast(dbuf, pk)
-            failed = int(dbuf[-1].real)
-            if not failed and lm > r1:
-                lkk = dbuf[:-1].reshape((w, w), order="F")
-                sol = x.local[r1:, lc:lc + w]
-                trsm_right(sol, lkk, lower=True, trans=tb)       # L_ik = A_ik L_kk^-H
-                if P == 1:   # my rows below k are exactly rows k1.. of the panel
-                    pan[:-1].reshape((rest, w), order="F")[...] = sol
-                else:
-                    pan[:-1].reshape((rest, w), order="F")[rows[r1:] - k1, :] = sol
-            if myrow == pk:
-                pan[-1] = failed
-            if P > 1:
-                grid.col.allreduce(pan, out=pan)
-        if Q > 1:
-            grid.row.bcast(pan, qk)
+        pan = np.zeros(rest * w + 1, dtype=dtype)
+        if mycol != qk:
+            return pan
+        r1 = layout.first_local_at_or_after(k1, nb, myrow, P)
+        lc = layout.g2l(k0, nb, Q)
+        dbuf = np.empty(w * w + 1, dtype=dtype)
+        if myrow == pk:
+            dk = layout.g2l(k0, nb, P)
+            lkk, info = potrf(x.local[dk:dk + w, lc:lc + w], lower=1, clean=0)
+            x.local[dk:dk + w, lc:lc + w] = lkk
+            dbuf[:-1] = lkk.ravel(order="F")
+            dbuf[-1] = k0 + info if info > 0 else 0
+        if P > 1:
+            grid.col.bcast(dbuf, pk)
+        failed = int(dbuf[-1].real)
+        if not failed and lm > r1:
+            lkk = dbuf[:-1].reshape((w, w), order="F")
+            sol = x.local[r1:, lc:lc + w]
+            trsm_right(sol, lkk, lower=True, trans=tb)       # L_ik = A_ik L_kk^-H
+            if P == 1:   # my rows below k are exactly rows k1.. of the panel
+                pan[:-1].reshape((rest, w), order="F")[...] = sol
+            else:
+                pan[:-1].reshape((rest, w), order="F")[rows[r1:] - k1, :] = sol
+        if myrow == pk:
+            pan[-1] = failed
+        if P > 1:
+            grid.col.allreduce(pan, out=pan)
+        return pan
+
+    def share(k: int, pan: np.ndarray):
+        """Start panel k's broadcast along the process rows (None on one column)."""
+        if Q == 1:
+            return None
+        return RowBcast(grid.row, k % Q, pan, "1ring", tag=BCAST_TAG + k % 2).start()
+
+    def received(k: int, pan: np.ndarray, bc) -> np.ndarray:
+        if bc is not None:
+            bc.wait()
         failed = int(pan[-1].real)
         if failed:
             raise scipy.linalg.LinAlgError(
                 f"{failed}-th leading minor of the array is not positive definite")
-        if lm <= r1 or ln <= c1:
-            continue
+        return pan
+
+    def update(k: int, pan: np.ndarray, lo: int, hi: int, bc) -> None:
+        """A_ij -= L_i L_j^H on my local columns [lo, hi) right of block k (block-aligned)."""
+        k1 = min(n, (k + 1) * nb)
+        r1 = layout.first_local_at_or_after(k1, nb, myrow, P)
+        c1 = layout.first_local_at_or_after(k1, nb, mycol, Q)
+        if lm <= r1 or hi <= lo:
+            return
+        w, rest = k1 - k * nb, n - k1
         full = pan[:-1].reshape((rest, w), order="F")
         # (my rows below k, w) and (my columns right of k, w): no copy when contiguous
         lr = full if P == 1 else np.asfortranarray(full[rows[r1:] - k1])
         lcol = full if Q == 1 else full[cols[c1:] - k1]
-        for ca in range(c1, ln, chunk):
-            cb = min(ln, ca + chunk)
+        for ca in range(lo, hi, chunk):
+            cb = min(hi, ca + chunk)
             band_end = int(cols[cb - 1]) + 1     # rows from here on lie below every chunk column
             rb = layout.first_local_at_or_after(band_end, nb, myrow, P)
             # diagonal band, one local column block at a time
@@ -136,6 +168,25 @@ def factor_lower(x: DistMatrix) -> None:
                                 lcol[ja - c1: jb - c1], trans_b=tb)
             if lm > rb:
                 gemm_update(x.local[rb:, ca:cb], lr[rb - r1:], lcol[ca - c1: cb - c1], trans_b=tb)
+            if bc is not None:
+                bc.test()   # forward the next panel while the update goes on
+
+    pan = make_panel(0)
+    pan = received(0, pan, share(0, pan))
+    for k in range(nblk):
+        k1 = min(n, (k + 1) * nb)
+        c1 = layout.first_local_at_or_after(k1, nb, mycol, Q)   # my columns right of block k
+        nxt_pan = bc = None
+        start = c1
+        if k + 1 < nblk:
+            if mycol == (k + 1) % Q:   # block column k+1 is my first local block right of k
+                start = min(ln, c1 + min(nb, n - k1))
+                update(k, pan, c1, start, None)
+            nxt_pan = make_panel(k + 1)
+            bc = share(k + 1, nxt_pan)
+        update(k, pan, start, ln, bc)
+        if nxt_pan is not None:
+            pan = received(k + 1, nxt_pan, bc)
 
 
 def cho_solve(c_and_lower: tuple[DistMatrix, bool], b: DistMatrix, overwrite_b: bool = False,

@@ -14,6 +14,21 @@ from collections.abc import Sequence
 import numpy as np
 
 from hpcmac.comm.base import Group
+from hpcmac.errors import UsageError
+
+
+def _seconds_from_env(name: str) -> float | None:
+    """A duration in seconds from the environment (None when unset or empty)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise UsageError(f"{name}={text!r}: expected seconds, a number >= 0")
+    return value
 
 
 def _cores() -> int:
@@ -69,18 +84,19 @@ class Watchdog:
     #: seconds to spin when each rank of the host has a core, and when they share cores
     SPIN_OWN_CORE_S, SPIN_SHARED_S = 0.05, 2e-4
     #: the longest sleep between two polls (HPCMAC_PIPELINE_MAX_SLEEP overrides)
-    MAX_SLEEP_S = float(os.environ.get("HPCMAC_PIPELINE_MAX_SLEEP", "5e-4"))
+    MAX_SLEEP_S = 5e-4
 
     def __init__(self, group: Group, hosts: Sequence[str], timeout: float,
                  max_sleep: float | None = None, spin: float | None = None):
         self.group, self.hosts, self.timeout = group, list(hosts), timeout
-        if max_sleep is not None:
-            self.MAX_SLEEP_S = max_sleep
-        env = os.environ.get("HPCMAC_PIPELINE_SPIN")
+        env_sleep = _seconds_from_env("HPCMAC_PIPELINE_MAX_SLEEP")
+        self.max_sleep = (max_sleep if max_sleep is not None else
+                          env_sleep if env_sleep is not None else self.MAX_SLEEP_S)
+        env_spin = _seconds_from_env("HPCMAC_PIPELINE_SPIN")
         if spin is not None:
             self.spin_s = spin
-        elif env:
-            self.spin_s = float(env)
+        elif env_spin is not None:
+            self.spin_s = env_spin
         else:
             here = self.hosts[group.rank] if group.rank < len(self.hosts) else ""
             self.spin_s = (self.SPIN_OWN_CORE_S if self.hosts.count(here) <= _cores()
@@ -97,7 +113,7 @@ class Watchdog:
             now = time.monotonic()
             if now - t0 > self.spin_s:
                 time.sleep(delay)
-                delay = min(2 * delay or 2e-5, self.MAX_SLEEP_S)
+                delay = min(2 * delay or 2e-5, self.max_sleep)
             if self.timeout > 0 and now - t0 > limit:
                 self._fail(peer, what, limit)
 

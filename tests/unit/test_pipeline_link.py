@@ -59,3 +59,18 @@ def test_allocator_keeps_freed_memory():
     during = libc.mallinfo2().hblks
     del logits
     assert during == before, "a 768 KiB array was given its own mmap"
+
+
+def test_bad_wait_settings_are_one_line(monkeypatch):
+    from hpcmac.errors import UsageError
+
+    g = LocalGroup()
+    monkeypatch.setenv("HPCMAC_PIPELINE_SPIN", "fast")
+    with pytest.raises(UsageError, match="HPCMAC_PIPELINE_SPIN='fast': expected seconds"):
+        Watchdog(g, ["a"], timeout=0)
+    monkeypatch.delenv("HPCMAC_PIPELINE_SPIN")
+    monkeypatch.setenv("HPCMAC_PIPELINE_MAX_SLEEP", "-1")
+    with pytest.raises(UsageError, match="HPCMAC_PIPELINE_MAX_SLEEP='-1'"):
+        Watchdog(g, ["a"], timeout=0)
+    monkeypatch.setenv("HPCMAC_PIPELINE_MAX_SLEEP", "0.002")
+    assert Watchdog(g, ["a"], timeout=0).max_sleep == 0.002
