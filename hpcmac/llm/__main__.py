@@ -154,11 +154,12 @@ def run_generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        from hpcmac.bench.llm_pipeline import main as bench_main
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its flags go to the benchmark as they are (argparse's
+        from hpcmac.bench.llm_pipeline import main as bench_main  # REMAINDER drops --x)
 
-        return bench_main(args.rest)
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
     from hpcmac.errors import world_size
 
     # one rank and one prompt: the single-stage generator; otherwise the pipeline

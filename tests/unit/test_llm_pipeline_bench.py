@@ -60,3 +60,16 @@ def test_small_run_end_to_end(tmp_path):
     assert back == pytest.approx(4 + 2)
     assert all(r["results"]["batch4"]["decode_tok_s"] > 0 for r in runs)
     assert "estimated ceiling" in proc.stdout and "memory GB/s" in proc.stdout
+
+
+def test_llm_bench_subcommand_passes_its_flags(capsys):
+    """``python -m hpcmac.llm bench --ranks ...`` reaches the benchmark's own parser."""
+    from hpcmac.errors import UsageError
+    from hpcmac.llm.__main__ import main
+
+    with pytest.raises(UsageError, match="--ranks 'x': expected comma-separated integers"):
+        main(["bench", "--ranks", "x"])
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    assert "--batches" in capsys.readouterr().out
