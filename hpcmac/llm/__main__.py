@@ -49,6 +49,11 @@ def add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context", type=int, default=None,
                    help="context length (default: the model's, capped at 4096)")
     g.add_argument("--backend", default="numpy", help="numpy (default) or mlx")
+    g.add_argument("--quantize", type=int, default=None, metavar="BITS",
+                   help="keep the weights quantized in memory, BITS per weight (4 or 8; "
+                        "also 2, 3, 5, 6), as mlx-lm's -q (--backend mlx)")
+    g.add_argument("--q-group-size", type=int, default=64, metavar="G",
+                   help="weights sharing one scale and bias when quantized (32, 64, 128)")
     g.add_argument("--threads", type=int, default=None,
                    help="BLAS threads (default: the BLAS library's choice)")
     g.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
@@ -95,6 +100,7 @@ def context_length(args, cfg) -> int:
 
 
 def run_generate(args) -> int:
+    from hpcmac.llm.backend import check_quantize
     from hpcmac.llm.config import load_config
     from hpcmac.llm.generate import Generator, StopChecker
     from hpcmac.llm.model import load_stage
@@ -103,6 +109,7 @@ def run_generate(args) -> int:
 
     if args.max_tokens < 0:
         raise UsageError(f"--max-tokens {args.max_tokens}: expected >= 0")
+    check_quantize(args.backend, args.quantize, args.q_group_size)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
                               args.repetition_penalty, args.seed)
     sampling.validate()
@@ -115,7 +122,8 @@ def run_generate(args) -> int:
     check_prompt(len(ids), ctx)
     eos = tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids
     stop = StopChecker(eos, args.stop, tok)
-    stage = load_stage(args.model, 0, cfg.n_layers, True, True, backend=args.backend)
+    stage = load_stage(args.model, 0, cfg.n_layers, True, True, backend=args.backend,
+                       quantize=args.quantize, group_size=args.q_group_size)
     gen = Generator(stage, max_len=ctx)
     stream = tok.stream() if tok is not None and not args.quiet else None
     printed = []

@@ -107,16 +107,64 @@ class NumpyBackend:
         pass
 
 
+#: weight bits and group sizes MLX's affine quantization takes
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUPS = (32, 64, 128)
+
+
+def check_quantize(backend: str, bits: int | None, group_size: int = 64) -> None:
+    """One-line UsageError unless ``--quantize bits`` / ``--q-group-size`` can be used."""
+    if bits is None:
+        return
+    if bits not in QUANT_BITS:
+        raise UsageError(f"--quantize {bits}: expected one of "
+                         f"{', '.join(map(str, QUANT_BITS))} bits")
+    if group_size not in QUANT_GROUPS:
+        raise UsageError(f"--q-group-size {group_size}: expected one of "
+                         f"{', '.join(map(str, QUANT_GROUPS))}")
+    if backend != "mlx":
+        raise UsageError(f"--quantize {bits}: needs --backend mlx (the {backend} backend "
+                         "keeps float32 weights)")
+
+
+def quantized_nbytes(numel: int, bits: int, group_size: int) -> int:
+    """Bytes of ``numel`` weights held quantized: packed values, a float32 scale and bias
+    per group."""
+    return numel * bits // 8 + (numel // group_size) * 8
+
+
+class QWeight:
+    """A weight (out, in) kept quantized by MLX (affine, ``bits`` per weight, one scale and
+    bias per ``group`` inputs), multiplied with ``mx.quantized_matmul``."""
+
+    __slots__ = ("wq", "scales", "biases", "bits", "group")
+
+    def __init__(self, mx, w: np.ndarray, bits: int, group: int):
+        self.wq, self.scales, self.biases = mx.quantize(mx.array(w), group_size=group, bits=bits)
+        self.bits, self.group = bits, group
+        mx.eval(self.wq, self.scales, self.biases)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.wq.nbytes + self.scales.nbytes + self.biases.nbytes)
+
+
 class MLXBackend:
-    """MLX arrays: Metal on Apple silicon, CPU elsewhere (float32)."""
+    """MLX arrays: Metal on Apple silicon, CPU elsewhere (float32).
+
+    With ``bits`` the matrices are kept quantized (as mlx-lm's ``-q``): every
+    weight whose input size is a multiple of ``group_size``; the others, the
+    norms and the embedding lookup stay float32.
+    """
 
     name = "mlx"
 
-    def __init__(self):
+    def __init__(self, bits: int | None = None, group_size: int = 64):
         import mlx.core as mx
 
         self.mx = mx
         self.xp = mx
+        self.bits, self.group_size = bits, group_size
 
     def asarray(self, a):
         return self.mx.array(np.ascontiguousarray(a, dtype=np.float32))
@@ -132,10 +180,26 @@ class MLXBackend:
         return self.mx.zeros(shape, dtype=self.mx.float32)
 
     def weight(self, w):
-        """A weight (..., out, in) stored transposed, (..., in, out)."""
-        return self.mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(w, np.float32), -1, -2)))
+        """A weight (..., out, in) stored transposed, (..., in, out), or quantized
+        (:class:`QWeight`; a stack (E, out, in) gives a list)."""
+        w = np.asarray(w, np.float32)
+        if self.bits and w.shape[-1] % self.group_size == 0:
+            if w.ndim == 3:
+                return [QWeight(self.mx, we, self.bits, self.group_size) for we in w]
+            return QWeight(self.mx, w, self.bits, self.group_size)
+        return self.mx.array(np.ascontiguousarray(np.swapaxes(w, -1, -2)))
+
+    def rows(self, w: QWeight, idx: np.ndarray) -> np.ndarray:
+        """Rows ``idx`` of a quantized (out, in) weight, dequantized: (len(idx), in) float32."""
+        i = self.mx.array(np.asarray(idx, dtype=np.int32))
+        out = self.mx.dequantize(w.wq[i], w.scales[i], w.biases[i], group_size=w.group,
+                                 bits=w.bits)
+        return np.array(out, dtype=np.float32)
 
     def linear(self, x, wt):
+        if isinstance(wt, QWeight):
+            return self.mx.quantized_matmul(x, wt.wq, wt.scales, wt.biases, transpose=True,
+                                            group_size=wt.group, bits=wt.bits)
         return x @ wt
 
     def sigmoid(self, x):
@@ -200,14 +264,16 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-def get_backend(name: str):
-    """A backend by name: ``numpy`` or ``mlx``."""
+def get_backend(name: str, quantize: int | None = None, group_size: int = 64):
+    """A backend by name: ``numpy`` or ``mlx`` (``quantize``: bits per weight, MLX only)."""
+    if name in BACKENDS:
+        check_quantize(name, quantize, group_size)
     if name == "numpy":
         keep_freed_memory()
         return NumpyBackend()
     if name == "mlx":
         try:
-            return MLXBackend()
+            return MLXBackend(quantize, group_size)
         except ImportError:
             raise UsageError("--backend mlx: mlx is not installed (pip install 'mlx[cpu]' "
                              "on Linux, 'mlx' on macOS)") from None

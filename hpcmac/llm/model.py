@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.backend import get_backend
+from hpcmac.llm.backend import QWeight, get_backend
 from hpcmac.llm.cache import KVCache
 from hpcmac.llm.config import ModelConfig
 from hpcmac.llm.layers import attention, latent_attention, mlp, moe
@@ -90,6 +90,8 @@ class Stage:
         if tok.size and (tok.min() < 0 or tok.max() >= self.config.vocab):
             raise UsageError(f"token id {int(tok.max() if tok.max() >= 0 else tok.min())} "
                              f"is outside the vocabulary [0, {self.config.vocab})")
+        if "embed_q" in self.extra:  # kept quantized: dequantize the rows looked up
+            return self.backend.rows(self.extra["embed_q"], tok)
         return np.ascontiguousarray(self.extra["embed_np"][tok])
 
     def forward(self, h, batch: Batch, cache: KVCache) -> np.ndarray:
@@ -236,7 +238,8 @@ def _load_layer(ld: _Loader, cfg: ModelConfig, i: int) -> dict:
 
 
 def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: bool = True,
-               last: bool = True, backend: str = "numpy") -> Stage:
+               last: bool = True, backend: str = "numpy", quantize: int | None = None,
+               group_size: int = 64) -> Stage:
     """Load layers ``[start, end)`` (global indices) of a model folder or GGUF file.
 
     Parameters
@@ -247,8 +250,10 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     first : also load the token embedding (this stage embeds).
     last : also load the final norm and the head (this stage makes logits).
     backend : ``numpy`` or ``mlx``.
+    quantize, group_size : keep the matrices quantized to ``quantize`` bits
+        per weight, one scale and bias per ``group_size`` inputs (MLX only).
     """
-    be = get_backend(backend)
+    be = get_backend(backend, quantize, group_size)
     ckpt = open_checkpoint(path_or_name)
     cfg = ckpt.config()
     if not (0 <= start <= end <= cfg.n_layers):
@@ -258,11 +263,15 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     extra: dict = {}
     if first or (last and cfg.tie_embeddings):
         emb = ld.np("model.embed_tokens.weight", (cfg.vocab, cfg.hidden))
+        packed = be.weight(emb) if quantize else None
         if first:
             extra["embed"] = True
-            extra["embed_np"] = emb
+            if isinstance(packed, QWeight):  # one quantized copy: lookup and tied head
+                extra["embed_q"] = packed
+            else:
+                extra["embed_np"] = emb
         if last and cfg.tie_embeddings:
-            extra["head"] = be.weight(emb)
+            extra["head"] = packed if packed is not None else be.weight(emb)
     layers = [_load_layer(ld, cfg, i) for i in range(start, end)]
     if last:
         extra["norm"] = ld("model.norm.weight", (cfg.hidden,))

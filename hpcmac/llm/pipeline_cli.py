@@ -73,6 +73,9 @@ def check_arguments(args: argparse.Namespace) -> SamplingParams:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 0")
     if args.timeout < 0:
         raise UsageError(f"--timeout {args.timeout}: expected >= 0 (0: no watchdog)")
+    from hpcmac.llm.backend import check_quantize
+
+    check_quantize(args.backend, args.quantize, args.q_group_size)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
                               args.repetition_penalty, args.seed)
     sampling.validate()
@@ -211,23 +214,38 @@ def kv_bytes_per_token_layer(cfg) -> int:
     return 4 * 2 * cfg.n_kv_heads * cfg.head_dim
 
 
-def weight_bytes(model: str) -> tuple[list[int], int, int]:
-    """Float32 bytes of each layer, of the embedding and of the norm + head (headers only).
+def weight_bytes(model: str, quantize: int | None = None,
+                 group_size: int = 64) -> tuple[list[int], int, int]:
+    """Bytes of each layer, of the embedding and of the norm + head, as loaded (headers only).
 
-    The same count as ``hpcmac.llm.weights.stage_nbytes``, with the checkpoint
-    opened once (opening a GGUF parses its whole tokenizer).
+    Float32, the same count as ``hpcmac.llm.weights.stage_nbytes``, with the
+    checkpoint opened once (opening a GGUF parses its whole tokenizer). With
+    ``quantize`` bits, every matrix the MLX backend quantizes (input size a
+    multiple of ``group_size``, the embedding too) counts its quantized bytes.
     """
+    from hpcmac.llm.backend import quantized_nbytes
     from hpcmac.llm.weights import open_checkpoint, stage_tensor_names
 
     ckpt = open_checkpoint(model)
     cfg = ckpt.config()
 
+    def size(numel: int, inputs: int, matrix: bool) -> int:
+        if quantize and matrix and inputs % group_size == 0:
+            return quantized_nbytes(numel, quantize, group_size)
+        return 4 * numel
+
     def nbytes(start: int, end: int, first: bool, last: bool) -> int:
-        total = sum(ckpt.numel(n) for n in stage_tensor_names(cfg, start, end, first, last))
+        total = 0
+        for n in stage_tensor_names(cfg, start, end, first, last):
+            shape = tuple(ckpt.shape(n))
+            # MLA's absorbed kv_b stays float32 (the embedding is quantized, its
+            # lookup dequantizes the rows it needs)
+            total += size(ckpt.numel(n), shape[-1], len(shape) == 2 and "kv_b_proj" not in n)
         for i in range(start, end):
             if cfg.is_moe_layer(i):
-                total += 3 * cfg.n_experts * cfg.hidden * cfg.moe_intermediate
-        return 4 * int(total)
+                per = cfg.n_experts * cfg.hidden * cfg.moe_intermediate
+                total += 2 * size(per, cfg.hidden, True) + size(per, cfg.moe_intermediate, True)
+        return int(total)
 
     layers = [nbytes(i, i + 1, False, False) for i in range(cfg.n_layers)]
     return layers, nbytes(0, 0, True, False), nbytes(0, 0, False, True)
@@ -245,10 +263,11 @@ class StagePlan:
 
 
 def plan_stages(group, model: str, cfg, split: str | None, hostfile: str | None,
-                kv_tokens: int) -> StagePlan:
+                kv_tokens: int, quantize: int | None = None, group_size: int = 64) -> StagePlan:
     """Collective: choose every rank's layers and check they fit, before loading anything.
 
-    ``kv_tokens`` is the cache size in tokens (slots x length, global).
+    ``kv_tokens`` is the cache size in tokens (slots x length, global);
+    ``quantize``/``group_size`` as ``--quantize``/``--q-group-size``.
     """
     p = group.size
     mem = group.allgather_obj((socket.gethostname(), S.available_memory()))
@@ -256,7 +275,7 @@ def plan_stages(group, model: str, cfg, split: str | None, hostfile: str | None,
 
     def bytes_of() -> tuple[list[int], int, int]:
         S.check_ranks(cfg.n_layers, p)
-        return weight_bytes(model)
+        return weight_bytes(model, quantize, group_size)
 
     layer_b, embed_b, head_b = agree(group, bytes_of, ranks="root")
     hf = None
@@ -318,10 +337,13 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     shape = (len(reqs), max(len(r.prompt) + r.max_tokens for r in reqs))
     slots = min(args.max_batch or min(shape[0], 64), shape[0])
     hostfile = args.hostfile or os.environ.get("HPCMAC_HOSTFILE") or None
-    plan = plan_stages(group, args.model, cfg, args.split, hostfile, slots * shape[1])
+    plan = plan_stages(group, args.model, cfg, args.split, hostfile, slots * shape[1],
+                       args.quantize, args.q_group_size)
     spec = plan.stages[group.rank]
     stage = agree(group, lambda: load_stage(args.model, spec.start, spec.end, first=spec.first,
-                                            last=spec.last, backend=args.backend))
+                                            last=spec.last, backend=args.backend,
+                                            quantize=args.quantize,
+                                            group_size=args.q_group_size))
     if group.rank == 0 and group.size > 1:
         print(f"pipeline: {group.size} stages, layers {[s.n_layers for s in plan.stages]} "
               f"(split by {plan.how})", file=sys.stderr, flush=True)
