@@ -134,9 +134,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _from_gguf(path: Path) -> Tokenizer | None:
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as TK
-
     from hpcmac.llm.gguf_loader import gguf_reader
 
     r = gguf_reader(path)
@@ -148,15 +145,85 @@ def _from_gguf(path: Path) -> Tokenizer | None:
     model = field("tokenizer.ggml.model")
     if model is None:
         return None
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise UsageError(f"{path}: embedded tokenizer {model!r} is not supported "
-                         "(byte-level BPE 'gpt2' is); use --prompt-ids")
+                         "(byte-level BPE 'gpt2' and SentencePiece BPE 'llama' are); "
+                         "use --prompt-ids")
     tokens = field("tokenizer.ggml.tokens")
     types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
-    tk = TK(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+    if model == "llama":
+        tk = _sentencepiece_bpe(tokens, field("tokenizer.ggml.scores"), types,
+                                bool(field("tokenizer.ggml.add_space_prefix", True)), path)
+    else:
+        tk = _byte_level_bpe(tokens, types, field("tokenizer.ggml.merges") or [],
+                             field("tokenizer.ggml.pre", "default"))
+    bos_id = field("tokenizer.ggml.bos_token_id")
+    eos_id = field("tokenizer.ggml.eos_token_id")
+    eos_ids = [] if eos_id is None else [int(eos_id)]
+    eot = field("tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos_ids:
+        eos_ids.append(int(eot))
+    return Tokenizer(tk, None if bos_id is None else int(bos_id), eos_ids,
+                     bool(field("tokenizer.ggml.add_bos_token", model == "llama")),
+                     field("tokenizer.chat_template"),
+                     tokens[bos_id] if bos_id is not None else "",
+                     tokens[eos_id] if eos_id is not None else "")
+
+
+def _sentencepiece_bpe(tokens: list[str], scores, types: list[int], space_prefix: bool,
+                       path):
+    """A SentencePiece BPE vocabulary (GGUF ``llama``: Llama 2, Mistral, ...) as a BPE model.
+
+    SentencePiece merges, at each step, the adjacent pair whose concatenation is
+    the highest-scoring piece. A BPE model whose merges are ranked by the score
+    of the piece they make does the same. Every split of every piece into two
+    pieces of the vocabulary is a merge. Text is prefixed with one space
+    (``add_space_prefix``), spaces become U+2581, and characters outside the
+    vocabulary fall back to their UTF-8 bytes (``<0xNN>`` pieces).
+    """
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as TK
+
+    if scores is None or len(scores) != len(tokens):
+        raise UsageError(f"{path}: tokenizer.ggml.scores is missing or does not match the "
+                         f"{len(tokens)} tokens")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for i, piece in enumerate(tokens):
+        if types[i] != 1 or len(piece) < 2:   # normal pieces only
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-float(scores[i]), vocab[left], vocab[right], left, right))
+    ranked.sort()
+    unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
+    tk = TK(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=unk,
+                       fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tk.normalizer = normalizers.Sequence(steps)
+    tail = [decoders.Strip(" ", 1, 0)] if space_prefix else []
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse()] + tail)
+    tk.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                           for t, ty in zip(tokens, types) if ty == 3])
+    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+            if ty == 4]
+    if user:
+        tk.add_tokens(user)
+    return tk
+
+
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str):
+    """A byte-level BPE vocabulary (GGUF ``gpt2``: Llama 3, Qwen, SmolLM, DeepSeek)."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as TK
+
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tk = TK(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs,
                        fuse_unk=False))
-    pre = field("tokenizer.ggml.pre", "default")
     if pre in _SPLITS:
         tk.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
@@ -176,17 +243,7 @@ def _from_gguf(path: Path) -> Tokenizer | None:
             if ty == 4]
     if user:
         tk.add_tokens(user)
-    bos_id = field("tokenizer.ggml.bos_token_id")
-    eos_id = field("tokenizer.ggml.eos_token_id")
-    eos_ids = [] if eos_id is None else [int(eos_id)]
-    eot = field("tokenizer.ggml.eot_token_id")
-    if eot is not None and int(eot) not in eos_ids:
-        eos_ids.append(int(eot))
-    return Tokenizer(tk, None if bos_id is None else int(bos_id), eos_ids,
-                     bool(field("tokenizer.ggml.add_bos_token", False)),
-                     field("tokenizer.chat_template"),
-                     tokens[bos_id] if bos_id is not None else "",
-                     tokens[eos_id] if eos_id is not None else "")
+    return tk
 
 
 def load_tokenizer(path_or_name) -> Tokenizer | None:
