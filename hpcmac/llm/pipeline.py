@@ -411,6 +411,22 @@ class _Scheduler:
             self.st.link.send(np.array([STOP, 0, 0, -1], dtype=WIRE), 1, TAG_FWD, "ctrl")
 
 
+def default_chunk(prompt_tokens: int, stages: int) -> int:
+    """Prompt tokens per micro-batch when not given.
+
+    One stage: 512 (the chunk only bounds the activations). Several: enough
+    chunks to fill the pipeline about four times over, so that the stages
+    overlap on prefill (a pipeline of P stages and C chunks takes C + P - 1
+    chunk-steps). The chunk is at least 32 tokens, below which its
+    per-chunk costs (each chunk streams the stage's weights) dominate, and at
+    most 512. SmolLM2, 256-token prompt, 2 ranks of one thread: chunks of 64
+    gave 386-392 prompt tok/s, of 32 468-479; one rank 317.
+    """
+    if stages <= 1:
+        return 512
+    return max(32, min(512, -(-prompt_tokens // (4 * stages))))
+
+
 def run_pipeline(
     group: Group,
     stage,
@@ -439,7 +455,8 @@ def run_pipeline(
     micro_batches : micro-batches kept in flight (rank 0; default: one per stage).
     max_batch : sequences decoded at once, i.e. cache slots (rank 0; default: all, <= 64).
     prefill_chunk : prompt tokens per micro-batch (rank 0; default 512 on one
-        rank, 64 on several so that stages overlap).
+        rank; on several, the prompt tokens cut into 4 chunks per stage so that
+        stages overlap, 32 to 512 tokens a chunk: see :func:`default_chunk`).
     max_len : cache length per sequence (rank 0; default: longest prompt + max_tokens).
     keep_logits : return every sampled step's logits (for tests; rank 0 decides).
     on_token, stop_check : rank 0 callbacks ``(seq index, token)`` as each token
@@ -463,7 +480,7 @@ def run_pipeline(
             max_slots=max(1, min(max_batch or min(len(reqs), 64), len(reqs))),
             max_len=max(max_len or 0, longest),
             micro_batches=max(1, micro_batches or p),
-            chunk=max(1, prefill_chunk or (512 if p == 1 else 64)),
+            chunk=max(1, prefill_chunk or default_chunk(sum(len(r.prompt) for r in reqs), p)),
             keep_logits=keep_logits,
         )
     plan = group.bcast_obj(plan, 0)

@@ -48,7 +48,8 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch", type=int, default=0,
                    help="sequences decoded at once (default: all prompts, at most 64)")
     g.add_argument("--prefill-chunk", type=int, default=0,
-                   help="prompt tokens per micro-batch (default: 64 on several ranks)")
+                   help="prompt tokens per micro-batch (default: 512 on one rank; on "
+                        "several, 4 chunks per stage, 32 to 512 tokens each)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank waits on a silent peer before ending the job")
 

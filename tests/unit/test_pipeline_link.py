@@ -74,3 +74,13 @@ def test_bad_wait_settings_are_one_line(monkeypatch):
         Watchdog(g, ["a"], timeout=0)
     monkeypatch.setenv("HPCMAC_PIPELINE_MAX_SLEEP", "0.002")
     assert Watchdog(g, ["a"], timeout=0).max_sleep == 0.002
+
+
+def test_default_prefill_chunk():
+    from hpcmac.llm.pipeline import default_chunk
+
+    assert default_chunk(10_000, 1) == 512          # one stage: only bounds activations
+    assert default_chunk(256, 2) == 32              # 8 chunks for 2 stages
+    assert default_chunk(2048, 2) == 256
+    assert default_chunk(100, 4) == 32              # never below 32 tokens
+    assert default_chunk(100_000, 4) == 512         # nor above 512
