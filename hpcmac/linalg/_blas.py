@@ -28,10 +28,17 @@ _api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _vp = ctypes.c_void_p
 
 
-def _load(module, name: str, nargs: int, restype=None):
+def capsule_function(module, name: str, argtypes: list, restype=None):
+    """The C function ``name`` that a Cython module (scipy's ``cython_blas`` or
+    ``cython_lapack``) exports in its capsules, callable through ctypes."""
     cap = module.__pyx_capi__[name]
     ptr = _api.PyCapsule_GetPointer(cap, _api.PyCapsule_GetName(cap))
-    return ctypes.CFUNCTYPE(restype, *([_vp] * nargs))(ptr)
+    return ctypes.CFUNCTYPE(restype, *argtypes)(ptr)
+
+
+def _load(module, name: str, nargs: int, restype=None):
+    """A routine whose arguments are all passed by address (Fortran BLAS/LAPACK)."""
+    return capsule_function(module, name, [_vp] * nargs, restype)
 
 
 _dgemm = _load(cython_blas, "dgemm", 13)

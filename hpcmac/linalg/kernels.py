@@ -15,6 +15,8 @@ import ctypes
 import numpy as np
 import scipy.linalg.cython_blas as _cblas
 
+from hpcmac.linalg._blas import capsule_function
+
 _P = ctypes.c_void_p
 _ARGS = {
     # name: (char, char, int, int, int, alpha, a, lda, b, ldb, beta, c, ldc)
@@ -30,16 +32,7 @@ _cache: dict[str, object] = {}
 def _routine(name: str):
     fn = _cache.get(name)
     if fn is None:
-        capsule = _cblas.__pyx_capi__[name]
-        get_name = ctypes.pythonapi.PyCapsule_GetName
-        get_name.restype = ctypes.c_char_p
-        get_name.argtypes = [ctypes.py_object]
-        get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
-        get_ptr.restype = ctypes.c_void_p
-        get_ptr.argtypes = [ctypes.py_object, ctypes.c_char_p]
-        addr = get_ptr(capsule, get_name(capsule))
-        fn = ctypes.CFUNCTYPE(None, *_ARGS[name[1:]])(addr)
-        _cache[name] = fn
+        fn = _cache[name] = capsule_function(_cblas, name, _ARGS[name[1:]])
     return fn
 
 
