@@ -16,6 +16,7 @@ Rules that keep ranks from hanging:
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -23,6 +24,19 @@ from collections.abc import Callable
 
 class UsageError(Exception):
     """Bad input: the message is one line naming where and what was expected."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are UsageErrors (one line on rank 0, exit 2, no usage
+    block, every rank leaving together) and whose help only rank 0 prints.
+    Subcommand parsers made with ``add_subparsers`` are of this class too."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+    def print_help(self, file=None):  # type: ignore[override]
+        if world_rank() == 0:
+            super().print_help(file)
 
 
 def world_rank() -> int:
@@ -55,6 +69,13 @@ def fail(message: str, code: int = 2) -> None:
     if world_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None and _mpi_launched():
+        # the input was refused before MPI started; start it only to leave together,
+        # else mpirun sees rank 0 exit non-zero first and prints its crash banner
+        try:
+            from mpi4py import MPI as mpi
+        except Exception:  # no usable MPI here: exit as we are
+            mpi = None
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         raise SystemExit(code)
     world = mpi.COMM_WORLD
@@ -76,6 +97,15 @@ def fail(message: str, code: int = 2) -> None:
         os._exit(0)
     time.sleep(0.5)  # let the other ranks leave first
     os._exit(code)
+
+
+def _mpi_launched() -> bool:
+    """Started by mpirun/mpiexec (Open MPI or PMI) with more than one rank."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            return True
+    return False
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcmac.errors import UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError, run_cli
 
 HPCC_TAIL = """\
 ##### This line (no. 32) is ignored (it serves as a separator). ######
@@ -177,14 +177,9 @@ def _grid(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m hpcmac.bench.hpl", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m hpcmac.bench.hpl", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-N", type=int, default=8000, help="problem size (default 8000)")
     p.add_argument("--nb", type=int, default=256, help="block size (default 256)")
     p.add_argument("--grids", type=_grid, nargs="+", default=[(1, 1), (1, 2)], metavar="PxQ",

@@ -48,8 +48,10 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hpcmac.bench.llm_pipeline",
-                                description=__doc__.split("\n\n")[0])
+    from hpcmac.errors import ArgumentParser
+
+    p = ArgumentParser(prog="python -m hpcmac.bench.llm_pipeline",
+                       description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="model folder, GGUF file or short name")
     p.add_argument("--ranks", default="1,2,4", help="rank counts to run (the first is the "
                                                    "reference; 1 recommended)")
@@ -336,7 +338,13 @@ def main(argv: list[str] | None = None) -> int:
           "few sequences per micro-batch streams the weights, so its (x) is the ceiling "
           "for the decode (x) until the batches make decode compute-bound")
     ceil = ceilings(docs, batches)
-    if ceil and ceil[2]:
+    if ceil is None:
+        print("estimated ceiling of the agg (x): none (needs two batch sizes whose 1-rank "
+              "rows fit W + B c with W, c > 0)")
+    elif not ceil[2]:
+        print("estimated ceiling of the agg (x): none (every pipeline has more ranks than "
+              "cores)")
+    else:
         w, c, x = ceil
         per = "; ".join(f"{p} ranks: " + ", ".join(f"{b} seqs {x[(p, b)]:.2f}x" for b in batches)
                         for p in sorted({p for p, _ in x}))

@@ -10,7 +10,7 @@ import os
 import sys
 
 from hpcmac import comm
-from hpcmac.errors import UsageError, run_cli, world_rank
+from hpcmac.errors import ArgumentParser, UsageError, run_cli
 from hpcmac.hpl import config as hplconfig
 
 DESCRIPTION = f"""\
@@ -71,20 +71,8 @@ Examples:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are UsageErrors (one line, rank 0, exit 2) and whose
-    help only rank 0 prints."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise UsageError(f"{self.prog}: {message} (see --help)")
-
-    def print_help(self, file=None):  # type: ignore[override]
-        if world_rank() == 0:
-            super().print_help(file)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog="python -m hpcmac.hpl",
         description=DESCRIPTION,
         epilog=EPILOG,

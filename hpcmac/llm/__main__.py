@@ -10,13 +10,13 @@ import argparse
 import json
 import sys
 
-from hpcmac.errors import UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     from hpcmac.llm.pipeline_cli import add_pipeline_arguments
 
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="python -m hpcmac.llm",
         description="Decoder-only LLM inference, pipeline-parallel over the ranks of the job.")
     sub = ap.add_subparsers(dest="command", required=True)

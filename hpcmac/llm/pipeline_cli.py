@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hpcmac.errors import UsageError
+from hpcmac.errors import ArgumentParser, UsageError
 from hpcmac.llm import stages as S
 from hpcmac.llm.pipeline import PipelineResult, Request, SeqResult, run_pipeline
 from hpcmac.llm.sampling import SamplingParams
@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``generate`` parser: part 1's flags plus the pipeline's."""
     from hpcmac.llm.__main__ import add_generate_args
 
-    p = argparse.ArgumentParser(prog="python -m hpcmac.llm generate",
-                                description="generate text, pipeline-parallel over the ranks")
+    p = ArgumentParser(prog="python -m hpcmac.llm generate",
+                       description="generate text, pipeline-parallel over the ranks")
     add_generate_args(p)
     add_pipeline_arguments(p)
     return p

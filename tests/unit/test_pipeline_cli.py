@@ -282,3 +282,22 @@ def test_parity_suite_at_np3():
                           cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "passed" in proc.stdout and "failed" not in proc.stdout
+
+
+@pytest.mark.parametrize("args, expect", [
+    ((), "error: python -m hpcmac.llm generate: one of the arguments --prompt --prompt-ids "
+         "--batch is required (see --help)"),
+    (("--prompt-ids", "1", "--bogus"),
+     "error: python -m hpcmac.llm: unrecognized arguments: --bogus (see --help)"),
+    (("--prompt-ids", "1", "--max-tokens", "-1"), "error: --max-tokens -1: expected >= 0"),
+    (("--prompt-ids", "1", "--quantize", "4"),
+     "error: --quantize 4: needs --backend mlx (the numpy backend keeps float32 weights)"),
+])
+def test_flag_errors_are_one_line_on_every_rank_count(llama5, args, expect):
+    """Refused before MPI starts (argparse, flag checks): still one line, exit 2, and no
+    launcher banner (the ranks start MPI only to leave together)."""
+    cmd = [MPIRUN, "2", PY, "-m", "hpcmac.llm", "generate", "--model", llama5, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [expect], proc.stderr
+    assert proc.stdout == ""
