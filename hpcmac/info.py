@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import platform
 import socket
 
-from hpcmac.errors import run_cli
+from hpcmac.errors import ArgumentParser, run_cli
 
 
 def _blas() -> list[str]:
@@ -54,7 +53,7 @@ def transports(world) -> list[tuple[str, bool, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpcmac info", description=__doc__)
+    parser = ArgumentParser(prog="python -m hpcmac info", description=__doc__)
     from hpcmac.comm import add_transport_argument
 
     add_transport_argument(parser)

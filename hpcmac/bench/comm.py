@@ -31,7 +31,7 @@ from functools import partial
 
 import numpy as np
 
-from hpcmac.errors import UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError, run_cli
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -263,8 +263,8 @@ def _size_arg(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpcmac.bench.comm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m hpcmac.bench.comm", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--transports", default="mpi,ring,rdma",
                         help="shim transports to measure when usable (default: mpi,ring,rdma)")

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from hpcmac.errors import UsageError
+from hpcmac.errors import ArgumentParser, UsageError
 
 
 def sym_random(n: int):
@@ -173,7 +173,7 @@ def _run_worker(ranks: int, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcmac.bench.linalg", description=__doc__)
+    ap = ArgumentParser(prog="python -m hpcmac.bench.linalg", description=__doc__)
     ap.add_argument("--n-matmul", type=int, default=3000, help="matmul order (default 3000)")
     ap.add_argument("--n-chol", type=int, default=6000, help="Cholesky order (default 6000)")
     ap.add_argument("--nb-matmul", type=int, default=256, help="matmul block size")

@@ -14,7 +14,6 @@ per token) written to a temporary folder; ``--model`` benchmarks any checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcmac.errors import UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError, run_cli
 
 
 def write_random_llama(folder: Path, hidden: int, layers: int, intermediate: int, vocab: int,
@@ -125,8 +124,8 @@ def llamacpp_rate(gguf_path: Path, threads: int, steps: int, vocab: int) -> floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcmac.bench.llm",
-                                 description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m hpcmac.bench.llm",
+                        description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: a random float32 Llama)")
     ap.add_argument("--workdir", default=None, help="where the random model and GGUF go")
     ap.add_argument("--hidden", type=int, default=1024)

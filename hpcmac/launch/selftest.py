@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 
-from hpcmac.errors import UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError, run_cli
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m hpcmac.launch.selftest", description=__doc__)
+    ap = ArgumentParser(prog="python -m hpcmac.launch.selftest", description=__doc__)
     ap.add_argument("--mib", type=float, default=4.0, help="ring exchange size per round (MiB)")
     ap.add_argument("--seconds", type=float, default=0.0,
                     help="keep exchanging for this long (for fault drills)")
