@@ -80,19 +80,20 @@ def init(transport: str | None = None, strict: bool | None = None,
     key = f"{name}:{int(strict)}"
     if key in _cached:
         return _cached[key]
-    _held[0] = not announce
+    global _holding
+    _holding = not announce
     try:
         group = _choose(name, strict)
     finally:
-        _held[0] = False
+        _holding = False
     _cached[key] = group
     return group
 
 
 def announce() -> None:
     """Print the transport line(s) that ``init(announce=False)`` held back."""
-    lines = _held[1:]
-    del _held[1:]
+    lines = _held[:]
+    _held.clear()
     for line in lines:
         _log(line)
 
@@ -187,12 +188,13 @@ def _log_rank0(rank: int, line: str) -> None:
         _log(line)
 
 
-#: [holding back?, held lines...]
-_held: list = [False]
+#: transport lines held back by init(announce=False) until announce()
+_holding = False
+_held: list[str] = []
 
 
 def _log(line: str) -> None:
-    if _held[0]:
+    if _holding:
         _held.append(line)
         return
     if os.environ.get("HPCMAC_QUIET_TRANSPORT") == "1":

@@ -143,18 +143,22 @@ def factor_lower(x: DistMatrix) -> None:
                 f"{failed}-th leading minor of the array is not positive definite")
         return pan
 
-    def update(k: int, pan: np.ndarray, lo: int, hi: int, bc) -> None:
-        """A_ij -= L_i L_j^H on my local columns [lo, hi) right of block k (block-aligned)."""
+    def operands(k: int, pan: np.ndarray):
+        """(r1, c1, L rows for my rows below block k, L rows for my columns right of it)."""
         k1 = min(n, (k + 1) * nb)
         r1 = layout.first_local_at_or_after(k1, nb, myrow, P)
         c1 = layout.first_local_at_or_after(k1, nb, mycol, Q)
-        if lm <= r1 or hi <= lo:
-            return
-        w, rest = k1 - k * nb, n - k1
-        full = pan[:-1].reshape((rest, w), order="F")
-        # (my rows below k, w) and (my columns right of k, w): no copy when contiguous
+        full = pan[:-1].reshape((n - k1, k1 - k * nb), order="F")
+        # no copy when contiguous
         lr = full if P == 1 else np.asfortranarray(full[rows[r1:] - k1])
         lcol = full if Q == 1 else full[cols[c1:] - k1]
+        return r1, c1, lr, lcol
+
+    def update(ops, lo: int, hi: int, bc) -> None:
+        """A_ij -= L_i L_j^H on my local columns [lo, hi) right of block k (block-aligned)."""
+        r1, c1, lr, lcol = ops
+        if lm <= r1 or hi <= lo:
+            return
         for ca in range(lo, hi, chunk):
             cb = min(hi, ca + chunk)
             band_end = int(cols[cb - 1]) + 1     # rows from here on lie below every chunk column
@@ -175,16 +179,17 @@ def factor_lower(x: DistMatrix) -> None:
     pan = received(0, pan, share(0, pan))
     for k in range(nblk):
         k1 = min(n, (k + 1) * nb)
-        c1 = layout.first_local_at_or_after(k1, nb, mycol, Q)   # my columns right of block k
+        ops = operands(k, pan)
+        c1 = ops[1]   # my first column right of block k
         nxt_pan = bc = None
         start = c1
         if k + 1 < nblk:
             if mycol == (k + 1) % Q:   # block column k+1 is my first local block right of k
                 start = min(ln, c1 + min(nb, n - k1))
-                update(k, pan, c1, start, None)
+                update(ops, c1, start, None)
             nxt_pan = make_panel(k + 1)
             bc = share(k + 1, nxt_pan)
-        update(k, pan, start, ln, bc)
+        update(ops, start, ln, bc)
         if nxt_pan is not None:
             pan = received(k + 1, nxt_pan, bc)
 

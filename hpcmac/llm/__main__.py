@@ -99,13 +99,11 @@ def context_length(args, cfg) -> int:
     return n
 
 
-def run_generate(args) -> int:
+def check_generate_args(args):
+    """The checks of :func:`add_generate_args`' flags that need no file (the same on
+    every rank); returns the sampling parameters."""
     from hpcmac.llm.backend import check_quantize
-    from hpcmac.llm.config import load_config
-    from hpcmac.llm.generate import Generator, StopChecker
-    from hpcmac.llm.model import load_stage
     from hpcmac.llm.sampling import SamplingParams
-    from hpcmac.llm.tokenizer import load_tokenizer
 
     if args.max_tokens < 0:
         raise UsageError(f"--max-tokens {args.max_tokens}: expected >= 0")
@@ -113,6 +111,16 @@ def run_generate(args) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
                               args.repetition_penalty, args.seed)
     sampling.validate()
+    return sampling
+
+
+def run_generate(args) -> int:
+    from hpcmac.llm.config import load_config
+    from hpcmac.llm.generate import Generator, StopChecker
+    from hpcmac.llm.model import load_stage
+    from hpcmac.llm.tokenizer import load_tokenizer
+
+    sampling = check_generate_args(args)
     cfg = load_config(args.model)
     tok = load_tokenizer(args.model) if args.prompt is not None or args.stop else None
     ids = prompt_tokens(args, tok, cfg)

@@ -67,19 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_arguments(args: argparse.Namespace) -> SamplingParams:
     """Local checks every rank makes identically before any collective."""
-    if args.max_tokens < 0:
-        raise UsageError(f"--max-tokens {args.max_tokens}: expected >= 0")
+    from hpcmac.llm.__main__ import check_generate_args
+
+    sampling = check_generate_args(args)
     for name in ("micro_batches", "max_batch", "prefill_chunk"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 0")
     if args.timeout < 0:
         raise UsageError(f"--timeout {args.timeout}: expected >= 0 (0: no watchdog)")
-    from hpcmac.llm.backend import check_quantize
-
-    check_quantize(args.backend, args.quantize, args.q_group_size)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
-                              args.repetition_penalty, args.seed)
-    sampling.validate()
     return sampling
 
 
@@ -219,36 +214,18 @@ def weight_bytes(model: str, quantize: int | None = None,
                  group_size: int = 64) -> tuple[list[int], int, int]:
     """Bytes of each layer, of the embedding and of the norm + head, as loaded (headers only).
 
-    Float32, the same count as ``hpcmac.llm.weights.stage_nbytes``, with the
-    checkpoint opened once (opening a GGUF parses its whole tokenizer). With
-    ``quantize`` bits, every matrix the MLX backend quantizes (input size a
-    multiple of ``group_size``, the embedding too) counts its quantized bytes.
+    ``hpcmac.llm.weights.stage_nbytes`` of each piece, with the checkpoint opened
+    once; ``quantize``/``group_size`` as there.
     """
-    from hpcmac.llm.backend import quantized_nbytes
-    from hpcmac.llm.weights import open_checkpoint, stage_tensor_names
+    from hpcmac.llm.weights import open_checkpoint, stage_nbytes
 
     ckpt = open_checkpoint(model)
-    cfg = ckpt.config()
-
-    def size(numel: int, inputs: int, matrix: bool) -> int:
-        if quantize and matrix and inputs % group_size == 0:
-            return quantized_nbytes(numel, quantize, group_size)
-        return 4 * numel
+    n_layers = ckpt.config().n_layers
 
     def nbytes(start: int, end: int, first: bool, last: bool) -> int:
-        total = 0
-        for n in stage_tensor_names(cfg, start, end, first, last):
-            shape = tuple(ckpt.shape(n))
-            # MLA's absorbed kv_b stays float32 (the embedding is quantized, its
-            # lookup dequantizes the rows it needs)
-            total += size(ckpt.numel(n), shape[-1], len(shape) == 2 and "kv_b_proj" not in n)
-        for i in range(start, end):
-            if cfg.is_moe_layer(i):
-                per = cfg.n_experts * cfg.hidden * cfg.moe_intermediate
-                total += 2 * size(per, cfg.hidden, True) + size(per, cfg.moe_intermediate, True)
-        return int(total)
+        return stage_nbytes(ckpt, start, end, first, last, quantize, group_size)
 
-    layers = [nbytes(i, i + 1, False, False) for i in range(cfg.n_layers)]
+    layers = [nbytes(i, i + 1, False, False) for i in range(n_layers)]
     return layers, nbytes(0, 0, True, False), nbytes(0, 0, False, True)
 
 

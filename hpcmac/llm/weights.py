@@ -208,17 +208,33 @@ def stage_tensor_names(cfg: ModelConfig, start: int, end: int, first: bool,
     return names
 
 
-def stage_nbytes(path_or_name: str | os.PathLike, start: int, end: int, first: bool,
-                 last: bool) -> int:
-    """Bytes of float32 weights a stage will hold, from file headers only (nothing is read).
+def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
+                 quantize: int | None = None, group_size: int = 64) -> int:
+    """Bytes of weights a stage will hold, from file headers only (nothing is read).
 
-    GGUF tensors are dequantized to float32 at load, so a Q4 file's stage takes
-    about 7x its share of the file. Global: the same on every rank.
+    ``path_or_ckpt``: a model path or short name, or a checkpoint already opened
+    with :func:`open_checkpoint`. GGUF tensors are dequantized to float32 at
+    load, so a Q4 file's stage takes about 7x its share of the file. With
+    ``quantize`` bits (MLX backend), every matrix it keeps quantized (input size
+    a multiple of ``group_size``, the embedding too; not MLA's absorbed kv_b)
+    counts its quantized bytes. Global: the same on every rank.
     """
-    ckpt = open_checkpoint(path_or_name)
+    from hpcmac.llm.backend import quantized_nbytes
+
+    ckpt = path_or_ckpt if hasattr(path_or_ckpt, "numel") else open_checkpoint(path_or_ckpt)
     cfg = ckpt.config()
-    total = sum(ckpt.numel(n) for n in stage_tensor_names(cfg, start, end, first, last))
+
+    def size(numel: int, inputs: int, matrix: bool) -> int:
+        if quantize and matrix and inputs % group_size == 0:
+            return quantized_nbytes(numel, quantize, group_size)
+        return 4 * numel
+
+    total = 0
+    for n in stage_tensor_names(cfg, start, end, first, last):
+        shape = tuple(ckpt.shape(n))
+        total += size(ckpt.numel(n), shape[-1], len(shape) == 2 and "kv_b_proj" not in n)
     for i in range(start, end):
         if cfg.is_moe_layer(i):
-            total += 3 * cfg.n_experts * cfg.hidden * cfg.moe_intermediate
-    return 4 * int(total)
+            per = cfg.n_experts * cfg.hidden * cfg.moe_intermediate
+            total += 2 * size(per, cfg.hidden, True) + size(per, cfg.moe_intermediate, True)
+    return int(total)
