@@ -44,3 +44,21 @@ def system_entries(m: int):
         return (i == j) - rho[i] * form
 
     return f
+
+
+def input_mismatch(path: str, m: int) -> str | None:
+    """Why the existing HDF5 file ``path`` cannot be the input for ``--m m``, or None.
+
+    A file written by an earlier run with another ``--m`` holds a system of
+    another size: reading it silently would solve the wrong problem.
+    """
+    import h5py
+
+    n = 4 * m
+    with h5py.File(path, "r") as f:
+        shapes = {k: f[k].shape for k in ("A", "E") if k in f}
+    if shapes.get("A") != (n, n) or shapes.get("E") not in ((n, 1), (n,)):
+        found = " x ".join(map(str, shapes["A"])) if "A" in shapes else "no dataset 'A'"
+        return (f"{path} holds a {found} system, but --m {m} needs {n} x {n}: "
+                "delete the file or give another --input")
+    return None

@@ -21,7 +21,7 @@ from hpcmac.io.hdf5 import read_hdf5, write_hdf5
 from hpcmac.linalg import DistMatrix, lu_factor, lu_solve, matmul, norm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from radiosity_geometry import patches, system_entries  # noqa: E402
+from radiosity_geometry import input_mismatch, patches, system_entries  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,15 +37,21 @@ def main(argv: list[str] | None = None) -> dict:
         raise UsageError(f"-P {args.P} does not divide the {world.size} ranks")
     grid = Grid(world, args.P, world.size // args.P)
     n, nb = 4 * args.m, args.nb
+    if args.m < 1 or args.nb < 1:
+        raise UsageError(f"--m and --nb must be positive, found {args.m} and {args.nb}")
     exists = world.bcast_obj(os.path.exists(args.input) if world.rank == 0 else None)
+    if exists:  # a file left by a run with another --m: refuse, do not solve it silently
+        why = world.bcast_obj(input_mismatch(args.input, args.m) if world.rank == 0 else None)
+        if why:
+            raise UsageError(why)
     if not exists:  # every rank computes and writes only its own entries
         a = DistMatrix.from_function(system_entries(args.m), (n, n), grid, nb, nb)
         e_all = patches(args.m)[4]
         e = DistMatrix.from_function(lambda i, j: e_all[i] + 0 * j, (n, 1), grid, nb, nb)
         write_hdf5(a, args.input, "A")
         write_hdf5(e, args.input, "E")
-    a = read_hdf5(args.input, "A", grid, nb, nb)
-    e = read_hdf5(args.input, "E", grid, nb, nb, shape=(a.gshape[0], 1))
+    a = read_hdf5(args.input, "A", grid, nb, nb, shape=(n, n))
+    e = read_hdf5(args.input, "E", grid, nb, nb, shape=(n, 1))
     world.barrier()
     t0 = time.perf_counter()
     lu, piv = lu_factor(a)

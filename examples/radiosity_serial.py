@@ -7,12 +7,13 @@ Builds the system into --input if it does not exist, then solves it.
 
 import argparse
 import os
+import sys
 import time
 
 import h5py
 import numpy as np
 import scipy.linalg
-from radiosity_geometry import patches, system_entries
+from radiosity_geometry import input_mismatch, patches, system_entries
 
 
 def main() -> None:
@@ -22,6 +23,11 @@ def main() -> None:
     ap.add_argument("--output", default="room_B_serial.h5")
     args = ap.parse_args()
     n = 4 * args.m
+    why = f"--m must be positive, found {args.m}" if args.m < 1 else \
+        os.path.exists(args.input) and input_mismatch(args.input, args.m)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        raise SystemExit(2)
     if not os.path.exists(args.input):
         i, j = np.arange(n)[:, None], np.arange(n)[None, :]
         with h5py.File(args.input, "w") as f:

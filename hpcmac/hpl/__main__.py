@@ -67,7 +67,7 @@ Exit status: 0 when every checked run passed, 1 when one FAILED, 2 on bad input.
 Examples:
   mpirun -np 4 python -m hpcmac.hpl                    # embedded default, 2x2
   mpirun -np 2 python -m hpcmac.hpl -N 8000 --nb 256 -P 1 -Q 2 --json hpl.json
-  mpirun -np 4 python -m hpcmac.hpl --dat jobs/HPL.dat
+  mpirun -np 4 python -m hpcmac.hpl --dat jobs/hpl/HPL-small.dat
 """
 
 

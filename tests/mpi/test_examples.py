@@ -59,6 +59,16 @@ def test_radiosity_in_process(shared_dir):
     parallel_assert(ok, f"radiosity residual {res['residual']}")
 
 
+def test_radiosity_refuses_an_input_file_of_another_size(shared_dir):
+    from hpcmac.errors import UsageError
+
+    inp, outp = os.path.join(shared_dir, "room.h5"), os.path.join(shared_dir, "B.h5")
+    mod = load("radiosity_lu")
+    mod.main(["--m", "10", "--nb", "8", "--input", inp, "--output", outp])
+    with pytest.raises(UsageError, match=r"holds a 40 x 40 system, but --m 12 needs 48 x 48"):
+        mod.main(["--m", "12", "--nb", "8", "--input", inp, "--output", outp])
+
+
 def _run(cmd, cwd):
     """Run a command outside this MPI job (no inherited launcher variables)."""
     env = {k: v for k, v in os.environ.items()
