@@ -23,7 +23,7 @@ $(BIN)/python: | check-tools
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.run-stamp: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e . \
+	$(BIN)/python -m pip install -q -e '.[llm]' \
 	  || { echo "error: installing hpcmac into $(VENV) failed (see above; a C compiler may be missing)"; exit 1; }
 	touch $@
 

