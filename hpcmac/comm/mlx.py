@@ -194,7 +194,8 @@ def rdma_matrix_problem(size: int, rank: int) -> tuple[list | None, str]:
         matrix = rdma_env.load_device_matrix(spec)
     except ValueError as exc:
         return None, f"rdma: {exc}"
-    problem = rdma_env.check_device_matrix(matrix, size, rank, rdma_env.local_devices())
+    problem = rdma_env.check_device_matrix(matrix, size, rank, rdma_env.local_devices(),
+                                           rdma_env.local_port_states())
     return (None, f"rdma: {problem}") if problem else (matrix, "")
 
 

@@ -22,34 +22,11 @@ import subprocess
 import sys
 from typing import Any
 
+from hpcmac.comm import rdma_ready
+
 Matrix = list[list[Any]]
 
 ENABLE_HINT = "run rdma_ctl enable from Recovery"
-
-
-def parse_ibv_devices(text: str) -> list[str]:
-    """Device names from ``ibv_devices`` output (header and GUID column dropped).
-
-    The output is a two-line header (``device  node GUID`` then dashes) and
-    one ``name  guid`` row per device.
-    """
-    names = []
-    for line in text.splitlines():
-        fields = line.split()
-        if not fields or fields[0] in ("device", "------") or set(fields[0]) == {"-"}:
-            continue
-        names.append(fields[0])
-    return names
-
-
-def parse_rdma_ctl_status(text: str) -> bool | None:
-    """``rdma_ctl status`` output -> True (enabled), False (disabled), None (unknown)."""
-    word = text.strip().lower()
-    if word.endswith("enabled") and "not" not in word and "disabled" not in word:
-        return True
-    if "disabled" in word or "not enabled" in word:
-        return False
-    return None
 
 
 def load_device_matrix(spec: str) -> Matrix:
@@ -94,12 +71,14 @@ def _names(entry: Any) -> list[str]:
 
 
 def check_device_matrix(
-    matrix: Matrix, size: int, rank: int | None = None, local_devices: list[str] | None = None
+    matrix: Matrix, size: int, rank: int | None = None, local_devices: list[str] | None = None,
+    port_states: dict[str, str] | None = None,
 ) -> str:
     """'' when ``matrix`` is a usable full mesh for ``size`` ranks, else the first problem.
 
     With ``rank`` and ``local_devices`` (this host's ``ibv_devices``) it also
-    checks that every device named in this rank's row exists here.
+    checks that every device named in this rank's row exists here, and with
+    ``port_states`` (this host's ``ibv_devinfo``) that its port is ``PORT_ACTIVE``.
     """
     if len(matrix) != size:
         return f"device matrix has {len(matrix)} rows for {size} ranks"
@@ -122,6 +101,11 @@ def check_device_matrix(
                     have = ", ".join(local_devices) or "none"
                     return (f"rank {rank}: device {name} (towards rank {j}) "
                             f"not in ibv_devices ({have})")
+                if port_states is not None and port_states.get(name) != "PORT_ACTIVE":
+                    state = port_states.get(name, "not in ibv_devinfo")
+                    return (f"rank {rank}: device {name} (towards rank {j}) port is {state}, "
+                            "not PORT_ACTIVE (reseat the cable; restart both Macs if it stays "
+                            "down)")
     return ""
 
 
@@ -157,9 +141,9 @@ def rdma_reason(
         if platform.startswith("linux"):
             return "rdma: mlx has no jaccl backend on Linux"
         return "rdma: this mlx build has no jaccl backend (needs macOS 26.2+ on Apple silicon)"
-    if rdma_ctl_out is not None and parse_rdma_ctl_status(rdma_ctl_out) is False:
+    if rdma_ctl_out is not None and rdma_ready.parse_rdma_ctl(rdma_ctl_out) is False:
         return f"rdma: RDMA disabled, {ENABLE_HINT}"
-    devices = parse_ibv_devices(ibv_devices_out or "")
+    devices = rdma_ready.parse_ibv_devices(ibv_devices_out)
     if not any(d.startswith("rdma_en") for d in devices):
         return "rdma: no rdma_en* device (ibv_devices lists none; check cables and rdma_ctl status)"
     if not matrix_spec:
@@ -194,4 +178,10 @@ def probe(has_jaccl: bool) -> str:
 
 def local_devices() -> list[str]:
     """This host's RDMA device names (empty where ``ibv_devices`` is absent)."""
-    return parse_ibv_devices(_run(["ibv_devices"]) or "")
+    return rdma_ready.parse_ibv_devices(_run(["ibv_devices"]))
+
+
+def local_port_states() -> dict[str, str] | None:
+    """{device: port state} from this host's ``ibv_devinfo``; None where it is absent."""
+    text = _run(["ibv_devinfo"])
+    return None if text is None else rdma_ready.parse_ibv_devinfo(text)

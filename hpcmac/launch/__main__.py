@@ -173,7 +173,7 @@ def _discover(argv: list[str]) -> int:
     else:
         sys.stdout.write(text)
     if a.print_setup:
-        for host, cmds in discover.setup_commands(data).items():
+        for host, cmds in discover.setup_commands(data, discover.services(probes)).items():
             print(f"# on {host}")
             for c in cmds:
                 print(c)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcmac.comm import rdma_env, ring_env
+from hpcmac.comm import rdma_env, rdma_ready, ring_env
 from hpcmac.comm.mlx import is_available, launched_by_mlx
 
 FIX = Path(__file__).parent / "fixtures" / "rdma"
@@ -14,20 +14,6 @@ FIX = Path(__file__).parent / "fixtures" / "rdma"
 
 def read(name: str) -> str:
     return (FIX / name).read_text()
-
-
-def test_ibv_devices_lists_the_thunderbolt_ports():
-    assert rdma_env.parse_ibv_devices(read("ibv_devices_5ports.txt")) == [
-        "rdma_en2", "rdma_en3", "rdma_en4", "rdma_en5", "rdma_en6"]
-    assert rdma_env.parse_ibv_devices(read("ibv_devices_none.txt")) == []
-    assert rdma_env.parse_ibv_devices("") == []
-
-
-def test_rdma_ctl_status_words():
-    assert rdma_env.parse_rdma_ctl_status(read("rdma_ctl_status_enabled.txt")) is True
-    assert rdma_env.parse_rdma_ctl_status(read("rdma_ctl_status_disabled.txt")) is False
-    assert rdma_env.parse_rdma_ctl_status("") is None
-    assert rdma_env.parse_rdma_ctl_status("usage: rdma_ctl [enable|disable|status]") is None
 
 
 def test_device_matrix_from_mlx_hostfile_path_and_inline():
@@ -43,10 +29,17 @@ def test_device_matrix_from_mlx_hostfile_path_and_inline():
 
 def test_device_matrix_several_cables_and_local_devices():
     m = rdma_env.load_device_matrix(str(FIX / "matrix_2node_dual_cable.json"))
-    here = rdma_env.parse_ibv_devices(read("ibv_devices_5ports.txt"))
+    here = rdma_ready.parse_ibv_devices(read("ibv_devices_5ports.txt"))
     assert rdma_env.check_device_matrix(m, 2, rank=0, local_devices=here) == ""
     assert rdma_env.check_device_matrix(m, 2, rank=1, local_devices=["rdma_en5"]) == (
         "rank 1: device rdma_en6 (towards rank 0) not in ibv_devices (rdma_en5)")
+    states = rdma_ready.parse_ibv_devinfo(read("ibv_devinfo_studio_en3_en4_en5_active.txt"))
+    assert rdma_env.check_device_matrix(
+        [[None, "rdma_en3"], ["rdma_en4", None]], 2, 0, here, states) == ""
+    assert rdma_env.check_device_matrix(
+        [[None, "rdma_en6"], ["rdma_en4", None]], 2, 0, here, states) == (
+        "rank 0: device rdma_en6 (towards rank 1) port is PORT_DOWN, not PORT_ACTIVE "
+        "(reseat the cable; restart both Macs if it stays down)")
 
 
 @pytest.mark.parametrize("matrix,size,problem", [
@@ -81,6 +74,10 @@ def test_jaccl_env():
     (("darwin", False, None, None, None), "rdma: this mlx build has no jaccl backend"),
     (("darwin", True, "disabled\n", None, None),
      "rdma: RDMA disabled, run rdma_ctl enable from Recovery"),
+    (("darwin", True, "RDMA is not enabled\n", "ibv_devices_5ports.txt", "/m.json"),
+     "rdma: RDMA disabled, run rdma_ctl enable from Recovery"),
+    (("darwin", True, "enabled\n", "ibv_devices_no_devices.txt", "/m.json"),
+     "rdma: no rdma_en* device"),
     (("darwin", True, "enabled\n", "ibv_devices_none.txt", None), "rdma: no rdma_en* device"),
     (("darwin", True, "enabled\n", "ibv_devices_5ports.txt", None), "rdma: no device matrix"),
     (("darwin", True, "enabled\n", "ibv_devices_5ports.txt", "/m.json"), ""),

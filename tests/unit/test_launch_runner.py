@@ -198,6 +198,8 @@ def test_check_convert_and_discover_commands(tmp_path):
                     f"  system_profiler) cat {data}/$host.thunderbolt.json ;;\n"
                     f"  networksetup) cat {data}/$host.ports.txt ;;\n"
                     f"  ibv_devices) cat {data}/$host.ibv.txt ;;\n"
+                    f"  ibv_devinfo) cat {data}/$host.ibv_devinfo.txt ;;\n"
+                    f"  ipconfig) cat {data}/$host.$3.txt 2>/dev/null || exit 1 ;;\n"
                     f"  rdma_ctl) cat {data}/$host.rdma_ctl.txt ;;\n"
                     f"  sysctl) cat {data}/$host.memsize.txt ;;\nesac\n")
     fake.chmod(0o755)
