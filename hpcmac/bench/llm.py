@@ -80,7 +80,7 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
 
 def decode_rate(stage, n_seq: int, steps: int, prompt_len: int = 16) -> float:
     """Aggregate decode tok/s of n_seq sequences (median step time), after a prefill."""
-    from hpcmac.llm.model import Batch
+    from hpcmac.llm.model.stage import Batch
 
     cache = stage.new_cache(n_seq, prompt_len + steps + 1)
     rng = np.random.default_rng(1)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("--threads, --steps, --batch and --rounds must be >= 1")
     from threadpoolctl import threadpool_limits
 
-    from hpcmac.llm.model import load_stage
+    from hpcmac.llm.model.stage import load_stage
 
     tmp = None
     if args.workdir:
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import xllamacpp  # noqa: F401
 
-            from hpcmac.llm.fixtures import write_gguf
+            from hpcmac.llm.model.fixtures import write_gguf
 
             gguf_path = write_gguf(model, work / "llama-f32.gguf", "F32")
         except ImportError:
@@ -233,7 +233,7 @@ def _quiet_stderr():
 
 
 def _n_layers(model) -> int:
-    from hpcmac.llm.config import load_config
+    from hpcmac.llm.model.config import load_config
 
     return load_config(model).n_layers
 

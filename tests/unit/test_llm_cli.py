@@ -15,9 +15,9 @@ pytest.importorskip("transformers")
 
 from hpcmac.errors import run_cli  # noqa: E402
 from hpcmac.llm.__main__ import main  # noqa: E402
-from hpcmac.llm.fixtures import random_checkpoint, write_gguf  # noqa: E402
-from hpcmac.llm.generate import Generator  # noqa: E402
-from hpcmac.llm.model import load_stage  # noqa: E402
+from hpcmac.llm.model.fixtures import random_checkpoint, write_gguf  # noqa: E402
+from hpcmac.llm.model.generate import Generator  # noqa: E402
+from hpcmac.llm.model.stage import load_stage  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_cli_subprocess_no_traceback(tmp_path):
 
 def test_smollm2_chat_streams_text(tmp_path, capfd):
     from hpcmac.errors import UsageError
-    from hpcmac.llm.config import resolve_model
+    from hpcmac.llm.model.config import resolve_model
 
     try:
         resolve_model("smollm2")

@@ -12,10 +12,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from hpcmac.llm.config import load_config, resolve_model  # noqa: E402
-from hpcmac.llm.fixtures import hf_model, random_checkpoint, write_gguf  # noqa: E402
-from hpcmac.llm.model import Batch, load_stage  # noqa: E402
-from hpcmac.llm.weights import stage_nbytes  # noqa: E402
+from hpcmac.llm.model.config import load_config, resolve_model  # noqa: E402
+from hpcmac.llm.model.fixtures import hf_model, random_checkpoint, write_gguf  # noqa: E402
+from hpcmac.llm.model.stage import Batch, load_stage  # noqa: E402
+from hpcmac.llm.model.weights import stage_nbytes  # noqa: E402
 
 PROMPT = [3, 17, 42, 5, 9, 11, 60, 2, 8]
 
@@ -153,7 +153,7 @@ def test_only_requested_layers_are_read(folders, tmp_path):
 def smol():
     """(path, our tokenizer, transformers' tokenizer from the same GGUF)."""
     from hpcmac.errors import UsageError
-    from hpcmac.llm.tokenizer import load_tokenizer
+    from hpcmac.llm.model.tokenizer import load_tokenizer
 
     try:
         path = resolve_model("smollm2")
@@ -165,7 +165,7 @@ def smol():
 
 def test_smollm2_greedy_matches_transformers_gguf(smol):
     """SmolLM2-135M-Instruct (Q4_1/Q8_0 GGUF): same greedy continuation as transformers."""
-    from hpcmac.llm.generate import Generator
+    from hpcmac.llm.model.generate import Generator
 
     path, tok, ref_tok = smol
     text = "The three primary colors are"
@@ -198,7 +198,7 @@ def test_smollm2_tokenizer_and_chat_template(smol):
     assert tok.apply_chat_template(msgs) == ref.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True)
     assert 2 in tok.eos_ids
-    from hpcmac.llm.generate import StopChecker
+    from hpcmac.llm.model.generate import StopChecker
 
     stop = StopChecker(tok.eos_ids, ["Paris"], tok)
     ids = tok.encode("It is Paris, of course")
@@ -213,7 +213,7 @@ def test_smollm2_tokenizer_and_chat_template(smol):
 
 
 def test_config_quirks(tmp_path):
-    from hpcmac.llm.config import config_from_hf
+    from hpcmac.llm.model.config import config_from_hf
 
     base = dict(model_type="qwen3_moe", hidden_size=32, num_attention_heads=4,
                 num_hidden_layers=2, vocab_size=10, num_local_experts=8, num_experts_per_tok=2)
@@ -232,7 +232,7 @@ def test_gguf_reader_opened_once_per_file_version(folders, tmp_path):
     done once, and a file rewritten in place is parsed again (new contents)."""
     import os
 
-    from hpcmac.llm.gguf_loader import gguf_reader
+    from hpcmac.llm.model.gguf_loader import gguf_reader
 
     path = write_gguf(folders["llama"], tmp_path / "m.gguf", "F32")
     first = gguf_reader(path)

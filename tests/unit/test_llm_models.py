@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hpcmac.llm.fixtures import hf_model, random_checkpoint  # noqa: E402
-from hpcmac.llm.generate import Generator  # noqa: E402
-from hpcmac.llm.model import Batch, load_stage  # noqa: E402
+from hpcmac.llm.model.fixtures import hf_model, random_checkpoint  # noqa: E402
+from hpcmac.llm.model.generate import Generator  # noqa: E402
+from hpcmac.llm.model.stage import Batch, load_stage  # noqa: E402
 
 STEPS = 32
 RTOL = 2e-5  # of the largest |logit|; float32 with different summation orders

@@ -16,11 +16,11 @@ pytest.importorskip("transformers")
 mx = pytest.importorskip("mlx.core")
 
 from hpcmac.errors import UsageError  # noqa: E402
-from hpcmac.llm.backend import QWeight, quantized_nbytes  # noqa: E402
-from hpcmac.llm.fixtures import random_checkpoint  # noqa: E402
-from hpcmac.llm.generate import Generator  # noqa: E402
-from hpcmac.llm.model import Batch, load_stage  # noqa: E402
-from hpcmac.llm.pipeline_cli import weight_bytes  # noqa: E402
+from hpcmac.llm.model.backend import QWeight, quantized_nbytes  # noqa: E402
+from hpcmac.llm.model.fixtures import random_checkpoint  # noqa: E402
+from hpcmac.llm.model.generate import Generator  # noqa: E402
+from hpcmac.llm.model.stage import Batch, load_stage  # noqa: E402
+from hpcmac.llm.parallel.plan import weight_bytes  # noqa: E402
 
 GROUP = 32
 SHAPES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,

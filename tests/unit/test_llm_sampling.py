@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.sampling import (
+from hpcmac.llm.model.sampling import (
     Sampler,
     SamplingParams,
     apply_repetition_penalty,

@@ -15,7 +15,7 @@ import pytest
 spm = pytest.importorskip("sentencepiece")
 gguf = pytest.importorskip("gguf")
 
-from hpcmac.llm.tokenizer import load_tokenizer  # noqa: E402
+from hpcmac.llm.model.tokenizer import load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [

@@ -2,7 +2,7 @@
 
 The MPI suite runs at np 1, 2 and 4; these run the command line at np 3 and
 check what a user sees. The oracle for tokens is part 1's one-rank
-:class:`~hpcmac.llm.generate.Generator`.
+:class:`~hpcmac.llm.model.generate.Generator`.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ def env(**extra) -> dict:
 
 
 def generate(np_: int, *args: str, **kw) -> subprocess.CompletedProcess:
-    cmd = [MPIRUN, str(np_), PY, "-m", "hpcmac.llm.pipeline_cli", *args]
+    cmd = [MPIRUN, str(np_), PY, "-m", "hpcmac.llm", "generate", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=250,
                           cwd=ROOT, **kw)
 
 
 @pytest.fixture(scope="module")
 def llama5(tmp_path_factory):
-    from hpcmac.llm.fixtures import random_checkpoint
+    from hpcmac.llm.model.fixtures import random_checkpoint
 
     return str(random_checkpoint("llama", tmp_path_factory.mktemp("ck") / "llama5", seed=4,
                                  num_hidden_layers=5))
@@ -52,7 +52,7 @@ def llama5(tmp_path_factory):
 @pytest.fixture(scope="module")
 def slow_llama(tmp_path_factory):
     """Big enough that a long generation lasts several seconds."""
-    from hpcmac.llm.fixtures import random_checkpoint
+    from hpcmac.llm.model.fixtures import random_checkpoint
 
     return str(random_checkpoint("llama", tmp_path_factory.mktemp("ck") / "slow", seed=5,
                                  num_hidden_layers=3, hidden_size=256, intermediate_size=512,
@@ -62,9 +62,9 @@ def slow_llama(tmp_path_factory):
 
 
 def one_rank(path: str, prompt: list[int], n: int) -> list[int]:
-    from hpcmac.llm.config import load_config
-    from hpcmac.llm.generate import Generator
-    from hpcmac.llm.model import load_stage
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.generate import Generator
+    from hpcmac.llm.model.stage import load_stage
 
     cfg = load_config(path)
     gen = Generator(load_stage(path, 0, cfg.n_layers, True, True), max_len=len(prompt) + n)
@@ -114,7 +114,7 @@ def test_more_ranks_than_layers(llama5):
     line = one_error_line(generate(3, "--model", llama5, "--prompt-ids", "1", "--split",
                                    "1,1,1"))
     assert "sums to 3 layers but the model has 5" in line
-    from hpcmac.llm.fixtures import random_checkpoint
+    from hpcmac.llm.model.fixtures import random_checkpoint
 
     small = random_checkpoint("qwen2", Path(llama5).parent / "qwen2-3", seed=1)
     line = one_error_line(generate(4, "--model", str(small), "--prompt-ids", "1"))
@@ -146,7 +146,7 @@ class Job:
 
     def __init__(self, np_: int, *args: str):
         self.mark = uuid.uuid4().hex
-        cmd = [MPIRUN, str(np_), PY, "-m", "hpcmac.llm.pipeline_cli", *args]
+        cmd = [MPIRUN, str(np_), PY, "-m", "hpcmac.llm", "generate", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env=env(HPCMAC_TEST_MARK=self.mark), cwd=ROOT)
         self.lines: list[str] = []

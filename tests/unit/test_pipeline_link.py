@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hpcmac.comm.local import LocalGroup
-from hpcmac.llm.pipeline_link import Watchdog, _cores
+from hpcmac.llm.parallel.link import Watchdog, _cores
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def test_allocator_keeps_freed_memory():
 
     import numpy as np
 
-    from hpcmac.llm.backend import get_backend
+    from hpcmac.llm.model.backend import get_backend
 
     libc = ctypes.CDLL(None)
     if not hasattr(libc, "mallinfo2"):
@@ -77,7 +77,7 @@ def test_bad_wait_settings_are_one_line(monkeypatch):
 
 
 def test_default_prefill_chunk():
-    from hpcmac.llm.pipeline import default_chunk
+    from hpcmac.llm.parallel.pipeline import default_chunk
 
     assert default_chunk(10_000, 1) == 512          # one stage: only bounds activations
     assert default_chunk(256, 2) == 32              # 8 chunks for 2 stages

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hpcmac.errors import UsageError
-from hpcmac.llm import stages as S
+from hpcmac.llm.parallel import plan as S
 
 
 def brute_force(layer_bytes, embed, head, budgets):

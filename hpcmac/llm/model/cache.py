@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcmac.llm.config import ModelConfig
+from hpcmac.llm.model.config import ModelConfig
 
 
 class KVCache:

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.config import ModelConfig
+from hpcmac.llm.model.config import ModelConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcmac.llm.config import ModelConfig
-from hpcmac.llm.rope import apply_rope
+from hpcmac.llm.model.config import ModelConfig
+from hpcmac.llm.model.rope import apply_rope
 
 NEG_INF = float("-inf")
 

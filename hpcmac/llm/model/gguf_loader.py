@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.config import ModelConfig
+from hpcmac.llm.model.config import ModelConfig
 
 #: GGUF general.architecture -> Hugging Face model_type
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.backend import QWeight, get_backend
-from hpcmac.llm.cache import KVCache
-from hpcmac.llm.config import ModelConfig
-from hpcmac.llm.layers import attention, latent_attention, mlp, moe
-from hpcmac.llm.rope import cos_sin, rope_frequencies, softmax_scale
-from hpcmac.llm.weights import open_checkpoint
+from hpcmac.llm.model.backend import QWeight, get_backend
+from hpcmac.llm.model.cache import KVCache
+from hpcmac.llm.model.config import ModelConfig
+from hpcmac.llm.model.layers import attention, latent_attention, mlp, moe
+from hpcmac.llm.model.rope import cos_sin, rope_frequencies, softmax_scale
+from hpcmac.llm.model.weights import open_checkpoint
 
 
 @dataclass

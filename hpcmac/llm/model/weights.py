@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.config import ModelConfig, is_gguf, resolve_model
+from hpcmac.llm.model.config import ModelConfig, is_gguf, resolve_model
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
@@ -86,7 +86,7 @@ class SafetensorsCheckpoint:
         return self._headers[f]
 
     def config(self) -> ModelConfig:
-        from hpcmac.llm.config import load_config
+        from hpcmac.llm.model.config import load_config
 
         return load_config(self.path)
 
@@ -147,10 +147,10 @@ class SafetensorsCheckpoint:
 
 
 def open_checkpoint(path_or_name: str | os.PathLike):
-    """A :class:`SafetensorsCheckpoint` or :class:`~hpcmac.llm.gguf_loader.GGUFCheckpoint`."""
+    """A :class:`SafetensorsCheckpoint` or :class:`~hpcmac.llm.model.gguf_loader.GGUFCheckpoint`."""
     path = resolve_model(path_or_name)
     if is_gguf(path):
-        from hpcmac.llm.gguf_loader import GGUFCheckpoint
+        from hpcmac.llm.model.gguf_loader import GGUFCheckpoint
 
         return GGUFCheckpoint(path)
     if path.is_file():
@@ -219,7 +219,7 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
     a multiple of ``group_size``, the embedding too; not MLA's absorbed kv_b)
     counts its quantized bytes. Global: the same on every rank.
     """
-    from hpcmac.llm.backend import quantized_nbytes
+    from hpcmac.llm.model.backend import quantized_nbytes
 
     ckpt = path_or_ckpt if hasattr(path_or_ckpt, "numel") else open_checkpoint(path_or_ckpt)
     cfg = ckpt.config()

@@ -1,7 +1,8 @@
-"""Pipeline stages: which contiguous layers ``[start, end)`` each rank holds.
+"""Planning a parallel run: which layers ``[start, end)`` each rank holds, and what fits.
 
-Pure index and byte arithmetic, no communication and no weights read, so it
-is unit-tested without MPI. The pipeline gathers each rank's host and memory
+The top of this module is pure index and byte arithmetic, no communication and
+no weights read, so it is unit-tested without MPI. The last section
+(:func:`agree`, :func:`plan_stages`) is collective. The pipeline gathers each rank's host and memory
 once (collective) and then every rank calls these functions with the same
 global inputs, so every rank computes the same split or raises the same
 :class:`~hpcmac.errors.UsageError`.
@@ -19,9 +20,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hpcmac.errors import UsageError
 
@@ -340,3 +343,108 @@ def available_memory() -> int:
         except (OSError, ValueError, subprocess.SubprocessError):
             pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+# -- agreeing on errors -----------------------------------------------------------------
+
+
+def agree(group, fn: Callable[[], Any], ranks: str = "all") -> Any:
+    """Collective: run ``fn`` (on every rank, or on rank 0 only with ``ranks="root"``).
+
+    A UsageError on any rank is raised on every rank (naming the rank and host
+    when it happened on some ranks only), so all ranks exit 2 together.
+    Returns ``fn``'s value (rank 0's, broadcast, with ``ranks="root"``).
+    """
+    out, err = None, None
+    if ranks == "all" or group.rank == 0:
+        try:
+            out = fn()
+        except UsageError as exc:
+            err = str(exc)
+    if ranks == "root":
+        err, out = group.bcast_obj((err, out), 0)
+        if err:
+            raise UsageError(err)
+        return out
+    errs = group.allgather_obj((err, socket.gethostname()))
+    bad = [(r, e, h) for r, (e, h) in enumerate(errs) if e]
+    if bad:
+        r, e, h = bad[0]
+        if len(bad) == group.size and len({x for _, x, _ in bad}) == 1:
+            raise UsageError(e)
+        raise UsageError(f"rank {r} on {h}: {e}")
+    return out
+
+
+# -- planning ----------------------------------------------------------------------------
+
+
+def kv_bytes_per_token_layer(cfg) -> int:
+    """Bytes of KV cache one token takes in one layer (float32)."""
+    if getattr(cfg, "mla", False):
+        return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    return 4 * 2 * cfg.n_kv_heads * cfg.head_dim
+
+
+def weight_bytes(model: str, quantize: int | None = None,
+                 group_size: int = 64) -> tuple[list[int], int, int]:
+    """Bytes of each layer, of the embedding and of the norm + head, as loaded (headers only).
+
+    ``hpcmac.llm.model.weights.stage_nbytes`` of each piece, with the checkpoint opened
+    once; ``quantize``/``group_size`` as there.
+    """
+    from hpcmac.llm.model.weights import open_checkpoint, stage_nbytes
+
+    ckpt = open_checkpoint(model)
+    n_layers = ckpt.config().n_layers
+
+    def nbytes(start: int, end: int, first: bool, last: bool) -> int:
+        return stage_nbytes(ckpt, start, end, first, last, quantize, group_size)
+
+    layers = [nbytes(i, i + 1, False, False) for i in range(n_layers)]
+    return layers, nbytes(0, 0, True, False), nbytes(0, 0, False, True)
+
+
+@dataclass
+class StagePlan:
+    """Global: the split, what each stage needs and may use, and where it runs."""
+
+    stages: list[StageSpec]
+    need: list[int]  # bytes per rank: weights + KV cache
+    budgets: list[float]
+    hosts: list[str]
+    how: str  # "split", "memory" or "hostfile"
+
+
+def plan_stages(group, model: str, cfg, split: str | None, hostfile: str | None,
+                kv_tokens: int, quantize: int | None = None, group_size: int = 64) -> StagePlan:
+    """Collective: choose every rank's layers and check they fit, before loading anything.
+
+    ``kv_tokens`` is the cache size in tokens (slots x length, global);
+    ``quantize``/``group_size`` as ``--quantize``/``--q-group-size``.
+    """
+    p = group.size
+    mem = group.allgather_obj((socket.gethostname(), available_memory()))
+    hosts = [h for h, _ in mem]
+
+    def bytes_of() -> tuple[list[int], int, int]:
+        check_ranks(cfg.n_layers, p)
+        return weight_bytes(model, quantize, group_size)
+
+    layer_b, embed_b, head_b = agree(group, bytes_of, ranks="root")
+    hf = None
+    if hostfile:
+        hf = agree(group, lambda: read_hostfile(hostfile), ranks="root")
+    budgets = rank_budgets(hosts, [a for _, a in mem], hf)
+    kv = kv_bytes_per_token_layer(cfg) * kv_tokens
+    per_layer = [b + kv for b in layer_b]
+    if split:
+        counts = parse_split(split, cfg.n_layers, p)
+        how = "split"
+    else:
+        counts = proportional_counts(per_layer, embed_b, head_b, budgets)
+        how = "hostfile" if hf else "memory"
+    specs = stages_from_counts(counts)
+    need = stage_bytes(counts, per_layer, embed_b, head_b)
+    check_fit(specs, need, budgets, hosts)
+    return StagePlan(specs, need, budgets, hosts, how)

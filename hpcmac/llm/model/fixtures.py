@@ -94,8 +94,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
     """
     import gguf
 
-    from hpcmac.llm.gguf_loader import gguf_name
-    from hpcmac.llm.weights import SafetensorsCheckpoint
+    from hpcmac.llm.model.gguf_loader import gguf_name
+    from hpcmac.llm.model.weights import SafetensorsCheckpoint
 
     folder, out = Path(folder), Path(out)
     raw = json.loads((folder / "config.json").read_text())

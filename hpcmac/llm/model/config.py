@@ -120,7 +120,7 @@ def load_config(path_or_name: str | os.PathLike) -> ModelConfig:
     """Read the configuration of a model folder (``config.json``) or a GGUF file."""
     path = resolve_model(path_or_name)
     if is_gguf(path):
-        from hpcmac.llm.gguf_loader import GGUFCheckpoint
+        from hpcmac.llm.model.gguf_loader import GGUFCheckpoint
 
         return GGUFCheckpoint(path).config()
     if path.is_file():

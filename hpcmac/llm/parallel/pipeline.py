@@ -1,6 +1,6 @@
 """Pipeline-parallel decoding: stage r computes its layers and hands activations to r+1.
 
-Every rank holds one :class:`~hpcmac.llm.stages.StageSpec` (contiguous layers,
+Every rank holds one :class:`~hpcmac.llm.parallel.plan.StageSpec` (contiguous layers,
 the embedding on rank 0, the final norm and head on the last rank) and the KV
 cache of its own layers. Rank 0 is also the scheduler: it owns the requests,
 forms micro-batches, embeds them, runs stage 0 and sends the hidden states to
@@ -44,10 +44,10 @@ import numpy as np
 
 from hpcmac.comm.base import Group
 from hpcmac.errors import UsageError
-from hpcmac.llm.pipeline_link import Link, Watchdog
-from hpcmac.llm.pipeline_results import PipelineResult, RankStats, SeqResult
-from hpcmac.llm.sampling import Sampler, SamplingParams
-from hpcmac.llm.stages import StageSpec
+from hpcmac.llm.model.sampling import Sampler, SamplingParams
+from hpcmac.llm.parallel.link import Link, Watchdog
+from hpcmac.llm.parallel.plan import StageSpec
+from hpcmac.llm.parallel.results import PipelineResult, RankStats, SeqResult
 
 FWD, CTRL, STOP = 1, 2, 3
 TAG_FWD, TAG_RET = 71, 72
@@ -146,7 +146,7 @@ class _StageState:
         ``x`` is int64 token ids (T,) on the first stage, else float32 (T, hidden).
         Returns (hidden states (T, hidden), sampled token ids or None).
         """
-        from hpcmac.llm.model import Batch
+        from hpcmac.llm.model.stage import Batch
 
         c0 = time.process_time()
         t0 = time.perf_counter()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model import Batch, Stage
-from hpcmac.llm.sampling import Sampler, SamplingParams
+from hpcmac.llm.model.sampling import Sampler, SamplingParams
+from hpcmac.llm.model.stage import Batch, Stage
 
 
 def check_prompt(n_prompt: int, context: int) -> None:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.config import is_gguf, resolve_model
+from hpcmac.llm.model.config import is_gguf, resolve_model
 
 # pre-tokenizer splits of byte-level BPE vocabularies, by GGUF tokenizer.ggml.pre
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -134,7 +134,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _from_gguf(path: Path) -> Tokenizer | None:
-    from hpcmac.llm.gguf_loader import gguf_reader
+    from hpcmac.llm.model.gguf_loader import gguf_reader
 
     r = gguf_reader(path)
 
