@@ -12,6 +12,7 @@ import sys
 from hpcmac import comm
 from hpcmac.errors import ArgumentParser, UsageError, run_cli
 from hpcmac.hpl import config as hplconfig
+from hpcmac.io.inputs import int_arg, read_text
 
 DESCRIPTION = f"""\
 Distributed FP64 LINPACK as netlib HPL 2.3: right-looking LU with partial
@@ -80,13 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dat", metavar="FILE", help="read this HPL.dat (default: ./HPL.dat if "
                    "present, else the embedded default)")
-    p.add_argument("-N", dest="ns", type=int, nargs="+", metavar="N",
+    p.add_argument("-N", dest="ns", type=int_arg, nargs="+", metavar="N",
                    help="problem sizes, replacing the file's Ns")
-    p.add_argument("--nb", dest="nbs", type=int, nargs="+", metavar="NB",
+    p.add_argument("--nb", dest="nbs", type=int_arg, nargs="+", metavar="NB",
                    help="block sizes, replacing the file's NBs")
-    p.add_argument("-P", type=int, help="process rows; with -Q, the one grid to run "
+    p.add_argument("-P", type=int_arg, help="process rows; with -Q, the one grid to run "
                    "(alone: Q = ranks // P)")
-    p.add_argument("-Q", type=int, help="process columns (alone: P = ranks // Q)")
+    p.add_argument("-Q", type=int_arg, help="process columns (alone: P = ranks // Q)")
     p.add_argument("--json", metavar="FILE", help="also write one JSON record per run: tv, n, "
                    "nb, p, q, time_s, gflops, residual, passed, norm_a_inf, norm_x_inf, "
                    "norm_b_inf (a JSON list, rewritten after each run)")
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank 0 shows columns factored, elapsed and ETA on stderr: "
                    "auto = when stderr is a terminal (default)")
     comm.add_transport_argument(p)
-    p.add_argument("--blas-threads", type=int, metavar="T", default=None,
+    p.add_argument("--blas-threads", type=int_arg, metavar="T", default=None,
                    help="BLAS threads per rank; 0 leaves BLAS alone. Default: the "
                    "OMP_NUM_THREADS/OPENBLAS_NUM_THREADS environment if set, else the "
                    "host's cores divided by the ranks on that host")
@@ -110,36 +111,59 @@ def _read_input(world, dat: str | None) -> tuple[str, str]:
         if path is None:
             got = ("ok", "", "")
         else:
-            try:
-                with open(path) as fh:
-                    got = ("ok", fh.read(), path)
-            except (OSError, UnicodeDecodeError) as exc:
-                flag = "--dat" if dat is not None else "./HPL.dat"
-                got = ("error", f"{flag} {path}: cannot read: {getattr(exc, 'strerror', exc)}", "")
+            try:  # at most 1 MiB, from a regular file (a FIFO or /dev/zero is refused)
+                got = ("ok", read_text(path, "--dat" if dat is not None else "./HPL.dat"), path)
+            except UsageError as exc:
+                got = ("error", str(exc), "")
     status, text, name = world.bcast_obj(got, 0)
     if status == "error":
         raise UsageError(text)
     return text, name
 
 
-def _open_output(world, cfg: hplconfig.HPLConfig):
-    """Collective: HPL.out's stream on rank 0 (None elsewhere), as line 4 says."""
-    got = None
+def _check_memory(world, cfg: hplconfig.HPLConfig, ranks_here: int) -> None:
+    """Collective: UsageError on every rank when a run's matrix cannot fit the smallest
+    rank's share of its host's memory (checked before any matrix is made)."""
+    from hpcmac.limits import available_memory
+
+    per_rank = min(world.allgather_obj(available_memory(ranks_here)))
+    hplconfig.check_memory(cfg, world.size, per_rank)
+
+
+def _open_outputs(world, cfg: hplconfig.HPLConfig, json_path: str | None):
+    """Collective: (HPL.out's stream, locks) on rank 0, (None, []) elsewhere.
+
+    Before any run: both outputs are checked writable and locked against a
+    second job; HPL.out, when it is a file, goes to a temporary beside it that
+    replaces the old file only when complete (see hpcmac.io.outputs).
+    """
+    from hpcmac.io.outputs import AtomicText, OutputLock, check_writable
+
+    err = None
     out = None
+    locks: list = []
     if world.rank == 0:
-        if cfg.device == 6:
-            out, got = sys.stdout, None
-        elif cfg.device == 7:
-            out, got = sys.stderr, None
-        else:
-            try:
-                out = open(cfg.outfile, "w")
-            except OSError as exc:
-                got = f"{cfg.source}:3: output file {cfg.outfile!r}: cannot write: {exc.strerror}"
-    err = world.bcast_obj(got, 0)
+        try:
+            if json_path:
+                check_writable(json_path, "--json")
+                locks.append(OutputLock(json_path, "--json"))
+            if cfg.device == 6:
+                out = sys.stdout
+            elif cfg.device == 7:
+                out = sys.stderr
+            else:
+                what = f"{cfg.source}:3: output file"
+                check_writable(cfg.outfile, what)
+                locks.append(OutputLock(cfg.outfile, what))
+                out = AtomicText(cfg.outfile)
+        except (UsageError, OSError) as exc:
+            for lock in locks:
+                lock.release()
+            err = str(exc) if isinstance(exc, UsageError) else f"output: {exc}"
+    err = world.bcast_obj(err, 0)
     if err:
         raise UsageError(err)
-    return out
+    return out, locks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,17 +184,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg = hplconfig.apply_overrides(cfg, world.size, args.ns, args.nbs, args.P, args.Q)
     hplconfig.check_grids(cfg, world.size)  # same verdict on every rank
 
-    threads = driver.blas_threads(args.blas_threads, driver.local_ranks(world))
+    ranks_here = driver.local_ranks(world)
+    _check_memory(world, cfg, ranks_here)
+    threads = driver.blas_threads(args.blas_threads, ranks_here)
     limiter = None
     if threads is not None:
         from threadpoolctl import threadpool_limits
 
         limiter = threadpool_limits(limits=threads, user_api="blas")  # noqa: F841 (kept alive)
 
-    out = _open_output(world, cfg)
-    comm.announce()
     json_path = args.json
+    out, locks = _open_outputs(world, cfg, json_path)
+    comm.announce()
     on_result = (lambda results: report.write_json(json_path, results)) if json_path else None
+    done = False
     try:
         d = driver.Driver(
             world, cfg, out,
@@ -181,9 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         failed = d.run()
         if json_path and world.rank == 0 and not d.results:
             report.write_json(json_path, [])
+        done = True
     finally:
         if out is not None and out not in (sys.stdout, sys.stderr):
-            out.close()
+            # HPL.out replaces the previous file only when complete
+            out.commit() if done else out.discard()
+        for lock in locks:
+            lock.release()
     del limiter
     return 1 if failed else 0
 

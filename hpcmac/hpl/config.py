@@ -30,10 +30,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from hpcmac.errors import UsageError
+from hpcmac.io.inputs import parse_float, parse_int
 
 #: netlib's HPL_MAX_PARAM: most values a list line may hold
 MAX_PARAM = 20
 HPL_DAT_LINES = 31
+#: largest ALIGN (in doubles): each panel buffer is over-allocated by ALIGN words
+MAX_ALIGN = 4096
+#: largest integer any line may hold (netlib reads C ints)
+MAX_INT = 2**31 - 1
 
 FACT_NAMES = {0: "left", 1: "crout", 2: "right"}
 #: letter in the T/V code (netlib HPL_pdtest)
@@ -132,6 +137,8 @@ class HPLConfig:
     align: int = 8
     #: where the grids came from, for error messages ("" = lines 11-12 of ``source``)
     grid_where: str = ""
+    #: where the Ns came from ("" = line 6 of ``source``)
+    ns_where: str = ""
 
     def variants(self) -> Iterator[Variant]:
         """The algorithm combinations in xhpl's loop order (DEPTH outermost, NDIV innermost)."""
@@ -174,7 +181,10 @@ class _Lines:
     """HPL.dat lines with 1-based numbers, raising located errors."""
 
     def __init__(self, text: str, source: str):
-        self.lines = text.splitlines()
+        # lines end at \n only (netlib's fgets), not at the other breaks splitlines() knows
+        self.lines = [line.rstrip("\r") for line in text.split("\n")]
+        if self.lines and self.lines[-1] == "":
+            self.lines.pop()
         self.source = source
 
     def error(self, lineno: int, what: str, expected: str, found: str) -> UsageError:
@@ -198,12 +208,11 @@ class _Lines:
     def ints(self, lineno: int, what: str, count: int, expected: str, ok) -> list[int]:
         out = []
         for tok in self.tokens(lineno, what, count, expected):
-            try:
-                value = int(tok)
-            except ValueError:
+            value = parse_int(tok)
+            if value is None or abs(value) > MAX_INT:
                 raise self.error(
                     lineno, what, f"{count} integer(s) ({expected})", repr(tok)
-                ) from None
+                )
             if not ok(value):
                 raise self.error(lineno, what, expected, repr(tok))
             out.append(value)
@@ -253,10 +262,11 @@ def parse_hpl_dat(text: str, source: str = "HPL.dat") -> HPLConfig:
     qs = f.ints(12, "Qs", k, "Q >= 1", lambda v: v >= 1)
     cfg.grids = list(zip(ps, qs))
     tok = f.tokens(13, "threshold", 1, "a number")[0]
-    try:
-        cfg.threshold = float(tok)
-    except ValueError:
-        raise f.error(13, "threshold", "a number (e.g. 16.0)", repr(tok)) from None
+    threshold = parse_float(tok)
+    if threshold is None:  # NaN would switch the residual check off
+        raise f.error(13, "threshold", "a finite number (e.g. 16.0; <= 0 skips the check)",
+                      repr(tok))
+    cfg.threshold = threshold
     fact = f"one of {_codes(FACT_NAMES)}"
     cfg.pfacts = f.values(14, "PFACTs", fact, lambda v: v in FACT_NAMES)
     cfg.nbmins = f.values(16, "NBMINs", "NBMIN >= 1", lambda v: v >= 1)
@@ -272,7 +282,8 @@ def parse_hpl_dat(text: str, source: str = "HPL.dat") -> HPLConfig:
     cfg.l1_notrans = f.one_int(28, "L1 form", form, lambda v: v in (0, 1))
     cfg.u_notrans = f.one_int(29, "U form", form, lambda v: v in (0, 1))
     cfg.equil = f.one_int(30, "EQUIL", "0 (no) or 1 (yes)", lambda v: v in (0, 1))
-    cfg.align = f.one_int(31, "ALIGN", "an integer > 0 (doubles)", lambda v: v > 0)
+    cfg.align = f.one_int(31, "ALIGN", f"an integer from 1 to {MAX_ALIGN} (doubles)",
+                          lambda v: 0 < v <= MAX_ALIGN)
     return cfg
 
 
@@ -302,15 +313,17 @@ def apply_overrides(
     With only one of ``p``/``q`` given, the other is ``nprocs // given`` (at least 1).
     """
     if ns is not None:
-        if not ns or any(n < 0 for n in ns):
-            raise UsageError(f"-N: expected sizes >= 0, found {ns}")
-        cfg = replace(cfg, ns=list(ns))
+        if not ns or any(n < 0 or n > MAX_INT for n in ns) or len(ns) > MAX_PARAM:
+            raise UsageError(f"-N: expected 1 to {MAX_PARAM} sizes from 0 to {MAX_INT}, "
+                             f"found {ns}")
+        cfg = replace(cfg, ns=list(ns), ns_where="-N")
     if nbs is not None:
-        if not nbs or any(nb < 1 for nb in nbs):
-            raise UsageError(f"--nb: expected block sizes >= 1, found {nbs}")
+        if not nbs or any(nb < 1 or nb > MAX_INT for nb in nbs) or len(nbs) > MAX_PARAM:
+            raise UsageError(f"--nb: expected 1 to {MAX_PARAM} block sizes from 1 to {MAX_INT}, "
+                             f"found {nbs}")
         cfg = replace(cfg, nbs=list(nbs))
     for flag, v in (("-P", p), ("-Q", q)):
-        if v is not None and v < 1:
+        if v is not None and not 1 <= v <= MAX_INT:
             raise UsageError(f"{flag}: expected an integer >= 1, found {v}")
     if p is not None or q is not None:
         if p is None:
@@ -341,3 +354,51 @@ def check_grids(cfg: HPLConfig, nprocs: int) -> list[str]:
             f"(the rank count), found {grids}"
         )
     return notes
+
+
+def run_bytes(n: int, nb: int, p: int, q: int) -> int:
+    """Bytes the largest rank of a P x Q grid holds for one run of size ``n``, block ``nb``.
+
+    Its block of [A | b] (rank (0, 0) owns the most), the panel workspace
+    (its rows and columns times one block) and the replicated solution.
+    """
+    from hpcmac.linalg.layout import numroc  # here: importing hpcmac.linalg loads scipy
+
+    rows = numroc(n, nb, 0, p)
+    cols = numroc(n + 1, nb, 0, q)
+    jb = min(nb, max(n, 1))
+    return 8 * (rows * cols + (rows + cols + jb) * jb + 2 * n)
+
+
+def largest_n(nb: int, p: int, q: int, nbytes: int) -> int:
+    """The largest N with :func:`run_bytes` <= ``nbytes`` (0 when even N = 1 does not fit)."""
+    lo, hi = 0, 1
+    while run_bytes(hi, nb, p, q) <= nbytes:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if run_bytes(mid, nb, p, q) <= nbytes else (lo, mid)
+    return lo
+
+
+def check_memory(cfg: HPLConfig, nprocs: int, per_rank: int) -> None:
+    """UsageError (one line) when some run's matrix cannot fit ``per_rank`` bytes per rank.
+
+    Pure; call on every rank with the same ``per_rank`` (the smallest rank's
+    share, agreed collectively) so the verdict is the same everywhere.
+    """
+    for p, q in cfg.grids:
+        if p * q > nprocs:
+            continue
+        for nb in cfg.nbs:
+            for n in cfg.ns:
+                need = run_bytes(n, nb, p, q)
+                if need > per_rank:
+                    where = cfg.ns_where or (
+                        cfg.source if cfg.source.startswith("<") else f"{cfg.source}:6")
+                    from hpcmac.limits import gib
+
+                    raise UsageError(
+                        f"{where}: Ns: N={n} needs {gib(need)} per rank on the {p}x{q} grid "
+                        f"(NB={nb}), expected at most the {gib(per_rank)} available per rank "
+                        f"(largest N that fits: {largest_n(nb, p, q, per_rank)})")

@@ -23,6 +23,7 @@ import sys
 import tempfile
 
 from hpcmac.errors import UsageError, run_cli
+from hpcmac.io.inputs import float_arg, int_arg
 from hpcmac.launch import convert, discover, runner
 from hpcmac.launch.hostfile import load
 
@@ -40,7 +41,7 @@ def _run_parser() -> argparse.ArgumentParser:
                  + ", ".join(SUBCOMMANDS) + " (see --help of each).")
     ap.add_argument("--hostfile", required=True, help="hpcmac or mlx.launch JSON hostfile")
     ap.add_argument("--via", default="mpirun", choices=runner.VIAS)
-    ap.add_argument("--np", type=int, default=None, help="ranks (default: all slots)")
+    ap.add_argument("--np", type=int_arg, default=None, help="ranks (default: all slots)")
     ap.add_argument("--dry-run", action="store_true", help="print the launch, run nothing")
     ap.add_argument("--mpirun", default=None, help="mpirun to use (default: this venv's)")
     ap.add_argument("--agent", default=None,
@@ -50,7 +51,7 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transport", default=None, help="HPCMAC_TRANSPORT for the ranks")
     ap.add_argument("--backend", default=None, help="mlx.launch backend (ring, jaccl)")
     ap.add_argument("--oversubscribe", action="store_true")
-    ap.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds")
+    ap.add_argument("--timeout", type=float_arg, default=None, help="wall-clock limit in seconds")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     return ap
 

@@ -35,13 +35,15 @@ the first problem, naming the file.
 from __future__ import annotations
 
 import ipaddress
-import json
+import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from hpcmac.errors import UsageError
+from hpcmac.io.inputs import parse_json, read_text
 
 # names, interfaces, devices: what a shell passes through unchanged
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]*$")
@@ -50,6 +52,12 @@ _SHELL_META = set(";&|`$<>()\\\"' \t\n*?[]{}!#~")
 TOPOLOGIES = ("mesh", "ring")
 BACKENDS = ("", "ring", "jaccl", "jaccl-ring", "mpi")
 MAX_MESH_HOSTS = 4  # no TB5 switches: every Mac needs a port per peer
+# bounds that keep checking and converting a hostfile to milliseconds
+MAX_HOSTS = 1024
+MAX_LINKS = 8192
+MAX_SLOTS = 1024  # ranks on one host (cores of the largest machines)
+MAX_MEMORY_GB = 1e6
+MAX_HOSTFILE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -108,20 +116,29 @@ class Hostfile:
     def names(self) -> list[str]:
         return [h.name for h in self.hosts]
 
-    def host(self, name: str) -> Host:
+    @cached_property
+    def _by_name(self) -> dict[str, Host]:
+        out: dict[str, Host] = {}
         for h in self.hosts:
-            if h.name == name:
-                return h
-        raise KeyError(name)
+            out.setdefault(h.name, h)
+        return out
+
+    @cached_property
+    def _by_pair(self) -> dict[frozenset[str], Link]:
+        out: dict[frozenset[str], Link] = {}
+        for lk in self.links:
+            out.setdefault(frozenset((lk.ends[0].host, lk.ends[1].host)), lk)
+        return out
+
+    def host(self, name: str) -> Host:
+        return self._by_name[name]
 
     def links_of(self, name: str) -> list[Link]:
         return [lk for lk in self.links if name in (lk.ends[0].host, lk.ends[1].host)]
 
     def link_between(self, a: str, b: str) -> Link | None:
-        for lk in self.links:
-            if {lk.ends[0].host, lk.ends[1].host} == {a, b}:
-                return lk
-        return None
+        """The first link joining hosts ``a`` and ``b`` (a dictionary look-up)."""
+        return self._by_pair.get(frozenset((a, b)))
 
     def total_slots(self) -> int:
         return sum(h.slots for h in self.hosts)
@@ -178,6 +195,8 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
     Accepts the hpcmac schema and both ``mlx.launch`` forms.
     """
     if isinstance(data, list):
+        if not data:
+            raise UsageError(f"{source}: expected a list of hosts, found an empty list")
         return _parse_mlx({"hosts": data}, source)
     if not isinstance(data, dict):
         raise UsageError(f"{source}: expected a JSON object with 'hosts', "
@@ -185,6 +204,9 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
     hosts_raw = _req(data, "hosts", source, list)
     if not hosts_raw:
         raise UsageError(f"{source}: 'hosts' is empty")
+    _cap(source, "hosts", len(hosts_raw), MAX_HOSTS)
+    if isinstance(data.get("links"), list):
+        _cap(source, "links", len(data["links"]), MAX_LINKS)
     if "links" not in data and all(isinstance(h, dict) and "name" not in h for h in hosts_raw):
         return _parse_mlx(data, source)
     hosts = []
@@ -195,11 +217,12 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
         name = _req(h, "name", where, str)
         where = f"{source}: host {name!r}"
         memory = _opt(h, "memory_gb", where, (int, float), None)
+        slots = _opt(h, "slots", where, int, 1)
         rdma = _rdma_row(h["rdma"], where) if h.get("rdma") is not None else None
         hosts.append(Host(
             name=name,
             ssh=_opt(h, "ssh", where, str, name),
-            slots=_opt(h, "slots", where, int, 1),
+            slots=slots,
             memory_gb=float(memory) if memory is not None else None,
             ips=_str_list(h.get("ips", []), where, "ips"),
             rdma=rdma,
@@ -236,7 +259,13 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
     )
 
 
+def _cap(source: str, key: str, count: int, most: int) -> None:
+    if count > most:
+        raise UsageError(f"{source}: '{key}' should have at most {most} entries, found {count}")
+
+
 def _parse_mlx(data: dict, source: str) -> Hostfile:
+    _cap(source, "hosts", len(data["hosts"]), MAX_HOSTS)
     hosts = []
     for i, h in enumerate(data["hosts"]):
         where = f"{source}: hosts[{i}]"
@@ -258,15 +287,9 @@ def _parse_mlx(data: dict, source: str) -> Hostfile:
 def load(path: str | Path, check: bool = True) -> Hostfile:
     """Read and (with ``check``) validate a hostfile; any problem is one UsageError line."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise UsageError(f"{p}: cannot read hostfile ({exc.strerror})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{p}: not JSON (line {exc.lineno}, column {exc.colno}: "
-                         f"{exc.msg})") from None
+    # at most 1 MiB of strict UTF-8 from a regular file; JSON without NaN or deep nesting
+    text = read_text(p, "hostfile", MAX_HOSTFILE_BYTES)
+    data = parse_json(text, str(p))
     hf = parse(data, str(p))
     if check:
         problems = validate(hf)
@@ -299,21 +322,29 @@ def validate(hf: Hostfile) -> list[str]:
     out: list[str] = []
     names = hf.names
     seen: set[str] = set()
+    ssh_of: dict[str, str] = {}
     for h in hf.hosts:
-        if not _SAFE_NAME.match(h.name):
+        machine = h.ssh.split("@")[-1]
+        if machine in ssh_of and h.name not in seen:
+            out.append(f"host {h.name!r}: field 'ssh' {h.ssh!r} is also host "
+                       f"{ssh_of[machine]!r}'s (list a machine once and give it 'slots')")
+        ssh_of.setdefault(machine, h.name)
+        if not _SAFE_NAME.fullmatch(h.name):
             out.append(f"host {h.name!r}: field 'name' must be letters, digits, '.', '_', '-' "
                        "(no spaces or shell metacharacters)")
-        if not is_safe_word(h.ssh) or not _SAFE_NAME.match(h.ssh.split("@")[-1]):
+        if not is_safe_word(h.ssh) or not _SAFE_NAME.fullmatch(h.ssh.split("@")[-1]):
             out.append(f"host {h.name!r}: field 'ssh' {h.ssh!r} must be a plain host name "
                        "or user@host (no spaces or shell metacharacters)")
         if h.name in seen:
             out.append(f"host {h.name!r}: field 'name' is used twice")
         seen.add(h.name)
-        if h.slots < 1:
-            out.append(f"host {h.name!r}: field 'slots' must be a positive integer, "
-                       f"found {h.slots}")
-        if h.memory_gb is not None and h.memory_gb <= 0:
-            out.append(f"host {h.name!r}: field 'memory_gb' must be positive, found {h.memory_gb}")
+        if not 1 <= h.slots <= MAX_SLOTS:
+            out.append(f"host {h.name!r}: field 'slots' must be a positive integer "
+                       f"(at most {MAX_SLOTS}), found {h.slots}")
+        if h.memory_gb is not None and not (math.isfinite(h.memory_gb)
+                                            and 0 < h.memory_gb <= MAX_MEMORY_GB):
+            out.append(f"host {h.name!r}: field 'memory_gb' must be positive "
+                       f"(at most {MAX_MEMORY_GB:g}), found {h.memory_gb}")
         for ip in h.ips:
             if _check_addr(ip) is None:
                 out.append(f"host {h.name!r}: field 'ips' has {ip!r}, not an IP address")
@@ -325,7 +356,7 @@ def validate(hf: Hostfile) -> list[str]:
                    f"found {hf.backend!r}")
     for e in hf.envs:
         key = e.split("=", 1)[0]
-        if "=" not in e or not _SAFE_ENV_KEY.match(key):
+        if "=" not in e or not _SAFE_ENV_KEY.fullmatch(key):
             out.append(f"field 'envs': {e!r} should be KEY=VALUE with KEY a shell variable name")
     out += _validate_links(hf, set(names))
     out += _validate_addresses(hf)
@@ -357,10 +388,11 @@ def _validate_links(hf: Hostfile, names: set[str]) -> list[str]:
         for e in (a, b):
             if e.host not in names:
                 out.append(f"{label}: field 'host' {e.host!r} is not in 'hosts'")
-            if not is_safe_word(e.iface) or not _SAFE_NAME.match(e.iface):
+            if not is_safe_word(e.iface) or not _SAFE_NAME.fullmatch(e.iface):
                 out.append(f"{label}: field 'iface' {e.iface!r} on {e.host!r} is not a plain "
                            "interface name")
-            if e.rdma is not None and (not is_safe_word(e.rdma) or not _SAFE_NAME.match(e.rdma)):
+            if e.rdma is not None and (not is_safe_word(e.rdma)
+                                       or not _SAFE_NAME.fullmatch(e.rdma)):
                 out.append(f"{label}: field 'rdma' {e.rdma!r} on {e.host!r} is not a plain "
                            "device name")
         if a.host == b.host:
@@ -384,20 +416,35 @@ def _validate_links(hf: Hostfile, names: set[str]) -> list[str]:
                     and net.prefixlen < 31:
                 out.append(f"{label}: field 'addr' {e.addr} on {e.host!r} is not a host address "
                            f"inside subnet {lk.subnet}")
+    out += _overlapping_subnets(hf)
+    if hf.links and not out:
+        out += _validate_shape(hf)
+    return out
+
+
+def _overlapping_subnets(hf: Hostfile) -> list[str]:
+    """Links whose subnets overlap an earlier link's (sorted sweep: n log n, not n^2)."""
     nets = []
     for i, lk in enumerate(hf.links):
         try:
-            nets.append((i, lk, ipaddress.ip_network(lk.subnet, strict=True)))
+            net = ipaddress.ip_network(lk.subnet, strict=True)
         except ValueError:
-            pass
-    for x in range(len(nets)):
-        for y in range(x + 1, len(nets)):
-            if nets[x][2].overlaps(nets[y][2]):
-                out.append(f"link {nets[y][0]} ({nets[y][1].label}): field 'subnet' "
-                           f"{nets[y][1].subnet} overlaps link {nets[x][0]} ({nets[x][1].label}); "
-                           "each cable needs its own subnet")
-    if hf.links and not out:
-        out += _validate_shape(hf)
+            continue
+        nets.append((net.version, int(net.network_address), int(net.broadcast_address), i))
+    nets.sort()
+    clashes = []
+    reach = None  # (version, highest address so far, its link)
+    for version, lo, hi, i in nets:
+        if reach is not None and reach[0] == version and lo <= reach[1]:
+            x, y = sorted((reach[2], i))
+            clashes.append((y, x))
+        if reach is None or reach[0] != version or hi > reach[1]:
+            reach = (version, hi, i)
+    out = []
+    for y, x in sorted(clashes):
+        a, b = hf.links[x], hf.links[y]
+        out.append(f"link {y} ({b.label}): field 'subnet' {b.subnet} overlaps link {x} "
+                   f"({a.label}); each cable needs its own subnet")
     return out
 
 

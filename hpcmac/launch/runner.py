@@ -31,6 +31,8 @@ from hpcmac.launch import convert
 from hpcmac.launch.hostfile import Hostfile, is_safe_word
 
 VIAS = ("mpirun", "mlx")
+#: --oversubscribe allows at most this many ranks per slot
+OVERSUBSCRIBE_MAX = 16
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGUSR1, signal.SIGUSR2)
 
@@ -111,11 +113,17 @@ def _check_options(hf: Hostfile, opts: Options, command: list[str]) -> None:
             raise UsageError(f"--mca {k!r}: not an MCA parameter name")
     if opts.np is not None and opts.np < 1:
         raise UsageError(f"--np must be positive, found {opts.np}")
+    if opts.timeout is not None and not 0 < opts.timeout < 1e9:
+        raise UsageError(f"--timeout: expected seconds above 0, found {opts.timeout:g}")
     if opts.via == "mpirun":
         slots = hf.total_slots()
         if opts.np is not None and opts.np > slots and not opts.oversubscribe:
             raise UsageError(f"--np {opts.np} is more than the {slots} slots in {hf.source} "
                              "(add --oversubscribe, or raise 'slots')")
+        if opts.np is not None and opts.np > OVERSUBSCRIBE_MAX * slots:
+            raise UsageError(f"--np {opts.np}: expected at most {OVERSUBSCRIBE_MAX} ranks per "
+                             f"slot ({OVERSUBSCRIBE_MAX * slots} for the {slots} slots in "
+                             f"{hf.source})")
     else:
         if opts.np is not None and opts.np != len(hf.hosts):
             raise UsageError(f"--via mlx starts one rank per host: --np {opts.np} but "

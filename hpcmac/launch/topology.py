@@ -38,11 +38,30 @@ def ring_order(hf: Hostfile) -> list[str] | None:
 
     if closes(names):
         return names
-    for rest in permutations(names[1:]):  # n <= 4 in practice: at most 6 orders
-        order = [names[0], *rest]
-        if closes(order):
-            return order
-    return None
+    if len(names) <= 6:  # every order: at most 120
+        for rest in permutations(names[1:]):
+            order = [names[0], *rest]
+            if closes(order):
+                return order
+        return None
+    # a walk along the links (linear time, any number of hosts): follow from the
+    # first host to an unvisited linked neighbour, first in hostfile order
+    index = {name: i for i, name in enumerate(names)}
+    peers: dict[str, list[str]] = {name: [] for name in names}
+    for lk in hf.links:
+        a, b = lk.ends[0].host, lk.ends[1].host
+        if a in peers and b in peers and a != b:
+            peers[a].append(b)
+            peers[b].append(a)
+    order = [names[0]]
+    seen = {names[0]}
+    while len(order) < len(names):
+        nxt = sorted((p for p in peers[order[-1]] if p not in seen), key=index.__getitem__)
+        if not nxt:
+            return None
+        order.append(nxt[0])
+        seen.add(nxt[0])
+    return order if closes(order) else None
 
 
 def mesh_addresses(hf: Hostfile, host: str) -> list[tuple[str, str]]:
@@ -105,6 +124,9 @@ def rank_hosts(hf: Hostfile, np: int | None = None) -> list[str]:
 
 def memory_per_rank(hf: Hostfile, np: int | None = None) -> list[float | None]:
     """Each rank's share of its host's ``memory_gb`` (None where the host has none)."""
+    from collections import Counter
+
     hosts = rank_hosts(hf, np)
-    return [None if hf.host(h).memory_gb is None else hf.host(h).memory_gb / hosts.count(h)
+    counts = Counter(hosts)
+    return [None if hf.host(h).memory_gb is None else hf.host(h).memory_gb / counts[h]
             for h in hosts]

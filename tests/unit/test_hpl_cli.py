@@ -87,7 +87,7 @@ def test_bad_flags_and_missing_file(tmp_path):
     assert error_lines(proc)[0].startswith("error: --dat nope.dat: cannot read")
     proc = run_hpl(["-N", "ten"], tmp_path, np_=1)
     assert proc.returncode == 2 and len(error_lines(proc)) == 1
-    assert "argument -N: invalid int value: 'ten'" in error_lines(proc)[0]
+    assert "argument -N: expected an integer (ASCII digits), found 'ten'" in error_lines(proc)[0]
 
 
 def test_help_explains_options_and_fields(tmp_path):
@@ -100,3 +100,61 @@ def test_help_explains_options_and_fields(tmp_path):
                  "swapping threshold", "L1 form", "U form", "EQUIL", "ALIGN", "threshold",
                  "PMAP", "device out", "WR11C2R4"):
         assert word in proc.stdout, word
+
+
+def test_hostile_inputs_are_one_line_before_any_work(tmp_path):
+    """Special files, NaN, non-ASCII digits, a matrix that cannot fit, an output that
+    cannot be written: each one line and exit 2, before a matrix is generated."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "nan.dat").write_text(with_line(13, "nan  threshold"))
+    (tmp_path / "digits.dat").write_text(with_line(6, "29 30 ٣٤ 35  Ns"))
+    (tmp_path / "sub").mkdir()
+    cases = [
+        (["--dat", "fifo"], "error: --dat fifo: expected a regular file, found a pipe (FIFO)"),
+        (["--dat", "/dev/zero"], "error: --dat /dev/zero: expected a regular file, found a "
+                                 "character device"),
+        (["--dat", "nan.dat"], "error: nan.dat:13: threshold: expected a finite number"),
+        (["--dat", "digits.dat"], "error: digits.dat:6: Ns: expected 4 integer(s) (N >= 0), "
+                                  "found '٣٤'"),
+        (["-N", "10000000"], "error: -N: Ns: N=10000000 needs "),
+        (["-N", "50", "--json", "no/such/dir.json"], "error: --json no/such/dir.json: cannot "
+                                                     "write: directory 'no/such' does not exist"),
+        (["-N", "50", "--json", "sub"], "error: --json sub: cannot write: it is a directory"),
+    ]
+    for args, start in cases:
+        proc = run_hpl(args, tmp_path, np_=1, timeout=60)
+        lines = error_lines(proc)
+        assert proc.returncode == 2 and len(lines) == 1, (args, proc.stderr)
+        assert lines[0].startswith(start), (args, lines)
+    assert "largest N that fits" in run_hpl(["-N", "10000000"], tmp_path, np_=1).stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "digits.dat", "fifo", "nan.dat", "sub"]  # no output was started
+
+
+def test_outputs_replaced_whole_and_locked(tmp_path):
+    """HPL.out and --json are written beside and renamed; a second job on the same
+    file refuses to start with one line."""
+    from hpcmac.hpl.config import DEFAULT_DAT
+
+    dat = DEFAULT_DAT.format(n=40, nb=8, p=1, q=1)
+    dat = dat.replace("HPL.out      output", "res.out  output").replace("6            device",
+                                                                        "8  device")
+    (tmp_path / "HPL.dat").write_text(dat)
+    (tmp_path / "res.out").write_text("the previous results\n")
+    from hpcmac.io.outputs import OutputLock
+
+    with OutputLock(str(tmp_path / "res.json"), "test"):
+        proc = run_hpl(["--json", "res.json"], tmp_path, np_=1, timeout=60)
+    assert proc.returncode == 2
+    assert error_lines(proc) == [
+        f"error: --json res.json: another job (pid {os.getpid()}) is writing it (wait for it, "
+        "or choose another file)"]
+    assert (tmp_path / "res.out").read_text() == "the previous results\n"
+    proc = run_hpl(["--json", "res.json"], tmp_path, np_=1)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "res.out").read_text()
+    assert text.rstrip().endswith("=" * 80) and "End of Tests." in text
+    import json
+
+    assert [r["n"] for r in json.loads((tmp_path / "res.json").read_text())] == [40]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["HPL.dat", "res.json", "res.out"]

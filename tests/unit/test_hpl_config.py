@@ -103,7 +103,7 @@ def test_lines_after_31_ignored_and_comments_allowed():
         (8, "1 2 0 4", "HPL.dat:8: NBs: expected NB >= 1, found '0'"),
         (9, "2  PMAP", "HPL.dat:9: PMAP: expected 0 (row-major) or 1 (column-major)"),
         (11, "2 0 4  Ps", "HPL.dat:11: Ps: expected P >= 1, found '0'"),
-        (13, "sixteen", "HPL.dat:13: threshold: expected a number"),
+        (13, "sixteen", "HPL.dat:13: threshold: expected a finite number"),
         (15, "0 1 3  PFACTs", "HPL.dat:15: PFACTs: expected one of 0=left, 1=crout, 2=right"),
         (19, "1  NDIVs", "HPL.dat:19: NDIVs: expected NDIV >= 2, found '1'"),
         (21, "0 1 7", "HPL.dat:21: RFACTs: expected one of"),
@@ -112,7 +112,7 @@ def test_lines_after_31_ignored_and_comments_allowed():
         (26, "3  SWAP", "HPL.dat:26: SWAP: expected one of 0=binexch"),
         (27, "-1", "HPL.dat:27: swapping threshold: expected an integer >= 0"),
         (28, "2  L1", "HPL.dat:28: L1 form: expected 0 (transposed) or 1"),
-        (31, "0  ALIGN", "HPL.dat:31: ALIGN: expected an integer > 0"),
+        (31, "0  ALIGN", "HPL.dat:31: ALIGN: expected an integer from 1 to 4096"),
         (3, "", "HPL.dat:3: output file name: expected 1 value(s)"),
     ],
 )
@@ -146,7 +146,7 @@ def test_overrides():
     assert out.ns == [100] and out.nbs == [16, 32] and out.grids == [(1, 2)]
     assert config.apply_overrides(cfg, 4, p=2).grids == [(2, 2)]
     assert config.apply_overrides(cfg, 6, q=3).grids == [(2, 3)]
-    with pytest.raises(UsageError, match="^-N: expected sizes >= 0"):
+    with pytest.raises(UsageError, match="^-N: expected 1 to 20 sizes from 0"):
         config.apply_overrides(cfg, 4, ns=[-5])
     with pytest.raises(UsageError, match="^-P: expected an integer >= 1"):
         config.apply_overrides(cfg, 4, p=0)

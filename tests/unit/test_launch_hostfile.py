@@ -58,7 +58,7 @@ def test_not_json_names_the_file_and_position(tmp_path):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(UsageError, match="cannot read hostfile"):
+    with pytest.raises(UsageError, match="hostfile .*: cannot read"):
         load(tmp_path / "nope.json")
 
 
@@ -191,7 +191,8 @@ def test_slots_memory_and_more_than_four_meshed_hosts_is_a_warning():
     d["hosts"][0]["slots"] = 0
     d["hosts"][1]["memory_gb"] = -1
     out = problems(d)
-    assert any("host 'mac1': field 'slots' must be a positive integer, found 0" in p for p in out)
+    assert any("host 'mac1': field 'slots' must be a positive integer (at most 1024), found 0"
+               in p for p in out)
     assert any("host 'mac2': field 'memory_gb' must be positive" in p for p in out)
     # five hosts, fully meshed: flagged as a cabling that cannot exist
     hosts = [{"name": f"m{i}"} for i in range(5)]
@@ -219,3 +220,61 @@ def test_envs_backend_topology_checked():
     assert sum("field 'envs'" in p for p in out) == 2
     assert any("field 'backend'" in p for p in out)
     assert any("field 'topology'" in p for p in out)
+
+
+def test_hostile_hostfiles_are_one_line_and_fast(tmp_path):
+    """Bounds from the format: special files, size, nesting, NaN, empty lists, names with
+    a newline, one machine listed twice, counts that would take minutes to check."""
+    import os
+    import time
+
+    def refused(content, match):
+        path = tmp_path / "h.json"
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(UsageError, match=match):
+            load(path)
+
+    with pytest.raises(UsageError, match="expected a regular file, found a character device"):
+        load("/dev/zero")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="found a pipe"):
+        load(tmp_path / "fifo")
+    refused(b'{"hosts": [{"name": "a\xff"}]}', "expected UTF-8 text, found byte 0xff")
+    refused(" " * (1 << 20) + "{}", r"expected at most 1 MiB, found 1048578 bytes")
+    refused("[" * 5000 + "]" * 5000, "nested at most 64 levels deep")
+    refused("[]", "expected a list of hosts, found an empty list")
+    refused('{"hosts": [{"name": "a", "memory_gb": NaN}]}', "is not a number JSON allows")
+    refused('{"hosts": [{"name": "a", "memory_gb": 1e400}]}', "'memory_gb' must be positive "
+            r"\(at most 1e\+06\), found inf")
+    refused('{"hosts": [{"name": "a", "slots": 1000000000000000000}]}',
+            r"'slots' must be a positive integer \(at most 1024\)")
+    refused('{"hosts": [{"name": "a\\n"}]}', "field 'name' must be letters")
+    refused('{"hosts": [{"name": "a", "ssh": "x"}, {"name": "b", "ssh": "x"}]}',
+            "host 'b': field 'ssh' 'x' is also host 'a''s")
+    many = json.dumps({"hosts": [{"name": f"h{i}"} for i in range(2000)]})
+    refused(many, "'hosts' should have at most 1024 entries, found 2000")
+
+    # a valid 1024-host ring (hostfile order shuffled) checks in well under a second
+    n = 1024
+    hosts = [{"name": f"h{i}"} for i in range(n)]
+    links = []
+    for i in range(n):
+        j = (i + 1) % n
+        net = 4 * i
+        base = f"10.{net >> 16 & 255}.{net >> 8 & 255}"
+        links.append({"subnet": f"{base}.{net & 255}/30", "ends": [
+            {"host": f"h{i}", "iface": "en1", "addr": f"{base}.{(net & 255) + 1}"},
+            {"host": f"h{j}", "iface": "en2", "addr": f"{base}.{(net & 255) + 2}"}]})
+    hosts[1], hosts[5] = hosts[5], hosts[1]
+    path = tmp_path / "ring.json"
+    path.write_text(json.dumps({"topology": "ring", "hosts": hosts, "links": links}))
+    t0 = time.monotonic()
+    hf = load(path)
+    assert ring_order(hf) is not None and len(ring_order(hf)) == n
+    assert time.monotonic() - t0 < 5
+    # the same links declared a mesh: the missing pairs are counted, not listed forever
+    path.write_text(json.dumps({"hosts": hosts, "links": links}))
+    t0 = time.monotonic()
+    with pytest.raises(UsageError, match="not a full mesh"):
+        load(path)
+    assert time.monotonic() - t0 < 5

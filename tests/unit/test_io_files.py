@@ -1,0 +1,159 @@
+"""Bounded input reading and outputs that cannot be lost (hpcmac.io.inputs, .outputs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hpcmac.errors import UsageError
+from hpcmac.io import inputs, outputs
+
+
+def test_special_files_are_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    with pytest.raises(UsageError, match=r"^x .*fifo: expected a regular file, found a pipe"):
+        inputs.read_text(fifo, "x")
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(UsageError, match="found a character device"):
+        inputs.read_text("/dev/zero", "x")
+    with pytest.raises(UsageError, match="expected a file, found a directory"):
+        inputs.read_text(tmp_path, "x")
+    with pytest.raises(UsageError, match="cannot read: No such file"):
+        inputs.read_text(tmp_path / "nope", "x")
+    # asked for: a special file is read, but still only up to the limit
+    with pytest.raises(UsageError, match="expected at most 1 KiB, found more"):
+        inputs.read_bytes("/dev/zero", "x", limit=1024, special=True)
+
+
+def test_size_cap_and_strict_utf8(tmp_path):
+    big = tmp_path / "big"
+    big.write_bytes(b"a" * 2049)
+    with pytest.raises(UsageError, match=r"expected at most 2 KiB, found 2049 bytes"):
+        inputs.read_text(big, "x", limit=2048)
+    assert inputs.read_text(big, "x", limit=4096) == "a" * 2049
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"ok\nfine\n\xff\xfe")
+    with pytest.raises(UsageError, match=r"line 3: expected UTF-8 text, found byte 0xff at "
+                                         r"offset 8"):
+        inputs.read_text(bad, "x")
+
+
+@pytest.mark.parametrize("tok,want", [
+    ("12", 12), ("-3", -3), ("+7", 7), ("0012", 12),
+    ("١٢", None), ("1_000", None), (" 12", None), ("12\n", None), ("1e3", None), ("", None),
+    ("0x10", None), ("²", None),
+])
+def test_parse_int_is_plain_ascii(tok, want):
+    assert inputs.parse_int(tok) == want
+
+
+@pytest.mark.parametrize("tok,want", [
+    ("16.0", 16.0), ("-1", -1.0), (".5", 0.5), ("1e-3", 1e-3), ("2.", 2.0),
+    ("nan", None), ("NaN", None), ("inf", None), ("-Infinity", None), ("1e999", None),
+    ("1_0.0", None), ("١.٠", None), ("0x1p3", None), ("", None),
+])
+def test_parse_float_is_finite_ascii(tok, want):
+    assert inputs.parse_float(tok) == want
+
+
+def test_parse_json_refuses_nan_and_deep_nesting():
+    assert inputs.parse_json('{"a": [1, 2.5, "[[[["]}', "f") == {"a": [1, 2.5, "[[[["]}
+    for text in ('{"m": NaN}', '[Infinity]', '[-Infinity]'):
+        with pytest.raises(UsageError, match="^f: not JSON: .* is not a number JSON allows"):
+            inputs.parse_json(text, "f")
+    deep = "[" * 100000 + "]" * 100000
+    with pytest.raises(UsageError, match="nested at most 64 levels deep, found 100000"):
+        inputs.parse_json(deep, "f")
+    with pytest.raises(UsageError, match=r"^f: not JSON \(line 1, column 2"):
+        inputs.parse_json("[", "f")
+
+
+def test_check_writable(tmp_path):
+    outputs.check_writable(str(tmp_path / "new.json"), "--json")
+    with pytest.raises(UsageError, match="^--json .*: cannot write: it is a directory"):
+        outputs.check_writable(str(tmp_path), "--json")
+    with pytest.raises(UsageError, match="directory .* does not exist"):
+        outputs.check_writable(str(tmp_path / "no" / "x.json"), "--json")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(UsageError, match="is not a directory"):
+        outputs.check_writable(str(tmp_path / "f" / "x.json"), "--json")
+    outputs.check_writable("/dev/null", "--json")  # a stream: written as it is
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        with pytest.raises(UsageError, match="cannot write in"):
+            outputs.check_writable(str(ro / "x"), "--json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the probe is gone
+
+
+def test_atomic_text_replaces_only_when_complete(tmp_path):
+    path = tmp_path / "HPL.out"
+    path.write_text("previous run\n")
+    path.chmod(0o640)
+    out = outputs.AtomicText(str(path))
+    out.write("half of a new")
+    out.flush()
+    assert path.read_text() == "previous run\n"  # readers still see the old file
+    out.discard()
+    assert path.read_text() == "previous run\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["HPL.out"]
+    with outputs.AtomicText(str(path)) as out:
+        out.write("complete\n")
+    assert path.read_text() == "complete\n"
+    assert (path.stat().st_mode & 0o777) == 0o640
+    with pytest.raises(RuntimeError):
+        with outputs.AtomicText(str(path)) as out:
+            out.write("broken")
+            raise RuntimeError
+    assert path.read_text() == "complete\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["HPL.out"]
+
+
+def test_write_atomic_survives_a_kill_mid_write(tmp_path):
+    """A writer killed at random moments leaves either the old or the new JSON, whole."""
+    path = tmp_path / "r.json"
+    script = textwrap.dedent(f"""
+        import json, sys
+        from hpcmac.io.outputs import write_atomic
+        k = 0
+        while True:
+            k += 1
+            write_atomic({str(path)!r}, json.dumps([{{"run": k, "pad": "x" * 200000}}]))
+    """)
+    import json
+
+    for delay in (0.3, 0.45, 0.6):
+        proc = subprocess.Popen([sys.executable, "-c", script])
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        assert json.loads(path.read_text())[0]["run"] >= 1
+
+
+def test_lock_second_job_refuses(tmp_path):
+    path = str(tmp_path / "HPL.out")
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom hpcmac.io.outputs import OutputLock\n"
+         f"lock = OutputLock({path!r}, 'out')\nprint('held', flush=True)\ntime.sleep(30)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match=rf"^out {path}: another job \(pid {holder.pid}\) "
+                                             "is writing it"):
+            outputs.OutputLock(path, "out")
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died without releasing: the lock died with it
+    with outputs.OutputLock(path, "out"):
+        assert os.path.exists(tmp_path / ".HPL.out.lock")
+    assert not os.path.exists(tmp_path / ".HPL.out.lock")
