@@ -144,8 +144,11 @@ def _ring_over_mpi(mx, world: Group):
 
     conns = int(os.environ.get("HPCMAC_RING_CONNECTIONS", "1"))
     hosts = world.allgather_obj(socket.gethostname())
-    ips = world.allgather_obj(ring_env.local_ipv4() if len(set(hosts)) > 1 else [])
-    ip = ring_env.listen_address(world.rank, hosts, ips)
+    mine = ring_env.local_ipv4() if len(set(hosts)) > 1 else []
+    ips = world.allgather_obj(mine)
+    hf = _mesh_hostfile()
+    mesh = world.allgather_obj(ring_env.mesh_host(hf, mine) if hf is not None else None)
+    ip = ring_env.listen_address(world.rank, hosts, ips, mesh, hf)
     mine = [f"{ip}:{ring_env.free_port(ip)}" for _ in range(conns)]
     text = ring_env.ring_hostfile(world.allgather_obj(mine))
     with tempfile.NamedTemporaryFile("w", prefix="hpcmac-ring-", suffix=".json",
@@ -156,6 +159,25 @@ def _ring_over_mpi(mx, world: Group):
         return _with_env(env, lambda: mx.distributed.init(strict=True, backend="ring"))
     finally:
         os.unlink(fh.name)
+
+
+def _mesh_hostfile():
+    """The launcher's hostfile (``HPCMAC_HOSTFILE``) when it has links, else None.
+
+    Not collective. A hostfile that cannot be read here only loses the link
+    addresses (the routing table decides), never the job.
+    """
+    path = os.environ.get("HPCMAC_HOSTFILE")
+    if not path:
+        return None
+    from hpcmac.errors import UsageError
+    from hpcmac.launch.hostfile import load
+
+    try:
+        hf = load(path)
+    except UsageError:
+        return None
+    return hf if hf.links else None
 
 
 def mpi_all_gather_factory(comm):

@@ -88,11 +88,40 @@ def source_address_towards(peer_ips: list[str], mine: list[str]) -> str | None:
     return None
 
 
-def listen_address(rank: int, hosts: list[str], ips: list[list[str]]) -> str:
+def mesh_host(hf, mine: list[str]) -> str | None:
+    """The hostfile host whose link addresses this machine has (``mine``), or None.
+
+    ``hf`` is a :class:`~hpcmac.launch.hostfile.Hostfile`. A host matches when
+    one of its link-end addresses is local here; None when none or several do.
+    """
+    have = set(mine)
+    found = {e.host for lk in hf.links for e in lk.ends if e.addr in have}
+    return found.pop() if len(found) == 1 else None
+
+
+def mesh_listen_address(hf, me: str | None, left: str | None) -> str | None:
+    """My address on the cable to my left neighbour's host, from the hostfile's links.
+
+    None when either host is unknown or no cable joins them (the caller then
+    falls back to the routing table). Pure.
+    """
+    if me is None or left is None or me == left:
+        return None
+    lk = hf.link_between(me, left)
+    return lk.end_of(me).addr if lk is not None else None
+
+
+def listen_address(rank: int, hosts: list[str], ips: list[list[str]],
+                   mesh: list[str | None] | None = None, hf=None) -> str:
     """The IPv4 address rank ``rank`` listens on for its left neighbour.
 
-    ``hosts`` and ``ips`` are every rank's host name and addresses (gathered).
-    ``HPCMAC_RING_ADDR`` overrides; ranks all on one host use 127.0.0.1.
+    ``hosts`` and ``ips`` are every rank's host name and addresses (gathered);
+    ``mesh`` is every rank's hostfile host (:func:`mesh_host`) and ``hf`` the
+    hostfile (``HPCMAC_HOSTFILE``). With a cable between my host and my left
+    neighbour's in the hostfile, its address is the answer: the mesh, never
+    the Ethernet port that happens to route to the peer. Else
+    ``HPCMAC_RING_ADDR`` overrides; ranks on one host use 127.0.0.1; else the
+    source address the routing table picks.
     """
     override = os.environ.get("HPCMAC_RING_ADDR")
     if override:
@@ -102,6 +131,10 @@ def listen_address(rank: int, hosts: list[str], ips: list[list[str]]) -> str:
     left = (rank - 1) % len(hosts)
     if hosts[left] == hosts[rank]:
         return "127.0.0.1"
+    if hf is not None and mesh is not None:
+        addr = mesh_listen_address(hf, mesh[rank], mesh[left])
+        if addr is not None:
+            return addr
     src = source_address_towards(ips[left], ips[rank])
     if src:
         return src

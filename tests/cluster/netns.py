@@ -2,7 +2,11 @@
 
 Built from an hpcmac hostfile: one namespace per host (named
 ``prefix + ssh name``), one veth pair per link carrying the link's interface
-names and /30 addresses, MTU 9000 like IP over Thunderbolt. Processes enter a
+names and /30 addresses, MTU 9000 like IP over Thunderbolt. Like a real Mac,
+each host also has a management Ethernet port, ``en0``, created first (so it
+is the first address a host lists), holding the host's ``ips`` on one
+switched /24 (a bridge in a namespace of its own) with the default route: a
+transport that picks addresses by routing luck sends its bytes there. Processes enter a
 host with :meth:`Mesh.argv`, which also gives them the host's own hostname
 (``unshare --uts``). :meth:`Mesh.destroy` kills whatever runs in the
 namespaces and deletes them; it is safe to call twice and after a failed
@@ -51,9 +55,11 @@ class Mesh:
         self.prefix = prefix
         self.ns = {h.name: prefix + h.ssh for h in self.hf.hosts}
         self.hostname = {h.name: h.ssh for h in self.hf.hosts}
+        self.switch = prefix + "sw"
 
     # ---------------------------------------------------------- lifecycle
-    def create(self, routes: bool = True, tcp_retries2: int = 3) -> None:
+    def create(self, routes: bool = True, tcp_retries2: int = 3,
+               management: bool = True) -> None:
         for ns in self.ns.values():
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -61,6 +67,8 @@ class Mesh:
             sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
                f"net.ipv4.tcp_retries2={tcp_retries2}")
         tag = f"{os.getpid() % 100000}"
+        if management:
+            self._management(tag)
         for k, lk in enumerate(self.hf.links):
             a, b = lk.ends
             ta, tb = f"hm{tag}l{k}a", f"hm{tag}l{k}b"
@@ -74,6 +82,26 @@ class Mesh:
                 sh("ip", "-n", ns, "link", "set", end.iface, "up", "mtu", "9000")
         if routes:
             self.add_routes()
+
+    def _management(self, tag: str) -> None:
+        """``en0`` on every host, all on one bridge, with the default route."""
+        sh("ip", "netns", "add", self.switch)
+        sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for k, h in enumerate(self.hf.hosts):
+            if not h.ips:
+                continue
+            ta, tb = f"hm{tag}m{k}a", f"hm{tag}m{k}b"
+            ns = self.ns[h.name]
+            sh("ip", "link", "add", ta, "type", "veth", "peer", "name", tb)
+            sh("ip", "link", "set", ta, "netns", ns)
+            sh("ip", "-n", ns, "link", "set", ta, "name", "en0")
+            for ip in h.ips:
+                sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "en0")
+            sh("ip", "-n", ns, "link", "set", "en0", "up")
+            sh("ip", "-n", ns, "route", "add", "default", "dev", "en0")
+            sh("ip", "link", "set", tb, "netns", self.switch)
+            sh("ip", "-n", self.switch, "link", "set", tb, "master", "br0", "up")
 
     def add_routes(self) -> None:
         """The per-peer /32 routes, with the commands ``launch routes --os linux`` prints."""
@@ -108,7 +136,7 @@ class Mesh:
     def destroy(self) -> list[str]:
         """Kill every process in the namespaces, delete them; what was still running."""
         leftovers = self.kill_all()
-        for ns in self.ns.values():
+        for ns in [*self.ns.values(), self.switch]:
             if Path(f"/run/netns/{ns}").exists():
                 sh("ip", "netns", "del", ns, check=False)
         return leftovers

@@ -68,6 +68,8 @@ def test_job_passes_across_four_hosts_and_its_bytes_cross_the_mesh_links(mesh):
         sent = [after[(x, lk.end_of(x).iface)][1] - before[(x, lk.end_of(x).iface)][1]
                 for x in (a, b)]
         assert max(sent) > 2**18, f"only {sent} bytes crossed the {a}-{b} cable"
+    mgmt = management_bytes(before, after, mesh)
+    assert max(mgmt.values()) < 2**19, f"MPI bytes went over the management ports: {mgmt}"
 
 
 def busy_pairs(n: int) -> list[tuple[int, int]]:
@@ -110,6 +112,8 @@ def test_mlx_ring_across_four_hosts_through_mlx_launch(mesh, tmp_path):
         lk = mesh.hf.link_between(a, names[(i + 1) % len(names)])
         iface = lk.end_of(a).iface
         assert after[(a, iface)][1] - before[(a, iface)][1] > 2**20
+    mgmt = management_bytes(before, after, mesh)
+    assert max(mgmt.values()) < 2**19, f"ring bytes went over the management ports: {mgmt}"
     assert mesh.wait_idle(10) == []
 
 
@@ -129,9 +133,15 @@ def test_mlx_ring_rank_failure_is_the_job_exit_code(mesh, tmp_path):
     assert mesh.wait_idle(10) == []
 
 
+def management_bytes(before, after, mesh) -> dict[str, int]:
+    """Bytes each host sent on its management port (``en0``) between two counter reads."""
+    return {h: after[(h, "en0")][1] - before[(h, "en0")][1] for h in mesh.hf.names}
+
+
 def test_hpcmac_ring_transport_across_four_hosts(mesh):
     """hpcmac's ``ring`` transport (MLX ring bootstrapped over MPI) under mpirun: the
-    allreduce bytes go through MLX's ring over the mesh cables."""
+    allreduce bytes go through MLX's ring over the mesh cables, not over the
+    management Ethernet that each host lists first and that routes to every peer."""
     pytest.importorskip("mlx.core")
     before = mesh.counters()
     res = launch(mesh, ["-m", "hpcmac.launch.selftest", "--mib", "8", "--no-p2p"],
@@ -147,3 +157,5 @@ def test_hpcmac_ring_transport_across_four_hosts(mesh):
         sent = [after[(x, lk.end_of(x).iface)][1] - before[(x, lk.end_of(x).iface)][1]
                 for x in (lk.ends[0].host, lk.ends[1].host)]
         assert max(sent) > 2**20, f"only {sent} bytes on the {lk.label} cable"
+    mgmt = management_bytes(before, after, mesh)
+    assert max(mgmt.values()) < 2**19, f"ring bytes went over the management ports: {mgmt}"

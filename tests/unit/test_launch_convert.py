@@ -93,17 +93,17 @@ def test_required_routes_reach_every_other_address_of_each_peer(mesh4):
         lk = mesh4.link_between(r.host, r.peer)
         assert r.iface == lk.end_of(r.host).iface
         assert r.addr in [x.end_of(r.peer).addr for x in mesh4.links_of(r.peer) if x is not lk]
-    assert routes[0].linux() == "ip route replace 10.77.23.1/32 dev en2"
-    assert routes[0].macos() == "sudo route -n add -host 10.77.23.1 -interface en2"
+    assert routes[0].linux() == "ip route replace 10.77.23.1/32 dev en3"
+    assert routes[0].macos() == "sudo route -n add -host 10.77.23.1 -interface en3"
 
 
 LINUX_TABLE = """\
-10.77.12.0/30 dev en2 proto kernel scope link src 10.77.12.1
-10.77.13.0/30 dev en3 proto kernel scope link src 10.77.13.1
-10.77.14.0/30 dev en4 proto kernel scope link src 10.77.14.1
-10.77.23.1 dev en2 scope link
-10.77.24.1 dev en2 scope link
-10.77.23.2 dev en4 scope link
+10.77.12.0/30 dev en3 proto kernel scope link src 10.77.12.1
+10.77.13.0/30 dev en4 proto kernel scope link src 10.77.13.1
+10.77.14.0/30 dev en5 proto kernel scope link src 10.77.14.1
+10.77.23.1 dev en3 scope link
+10.77.24.1 dev en3 scope link
+10.77.23.2 dev en5 scope link
 """
 
 # netstat -rn -f inet on macOS: abbreviated networks, host routes, link# gateways
@@ -113,12 +113,12 @@ Routing tables
 Internet:
 Destination        Gateway            Flags               Netif Expire
 default            192.168.1.1        UGScg                 en0
-10.77.12/30        link#18            UC                    en2      !
-10.77.12.2         8e:3a:1f:0:12:2    UHLWIi                en2   1190
-10.77.13/30        link#19            UC                    en3      !
-10.77.23.1         link#18            UHS                   en2
-10.77.24.1         link#18            UHS                   en2
-10.77.23.2         link#20            UHS                   en4
+10.77.12/30        link#18            UC                    en3      !
+10.77.12.2         8e:3a:1f:0:12:2    UHLWIi                en3   1190
+10.77.13/30        link#19            UC                    en4      !
+10.77.23.1         link#18            UHS                   en3
+10.77.24.1         link#18            UHS                   en3
+10.77.23.2         link#20            UHS                   en5
 127                127.0.0.1          UCS                   lo0
 127.0.0.1          127.0.0.1          UH                    lo0
 192.168.1          link#11            UCS                   en0      !
@@ -133,16 +133,16 @@ def test_missing_routes_from_a_route_table(mesh4, table):
     assert sorted(r.addr for r in missing) == ["10.77.23.2", "10.77.24.2", "10.77.34.1",
                                                "10.77.34.2"]
     lines = convert.route_commands(missing, "linux")
-    assert lines[0] == "# on mac1" and "ip route replace 10.77.23.2/32 dev en3" in lines
+    assert lines[0] == "# on mac1" and "ip route replace 10.77.23.2/32 dev en4" in lines
 
 
 def test_route_table_parser_reads_abbreviated_macos_networks():
     rows = dict((str(n), d) for n, d in convert.parse_route_table(MACOS_TABLE))
-    assert rows["10.77.12.0/30"] == "en2"
-    assert rows["10.77.12.2/32"] == "en2"
+    assert rows["10.77.12.0/30"] == "en3"
+    assert rows["10.77.12.2/32"] == "en3"
     assert rows["127.0.0.0/8"] == "lo0"
     assert rows["192.168.1.0/24"] == "en0"
-    assert convert.route_iface(convert.parse_route_table(MACOS_TABLE), "10.77.12.2") == "en2"
+    assert convert.route_iface(convert.parse_route_table(MACOS_TABLE), "10.77.12.2") == "en3"
 
 
 def test_rank_placement_and_memory_share_follow_mpiruns_by_slot_mapping():
@@ -176,9 +176,9 @@ def test_ibv_rank_matrix_follows_rank_placement():
     d = json.loads((HOSTFILES / "mesh-2.json").read_text())
     d["hosts"][0]["slots"] = 2
     hf = parse(d)
-    assert convert.ibv_rank_matrix(hf) == [[None, None, "rdma_en2"],
-                                           [None, None, "rdma_en2"],
-                                           ["rdma_en2", "rdma_en2", None]]
+    assert convert.ibv_rank_matrix(hf) == [[None, None, "rdma_en3"],
+                                           [None, None, "rdma_en3"],
+                                           ["rdma_en3", "rdma_en3", None]]
     assert convert.ibv_rank_matrix(hf, 2) == [[None, None], [None, None]]  # both on mac1
     one_each = load(HOSTFILES / "mesh-4.json")
     assert convert.ibv_rank_matrix(one_each) == convert.ibv_matrix(one_each)

@@ -44,7 +44,7 @@ def test_mlx_launch_hostfile_is_accepted_both_forms():
     hf = parse(data, "m.json")
     assert hf.mlx_format and hf.backend == "jaccl"
     assert [h.name for h in hf.hosts] == [h.ssh for h in hf.hosts]
-    assert hf.hosts[0].rdma == (None, "rdma_en2", "rdma_en3", "rdma_en4")
+    assert hf.hosts[0].rdma == (None, "rdma_en3", "rdma_en4", "rdma_en5")
     assert validate(hf) == []
     bare = parse(data["hosts"], "m.json")  # the list form
     assert bare.names == hf.names and validate(bare) == []
@@ -180,7 +180,7 @@ def test_rdma_matrix_must_match_the_links_with_null_diagonal():
     bad = copy.deepcopy(d)
     bad["hosts"][2]["rdma"][1] = "rdma_en7"
     assert any("host 'mac3': field 'rdma' entry 1 (mac2) is 'rdma_en7' but the link says "
-               "'rdma_en3'" in p for p in problems(bad))
+               "'rdma_en4'" in p for p in problems(bad))
     bad = copy.deepcopy(d)
     bad["hosts"][1]["rdma"] = bad["hosts"][1]["rdma"][:3]
     assert any("has 3 entries, expected one per host (4)" in p for p in problems(bad))

@@ -49,7 +49,7 @@ def test_dry_run_prints_the_argument_list_and_the_generated_hostfile():
         cmd.index("btl_tcp_if_include") - 1:cmd.index("btl_tcp_if_include") + 2]
     assert "A=b c" in cmd
     ibv = next(a for a in cmd if a.startswith("HPCMAC_IBV_DEVICES="))
-    assert json.loads(ibv.split("=", 1)[1])[0] == [None, "rdma_en2", "rdma_en3", "rdma_en4"]
+    assert json.loads(ibv.split("=", 1)[1])[0] == [None, "rdma_en3", "rdma_en4", "rdma_en5"]
     assert "#   mac1.local slots=1" in res.stdout
 
 
