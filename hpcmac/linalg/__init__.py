@@ -6,15 +6,22 @@ ScaLAPACK); vectors for the iterative solvers are :class:`BlockVector`
 collective over the grid (or the vector's group) unless its docstring says
 otherwise. Importing this package does not start MPI.
 
-    from hpcmac.linalg import DistMatrix, lu_factor, lu_solve, solve, cho_factor, cho_solve
-    from hpcmac.linalg import solve_triangular, matmul, norm, transpose, cg, gmres
+    from hpcmac.linalg import Grid, DistMatrix, lu_factor, lu_solve, solve, inv, det, slogdet
+    from hpcmac.linalg import cholesky, cho_factor, cho_solve, solve_triangular, lstsq, eigh
+    from hpcmac.linalg import matmul, norm, diag, trace, transpose, cg, gmres
+
+No submodule is named like a function (``hpcmac.linalg.cholesky`` is the
+function; the Cholesky code lives in ``chol.py``).
 """
 
 from scipy.linalg import LinAlgError
 
-from hpcmac.linalg.cholesky import cho_factor, cho_solve
+from hpcmac.comm.grid import Grid
+from hpcmac.linalg.chol import cho_factor, cho_solve, cholesky
 from hpcmac.linalg.dense import lu_factor, lu_solve, solve
+from hpcmac.linalg.diagonal import diag, trace
 from hpcmac.linalg.distmatrix import DistMatrix
+from hpcmac.linalg.inverse import det, inv, slogdet
 from hpcmac.linalg.krylov import KrylovResult, cg, gmres, jacobi
 from hpcmac.linalg.norms import norm
 from hpcmac.linalg.summa import matmul
@@ -29,7 +36,7 @@ def transpose(a: DistMatrix, conj: bool = False) -> DistMatrix:
 
 
 __all__ = [
-    "BlockVector", "DistMatrix", "KrylovResult", "LinAlgError", "cg", "cho_factor", "cho_solve",
-    "gmres", "jacobi", "lu_factor", "lu_solve", "matmul", "norm", "solve", "solve_triangular",
-    "transpose",
+    "BlockVector", "DistMatrix", "Grid", "KrylovResult", "LinAlgError", "cg", "cho_factor",
+    "cho_solve", "cholesky", "det", "diag", "gmres", "inv", "jacobi", "lu_factor", "lu_solve",
+    "matmul", "norm", "slogdet", "solve", "solve_triangular", "trace", "transpose",
 ]

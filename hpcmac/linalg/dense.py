@@ -13,8 +13,9 @@ import numpy as np
 from scipy.linalg import LinAlgError
 
 from hpcmac.linalg.checks import check_finite as _check_finite
-from hpcmac.linalg.checks import require, same_grid
+from hpcmac.linalg.checks import require
 from hpcmac.linalg.distmatrix import DistMatrix
+from hpcmac.linalg.rhs import as_dist as _as_dist
 
 _TRANS = {0: 0, 1: 1, 2: 2, "N": 0, "T": 1, "C": 2}
 
@@ -94,7 +95,7 @@ def solve(a: DistMatrix, b, lower: bool = False, overwrite_a: bool = False,
     ``lu_solve``. A singular ``a`` raises LinAlgError on every rank. Complex
     ``a`` (general) is solved by the LU of its real 2n x 2n form.
     """
-    from hpcmac.linalg.cholesky import cho_factor, cho_solve
+    from hpcmac.linalg.chol import cho_factor, cho_solve
     from hpcmac.linalg.trisolve import solve_triangular
 
     kinds = {None: "gen", "gen": "gen", "general": "gen", "sym": "gen", "her": "gen",
@@ -154,23 +155,3 @@ def _solve_complex(a: DistMatrix, b: DistMatrix, transposed: bool) -> DistMatrix
     x = DistMatrix((xr.local[0::2] + 1j * xr.local[1::2]).astype(np.complex128, order="F"),
                    b.gshape, b.mb, b.nb, b.grid)
     return x
-
-
-def _as_dist(b, like: DistMatrix, what: str):
-    """``b`` as a DistMatrix on ``like``'s grid, and how to turn the answer back into b's kind."""
-    if isinstance(b, DistMatrix):
-        same_grid(what, like, b)
-        return b, lambda x: x
-    arr = np.asarray(b)
-    require(arr.ndim in (1, 2), f"{what}: b must be 1-D or 2-D, got shape {arr.shape}")
-    b2 = arr.reshape(arr.shape[0], -1)
-    nb = like.mb
-    bd = DistMatrix.from_function(lambda i, j: b2[i, j], b2.shape, like.grid, nb, nb, b2.dtype)
-
-    def back(x: DistMatrix):
-        full = x.allgather()
-        if full is None:
-            return None
-        return full.reshape(arr.shape) if arr.ndim == 1 else full
-
-    return bd, back

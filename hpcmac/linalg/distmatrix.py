@@ -222,3 +222,69 @@ class DistMatrix:
     def T(self) -> DistMatrix:
         """Collective: ``transpose()``."""
         return self.transpose()
+
+    def conj(self) -> DistMatrix:
+        """Not collective: the complex conjugate (a copy), same layout."""
+        return DistMatrix(np.asfortranarray(np.conjugate(self.local)), self.gshape, self.mb,
+                          self.nb, self.grid)
+
+    # -- arithmetic as numpy (hpcmac.linalg.arith) ------------------------------
+    # numpy must hand ``ndarray <op> DistMatrix`` to our reflected methods
+    __array_ufunc__ = None
+
+    def __matmul__(self, other):
+        """Collective: ``matmul`` (SUMMA) for a DistMatrix, else the product with an
+        ndarray held whole on every rank, returned whole on every grid rank."""
+        from hpcmac.linalg import arith
+        from hpcmac.linalg.summa import matmul
+
+        if isinstance(other, DistMatrix):
+            return matmul(self, other)
+        if isinstance(other, (np.ndarray, list, tuple)):
+            return arith.matmul_dense(self, other)
+        return NotImplemented
+
+    def __rmatmul__(self, other):
+        from hpcmac.linalg import arith
+
+        if isinstance(other, (np.ndarray, list, tuple)):
+            return arith.matmul_dense(self, other, reflected=True)
+        return NotImplemented
+
+    def _elementwise(self, other, name: str, reflected: bool = False):
+        from hpcmac.linalg import arith
+
+        return arith.elementwise(self, other, name, reflected)
+
+    def __add__(self, other):
+        """Elementwise, as numpy: ``other`` a scalar, an ndarray broadcasting to the global
+        shape (the same on every rank) or a DistMatrix of this shape on this grid."""
+        return self._elementwise(other, "add")
+
+    def __radd__(self, other):
+        return self._elementwise(other, "add", True)
+
+    def __sub__(self, other):
+        return self._elementwise(other, "sub")
+
+    def __rsub__(self, other):
+        return self._elementwise(other, "sub", True)
+
+    def __mul__(self, other):
+        return self._elementwise(other, "mul")
+
+    def __rmul__(self, other):
+        return self._elementwise(other, "mul", True)
+
+    def __truediv__(self, other):
+        return self._elementwise(other, "truediv")
+
+    def __rtruediv__(self, other):
+        return self._elementwise(other, "truediv", True)
+
+    def __neg__(self) -> DistMatrix:
+        return DistMatrix(np.asfortranarray(-self.local), self.gshape, self.mb, self.nb,
+                          self.grid)
+
+    def __pos__(self) -> DistMatrix:
+        return self.copy()

@@ -206,11 +206,12 @@ def cg(A, b, x0=None, *, rtol: float = 1e-5, atol: float = 0.0, maxiter: int | N
     return KrylovResult(back(b.like(x)), info, it, history)
 
 
-def gmres(A, b, x0=None, *, rtol: float = 1e-5, atol: float = 0.0, restart: int = 20,
+def gmres(A, b, x0=None, *, rtol: float = 1e-5, atol: float = 0.0, restart: int | None = None,
           maxiter: int | None = None, M=None, callback=None) -> KrylovResult:
     """Collective: restarted GMRES(``restart``) with right preconditioning, for any square A.
 
-    Arguments as ``cg``. ``maxiter`` counts restart cycles, as in scipy
+    Arguments as ``cg``; ``restart`` (default None: 20, as scipy) is the
+    number of inner steps per cycle. ``maxiter`` counts restart cycles, as in scipy
     (default 10 n); ``iterations`` counts inner steps. The residual tested is
     the true one, ``||b - A x||`` (right preconditioning does not change it).
     """
@@ -219,7 +220,7 @@ def gmres(A, b, x0=None, *, rtol: float = 1e-5, atol: float = 0.0, restart: int 
     b, matvec, prec, x, back = _setup(A, b, x0, M)
     group = b.group
     maxiter = 10 * b.n if maxiter is None else int(maxiter)
-    restart = max(1, min(int(restart), b.n))
+    restart = max(1, min(20 if restart is None else int(restart), b.n))
     bnorm = b.norm()
     tol = max(rtol * bnorm, atol)
     r = b.local - matvec(x) if x0 is not None else b.local.astype(x.dtype, copy=True)

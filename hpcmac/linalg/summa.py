@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcmac.linalg import layout
+from hpcmac.linalg.arith import matmul_dense
 from hpcmac.linalg.checks import check_finite as _check_finite
 from hpcmac.linalg.checks import float_dtype, require, same_grid
 from hpcmac.linalg.distmatrix import DistMatrix
@@ -32,16 +33,22 @@ def _segments(k0: int, k1: int, anb: int, bmb: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def matmul(a: DistMatrix, b: DistMatrix, check_finite: bool = False) -> DistMatrix:
+def matmul(a, b, check_finite: bool = False):
     """Collective over the grid: ``a @ b`` as a DistMatrix with blocks ``a.mb`` × ``b.nb``.
 
     Parameters
     ----------
     a, b : DistMatrix
         Global shapes (m, k) and (k, n) on the same grid. Any block sizes.
+        One of them may be an ndarray held whole on every rank: the product
+        is then an ndarray, whole on every grid rank (as ``a @ b``).
     check_finite : bool
         Check both operands for infs and NaNs first (one reduction each).
     """
+    if not isinstance(b, DistMatrix):
+        return matmul_dense(a, b)
+    if not isinstance(a, DistMatrix):
+        return matmul_dense(b, a, reflected=True)
     same_grid("matmul", a, b)
     grid = a.grid
     if not grid.in_grid:   # ranks outside the grid take no part (and may not know shapes)

@@ -17,37 +17,40 @@ from scipy.linalg.blas import get_blas_funcs
 
 from hpcmac.linalg import layout
 from hpcmac.linalg.checks import check_finite as _check_finite
-from hpcmac.linalg.checks import float_dtype, require, same_grid
+from hpcmac.linalg.checks import float_dtype, require
 from hpcmac.linalg.distmatrix import DistMatrix
 from hpcmac.linalg.kernels import gemm_update
+from hpcmac.linalg.rhs import as_dist
 
 _TRANS = {0: 0, 1: 1, 2: 2, "N": 0, "T": 1, "C": 2}
 
 
-def solve_triangular(a: DistMatrix, b: DistMatrix, trans=0, lower: bool = False,
+def solve_triangular(a: DistMatrix, b, trans=0, lower: bool = False,
                      unit_diagonal: bool = False, overwrite_b: bool = False,
-                     check_finite: bool = True) -> DistMatrix:
+                     check_finite: bool = True):
     """Collective over the grid: solve ``op(a) x = b`` for x, as ``scipy.linalg.solve_triangular``.
 
     Parameters
     ----------
     a : DistMatrix
         Global (n, n); only the triangle named by ``lower`` is read.
-    b : DistMatrix
+    b : DistMatrix or ndarray
         Global (n, nrhs) on the same grid; any block sizes (moved to ``a``'s
-        row blocking for the solve and back).
+        row blocking for the solve and back). Or an ndarray (n,) or (n, nrhs)
+        holding the whole right-hand side on every rank.
     trans : {0, 1, 2, 'N', 'T', 'C'}
         ``op(a)`` is ``a``, ``a.T`` or ``a.conj().T``.
 
     Returns
     -------
-    DistMatrix
-        x, global (n, nrhs), in ``b``'s layout. Raises LinAlgError naming the
+    DistMatrix or ndarray
+        x, global (n, nrhs), in ``b``'s layout (an ndarray ``b``: the whole x
+        on every grid rank, in ``b``'s shape). Raises LinAlgError naming the
         first zero diagonal entry (global index, 0-based) on every grid rank.
     """
     if not a.grid.in_grid:   # ranks outside the grid take no part
-        return b
-    same_grid("solve_triangular", a, b)
+        return b if isinstance(b, DistMatrix) else None
+    b, back = as_dist(b, a, "solve_triangular")
     require(trans in _TRANS,
             f"solve_triangular: trans must be 0, 1, 2, 'N', 'T' or 'C', got {trans!r}")
     n, n2 = a.gshape
@@ -73,7 +76,7 @@ def solve_triangular(a: DistMatrix, b: DistMatrix, trans=0, lower: bool = False,
     _substitute(al, x, a.gshape[0], nb, lower, unit_diagonal)
     if x.mb != b.mb:
         x = x.redistribute(grid, b.mb, b.nb)
-    return x
+    return back(x)
 
 
 def _substitute(al: np.ndarray, x: DistMatrix, n: int, nb: int, lower: bool, unit: bool) -> None:

@@ -104,9 +104,9 @@ def test_helpers_owner_g2l_l2g():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("chunk", [512, 1])
 def test_cholesky_and_cho_solve(dtype, chunk, monkeypatch):
-    import hpcmac.linalg.cholesky
+    import hpcmac.linalg.chol
 
-    monkeypatch.setattr(hpcmac.linalg.cholesky, "CHUNK", chunk)   # 1: one block per chunk
+    monkeypatch.setattr(hpcmac.linalg.chol, "CHUNK", chunk)   # 1: one block per chunk
     rng = np.random.default_rng(4)
     for _g, grid in each_grid():
         n = 19

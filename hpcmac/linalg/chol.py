@@ -1,4 +1,4 @@
-"""Distributed Cholesky factorisation (right-looking, blocked, as ScaLAPACK's pxpotrf) and solve.
+"""Distributed Cholesky (right-looking, blocked, as ScaLAPACK's pxpotrf) and its solves.
 
 Step k on block column k (width nb):
 1. the rank holding the diagonal block factors it (LAPACK potrf) and sends
@@ -27,6 +27,7 @@ from hpcmac.linalg.checks import check_finite as _check_finite
 from hpcmac.linalg.checks import float_dtype, require
 from hpcmac.linalg.distmatrix import DistMatrix
 from hpcmac.linalg.kernels import gemm_update, trsm_right
+from hpcmac.linalg.rhs import as_dist
 from hpcmac.linalg.trisolve import solve_triangular
 
 #: local columns updated by one GEMM below the diagonal band
@@ -194,23 +195,43 @@ def factor_lower(x: DistMatrix) -> None:
             pan = received(k + 1, nxt_pan, bc)
 
 
-def cho_solve(c_and_lower: tuple[DistMatrix, bool], b: DistMatrix, overwrite_b: bool = False,
-              check_finite: bool = True) -> DistMatrix:
+def cho_solve(c_and_lower: tuple[DistMatrix, bool], b, overwrite_b: bool = False,
+              check_finite: bool = True):
     """Collective over the grid: solve ``a x = b`` given ``cho_factor(a)``, as in scipy.
 
-    ``b`` is global (n, nrhs) on the factor's grid, any block sizes; x comes
-    back in ``b``'s layout.
+    ``b`` is global (n, nrhs) on the factor's grid, any block sizes (x comes
+    back in ``b``'s layout), or an ndarray (n,) or (n, nrhs) holding the whole
+    right-hand side on every rank (x comes back whole on every grid rank).
     """
     c, lower = c_and_lower
     if not c.grid.in_grid:
-        return b
+        return b if isinstance(b, DistMatrix) else None
     require(c.gshape[0] == c.gshape[1], f"cho_solve: the factor must be square, got {c.gshape}")
-    require(b.gshape[0] == c.gshape[0],
-            f"cho_solve: incompatible dimensions: factor {c.gshape}, b {b.gshape}")
+    bd, back = as_dist(b, c, "cho_solve")
+    require(bd.gshape[0] == c.gshape[0],
+            f"cho_solve: incompatible dimensions: factor {c.gshape}, b {bd.gshape}")
     if lower:
-        y = solve_triangular(c, b, trans=0, lower=True, overwrite_b=overwrite_b,
+        y = solve_triangular(c, bd, trans=0, lower=True, overwrite_b=overwrite_b,
                              check_finite=check_finite)
-        return solve_triangular(c, y, trans="C", lower=True, overwrite_b=True, check_finite=False)
-    y = solve_triangular(c, b, trans="C", lower=False, overwrite_b=overwrite_b,
+        return back(solve_triangular(c, y, trans="C", lower=True, overwrite_b=True,
+                                     check_finite=False))
+    y = solve_triangular(c, bd, trans="C", lower=False, overwrite_b=overwrite_b,
                          check_finite=check_finite)
-    return solve_triangular(c, y, trans=0, lower=False, overwrite_b=True, check_finite=False)
+    return back(solve_triangular(c, y, trans=0, lower=False, overwrite_b=True,
+                                 check_finite=False))
+
+
+def cholesky(a: DistMatrix, lower: bool = False, overwrite_a: bool = False,
+             check_finite: bool = True) -> DistMatrix:
+    """Collective over the grid: the Cholesky factor, as ``scipy.linalg.cholesky``.
+
+    Returns U with ``a = U^H U`` (or L with ``a = L L^H`` when ``lower``),
+    the other triangle zeroed, in ``a``'s layout. Only that triangle of ``a``
+    is read. Raises LinAlgError naming the failing leading minor on every
+    grid rank when ``a`` is not positive definite.
+    """
+    c, _ = cho_factor(a, lower=lower, overwrite_a=overwrite_a, check_finite=check_finite)
+    if c.grid.in_grid and c.local.size:
+        i, j = c.rows[:, None], c.cols[None, :]
+        c.local[(i < j) if lower else (i > j)] = 0
+    return c
