@@ -50,6 +50,8 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--transport", default=None, help="HPCMAC_TRANSPORT for the ranks")
     ap.add_argument("--backend", default=None, help="mlx.launch backend (ring, jaccl)")
+    ap.add_argument("--port", type=int, default=None,
+                    help="--via mlx: first TCP port (mlx.launch --starting-port)")
     ap.add_argument("--oversubscribe", action="store_true")
     ap.add_argument("--timeout", type=float_arg, default=None, help="wall-clock limit in seconds")
     ap.add_argument("command", nargs=argparse.REMAINDER)
@@ -70,7 +72,8 @@ def _launch(argv: list[str]) -> int:
     _warn(hf)
     opts = runner.Options(via=a.via, np=a.np, mpirun=a.mpirun, agent=a.agent,
                           mca=[tuple(m) for m in a.mca], env=a.env, transport=a.transport,
-                          backend=a.backend, oversubscribe=a.oversubscribe, timeout=a.timeout)
+                          backend=a.backend, port=a.port, oversubscribe=a.oversubscribe,
+                          timeout=a.timeout)
     with tempfile.TemporaryDirectory(prefix="hpcmac-launch-") as work:
         p = runner.plan(hf, command, opts, work)
         if a.dry_run:

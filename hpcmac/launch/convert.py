@@ -59,30 +59,67 @@ def btl_tcp_if_include(hf: Hostfile) -> str:
     return ",".join(str(n) for n in nets)
 
 
-def mlx_hostfile(hf: Hostfile, backend: str | None = None) -> dict:
+LOCAL_NAMES = ("localhost", "127.0.0.1")
+
+
+def is_local(ssh: str) -> bool:
+    """True for a host that is this machine (``localhost``, ``127.0.0.1``)."""
+    return ssh.split("@")[-1] in LOCAL_NAMES
+
+
+def mlx_hostfile(hf: Hostfile, backend: str | None = None, np: int | None = None) -> dict:
     """``mlx.launch`` JSON hostfile for ``backend`` (default: the hostfile's, else ring).
 
-    ring: hosts in a ring order, each host's ``ips`` its address on the link
-    to its left neighbour (what ``mlx.distributed_config`` writes); without
-    links, the management ``ips``. jaccl: hostfile order, management ``ips``
-    (rank 0's first one is the coordinator) and the RDMA device matrix.
+    One entry per rank. ring: with links, one rank per host in a ring order
+    through the cables, each host's ``ips`` its address on the cable to its
+    left neighbour (what ``mlx.distributed_config`` writes); without links,
+    ``np`` ranks placed by slot (default: every slot), each with its host's
+    management ``ips``. jaccl: hostfile order, management ``ips`` (rank 0's
+    first one is the coordinator) and the RDMA device matrix. A local host
+    (``localhost``) becomes ``127.0.0.1`` for ``ssh`` and ``ips``: mlx.launch
+    starts those ranks without ssh.
     """
+    from hpcmac.launch.topology import rank_hosts
+
     backend = backend or hf.backend or "ring"
+
+    def entry(name: str, ips: list[str]) -> dict:
+        h = hf.host(name)
+        if is_local(h.ssh):
+            return {"ssh": "127.0.0.1", "ips": ips or ["127.0.0.1"]}
+        return {"ssh": h.ssh, "ips": ips}
+
     hosts = []
     if backend == "ring":
-        order = ring_order(hf) if hf.links else hf.names
-        if order is None:
-            order = hf.names
-        for i, name in enumerate(order):
-            left = order[i - 1]
-            lk = hf.link_between(name, left) if len(order) > 1 else None
-            ips = [lk.end_of(name).addr] if lk else list(hf.host(name).ips)
-            hosts.append({"ssh": hf.host(name).ssh, "ips": ips})
+        if hf.links:
+            order = ring_order(hf) or hf.names
+            for i, name in enumerate(order):
+                lk = hf.link_between(name, order[i - 1]) if len(order) > 1 else None
+                hosts.append(entry(name, [lk.end_of(name).addr] if lk else list(
+                    hf.host(name).ips)))
+        else:
+            hosts = [entry(name, list(hf.host(name).ips)) for name in rank_hosts(hf, np)]
     else:
         matrix = ibv_matrix(hf)
         for i, h in enumerate(hf.hosts):
-            hosts.append({"ssh": h.ssh, "ips": list(h.ips), "rdma": matrix[i]})
+            hosts.append({**entry(h.name, list(h.ips)), "rdma": matrix[i]})
     return {"backend": backend, "envs": list(hf.envs), "hosts": hosts}
+
+
+def missing_rdma_pairs(hf: Hostfile, ring: bool = False) -> list[tuple[str, str]]:
+    """Host pairs JACCL needs a device for and the hostfile has none (hostfile order).
+
+    Every pair for ``jaccl``; ring neighbours only for ``jaccl-ring`` (``ring``).
+    """
+    names, matrix = hf.names, ibv_matrix(hf)
+    n = len(names)
+    out = []
+    for i in range(n):
+        peers = {(i - 1) % n, (i + 1) % n} if ring else set(range(n))
+        for j in sorted(peers - {i}):
+            if i < n and j < len(matrix[i]) and matrix[i][j] is None:
+                out.append((names[i], names[j]))
+    return out
 
 
 def ibv_matrix(hf: Hostfile) -> list[list[str | None]]:

@@ -7,7 +7,7 @@ how they are cabled::
     {
       "topology": "mesh",                       # "mesh" (default) or "ring"
       "backend": "jaccl",                       # optional: mlx.launch backend
-      "envs": ["MLX_METAL_FAST_SYNCH=1"],       # optional: KEY=VALUE for every rank
+      "envs": ["OMP_NUM_THREADS=1"],           # optional: KEY=VALUE for every rank
       "hosts": [
         {"name": "mac1", "ssh": "mac1.local", "slots": 1, "memory_gb": 512,
          "ips": ["192.168.1.11"]},              # management (Ethernet) addresses
@@ -70,6 +70,7 @@ class Host:
     memory_gb: float | None = None
     ips: tuple[str, ...] = ()
     rdma: tuple[str | None, ...] | None = None  # MLX's row, if given
+    python: str | None = None  # the Python to run there (absolute path); default: the launcher's
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
             memory_gb=float(memory) if memory is not None else None,
             ips=_str_list(h.get("ips", []), where, "ips"),
             rdma=rdma,
+            python=_opt(h, "python", where, str, None),
         ))
     links = []
     for i, lk in enumerate(_opt(data, "links", source, list, [])):
@@ -348,6 +350,9 @@ def validate(hf: Hostfile) -> list[str]:
         for ip in h.ips:
             if _check_addr(ip) is None:
                 out.append(f"host {h.name!r}: field 'ips' has {ip!r}, not an IP address")
+        if h.python is not None and not (h.python.startswith("/") and is_safe_word(h.python)):
+            out.append(f"host {h.name!r}: field 'python' must be an absolute path with no "
+                       f"spaces or shell metacharacters, found {h.python!r}")
     if hf.topology not in TOPOLOGIES:
         out.append(f"field 'topology' must be one of {', '.join(TOPOLOGIES)}, "
                    f"found {hf.topology!r}")

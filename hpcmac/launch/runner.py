@@ -49,6 +49,7 @@ class Options:
     env: list[str] = field(default_factory=list)  # KEY=VALUE for every rank
     transport: str | None = None          # HPCMAC_TRANSPORT for the ranks
     backend: str | None = None            # mlx.launch backend (ring, jaccl, jaccl-ring)
+    port: int | None = None               # mlx.launch --starting-port (ring ports, coordinator)
     oversubscribe: bool = False
     timeout: float | None = None          # seconds of wall clock, then TERM, then KILL
     grace: float = 10.0
@@ -125,18 +126,68 @@ def _check_options(hf: Hostfile, opts: Options, command: list[str]) -> None:
                              f"slot ({OVERSUBSCRIBE_MAX * slots} for the {slots} slots in "
                              f"{hf.source})")
     else:
+        _check_mlx(hf, opts)
+
+
+def _check_mlx(hf: Hostfile, opts: Options) -> None:
+    """What ``mlx.launch`` would refuse, refused first in one line naming host and field."""
+    backend = opts.backend or hf.backend or "ring"
+    if backend not in ("ring", "jaccl", "jaccl-ring"):
+        raise UsageError(f"--via mlx: backend {backend!r} is not one of ring, jaccl, jaccl-ring "
+                         "(use --via mpirun for MPI)")
+    per_host = bool(hf.links) or backend != "ring"
+    if per_host:
+        many = [h.name for h in hf.hosts if h.slots > 1]
+        if many and len(hf.hosts) > 1:
+            raise UsageError(f"{hf.source}: host {many[0]!r}: field 'slots' is "
+                             f"{hf.host(many[0]).slots}, but --via mlx --backend {backend} "
+                             "starts one rank per host (set slots to 1, or use --via mpirun)")
         if opts.np is not None and opts.np != len(hf.hosts):
-            raise UsageError(f"--via mlx starts one rank per host: --np {opts.np} but "
-                             f"{hf.source} has {len(hf.hosts)} hosts")
-        backend = opts.backend or hf.backend or "ring"
-        if backend.startswith("jaccl") and not hf.hosts[0].ips:
+            raise UsageError(f"--via mlx --backend {backend} starts one rank per host: --np "
+                             f"{opts.np} but {hf.source} has {len(hf.hosts)} hosts")
+    elif opts.np is not None and opts.np > hf.total_slots() and not opts.oversubscribe:
+        raise UsageError(f"--np {opts.np} is more than the {hf.total_slots()} slots in "
+                         f"{hf.source} (add --oversubscribe, or raise 'slots')")
+    if backend.startswith("jaccl"):
+        if len(hf.hosts) < 2:
+            raise UsageError(f"{hf.source}: --backend {backend} needs at least two Macs cabled "
+                             "with Thunderbolt (use --backend ring on one host)")
+        if not hf.hosts[0].ips and not convert.is_local(hf.hosts[0].ssh):
             raise UsageError(f"{hf.source}: host {hf.hosts[0].name!r}: field 'ips' is needed "
                              f"for --backend {backend} (rank 0's address is the coordinator)")
-        if backend == "ring" and len(hf.hosts) > 1 and not hf.links:
-            no_ip = [h.name for h in hf.hosts if not h.ips]
-            if no_ip:
-                raise UsageError(f"{hf.source}: host {no_ip[0]!r}: field 'ips' is needed for "
-                                 "--backend ring when the hostfile has no links")
+        missing = convert.missing_rdma_pairs(hf, ring=backend == "jaccl-ring")
+        if missing:
+            a, b = missing[0]
+            raise UsageError(f"{hf.source}: host {a!r}: no RDMA device towards {b!r} for "
+                             f"--backend {backend} (give the link end an \"rdma\" device, or "
+                             "run: python -m hpcmac.launch doctor --hostfile "
+                             f"{hf.source})")
+    if backend == "ring" and len(hf.hosts) > 1 and not hf.links:
+        no_ip = [h.name for h in hf.hosts if not h.ips and not convert.is_local(h.ssh)]
+        if no_ip:
+            raise UsageError(f"{hf.source}: host {no_ip[0]!r}: field 'ips' is needed for "
+                             "--backend ring when the hostfile has no links")
+
+
+BARE_PYTHONS = ("python", "python3")
+
+
+def remote_python(hf: Hostfile) -> str:
+    """The Python every rank runs: each host's ``python`` field, default this interpreter's path.
+
+    Hosts that would run different Pythons are refused: one launch runs one
+    command line everywhere.
+    """
+    paths = [(h, h.python or sys.executable) for h in hf.hosts]
+    first, path = paths[0]
+    for h, other in paths[1:]:
+        if other != path:
+            def say(host, p):
+                return p if host.python else f"{p} (no 'python' field: the launcher's)"
+            raise UsageError(f"{hf.source}: host {h.name!r}: field 'python' is "
+                             f"{say(h, other)} but host {first.name!r} runs {say(first, path)}; "
+                             "one launch runs one Python path on every host")
+    return path
 
 
 def _rank_env(hf: Hostfile, opts: Options) -> list[str]:
@@ -178,13 +229,20 @@ def plan(hf: Hostfile, command: list[str], opts: Options, workdir: str) -> Plan:
         for name in ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             if name in os.environ:
                 argv += ["-x", name]
-        argv += ["--", *command]
+        argv += ["--", *command]  # PATH goes with -x: a bare "python" is found as here
         return Plan(argv=argv, env=env, files={path: convert.openmpi_hostfile(hf)})
     path = os.path.join(workdir, "hostfile.mlx.json")
-    content = json.dumps(convert.mlx_hostfile(hf, opts.backend), indent=1)
+    content = json.dumps(convert.mlx_hostfile(hf, opts.backend, opts.np), indent=1)
     argv = [find_mlx_launch(), "--hostfile", path]
     if opts.backend:
         argv += ["--backend", opts.backend]
+    if opts.port is not None:
+        argv += ["--starting-port", str(opts.port)]
+    if command[0] in BARE_PYTHONS:
+        # mlx.launch's ssh shell has the login PATH, not ours: name the hosts' Python,
+        # which mlx.launch puts in front of the command on every host
+        argv += ["--python", remote_python(hf)]
+        command = command[1:]
     argv += ["--cwd", os.getcwd()]
     for e in rank_env:
         argv += ["--env", e]

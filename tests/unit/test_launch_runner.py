@@ -8,6 +8,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,8 +59,30 @@ def test_dry_run_via_mlx_writes_mlx_hostfile():
               "ring", "--dry-run", "--", "python", "x.py")
     assert res.returncode == 0, res.stderr
     cmd = shlex.split(res.stdout.strip().splitlines()[-1])
-    assert cmd[0].endswith("mlx.launch") and cmd[-2:] == ["python", "x.py"]
+    assert cmd[0].endswith("mlx.launch") and cmd[-2:] == ["--", "x.py"]
+    # the bare "python" becomes this interpreter's path, which mlx.launch runs on each host
+    assert cmd[cmd.index("--python") + 1] == sys.executable
     assert '"backend": "ring",' in res.stdout
+    d = json.loads((HOSTFILES / "mesh-3.json").read_text())
+    d["hosts"][1]["python"] = "/opt/py/bin/python3"
+    f = Path(tempfile.mkdtemp()) / "py.json"
+    f.write_text(json.dumps(d))
+    res = cli("--hostfile", str(f), "--via", "mlx", "--dry-run", "--", "python", "x.py")
+    assert res.returncode == 2 and "host 'mac2': field 'python' is /opt/py/bin/python3 but " \
+        f"host 'mac1' runs {sys.executable} (no 'python' field: the launcher's)" in res.stderr
+    for h in d["hosts"]:
+        h["python"] = "/opt/py/bin/python3"
+    f.write_text(json.dumps(d))
+    res = cli("--hostfile", str(f), "--via", "mlx", "--backend", "ring", "--dry-run", "--",
+              "python3", "x.py")
+    assert res.returncode == 0, res.stderr
+    cmd = shlex.split(res.stdout.strip().splitlines()[-1])
+    assert cmd[cmd.index("--python") + 1] == "/opt/py/bin/python3"
+    d["hosts"][2]["python"] = "python3 -c evil"
+    f.write_text(json.dumps(d))
+    res = cli("--hostfile", str(f), "--via", "mlx", "--dry-run", "--", "python", "x.py")
+    assert res.returncode == 2 and "host 'mac3': field 'python' must be an absolute path" \
+        in res.stderr
 
 
 @pytest.mark.parametrize("content,expect", [
