@@ -177,7 +177,7 @@ class Iface:
     up: bool = False
     mtu: int | None = None
     ipv4: tuple[str, ...] = ()
-    active: bool | None = None  # macOS "status: active|inactive"
+    active: bool | None = None  # a carrier: macOS "status: active", Linux LOWER_UP
 
 
 def parse_ifconfig(text: str) -> dict[str, Iface]:
@@ -215,14 +215,14 @@ def parse_ip_link_addr(link_text: str, addr_text: str) -> dict[str, Iface]:
         m = re.match(r"^\d+:\s+([^:@\s]+)(?:@\S+)?:\s+<([^>]*)>.*?\bmtu (\d+)", line)
         if m:
             flags = m.group(2).split(",")
-            ifs[m.group(1)] = {"up": "UP" in flags and "LOWER_UP" in flags,
+            ifs[m.group(1)] = {"up": "UP" in flags, "active": "LOWER_UP" in flags,
                                "mtu": int(m.group(3)), "ipv4": []}
     for line in addr_text.splitlines():
         m = re.match(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)", line)
         if m and m.group(1) in ifs:
             ifs[m.group(1)]["ipv4"].append(m.group(2))
-    return {k: Iface(name=k, up=v["up"], mtu=v["mtu"], ipv4=tuple(v["ipv4"]))
-            for k, v in ifs.items()}
+    return {k: Iface(name=k, up=v["up"], mtu=v["mtu"], ipv4=tuple(v["ipv4"]),
+                     active=v["active"]) for k, v in ifs.items()}
 
 
 def parse_sw_vers(text: str) -> dict[str, str]:

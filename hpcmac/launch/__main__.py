@@ -7,6 +7,7 @@ Usage::
     python -m hpcmac.launch convert --hostfile F --to openmpi|mpich|mlx|ibv|mca
     python -m hpcmac.launch routes  --hostfile F [--os macos|linux] [--check]
     python -m hpcmac.launch discover HOST... [-o FILE] [--print-setup]
+    python -m hpcmac.launch doctor  --hostfile F [--ssh CMD] [--need-gb G]
 
 Bad input (a hostfile that is not JSON, a missing field, a half mesh,
 duplicate addresses, shell metacharacters in a name) is one line naming the
@@ -27,7 +28,7 @@ from hpcmac.io.inputs import float_arg, int_arg
 from hpcmac.launch import convert, discover, runner
 from hpcmac.launch.hostfile import load
 
-SUBCOMMANDS = ("check", "convert", "routes", "discover")
+SUBCOMMANDS = ("check", "convert", "routes", "discover", "doctor")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -184,12 +185,37 @@ def _discover(argv: list[str]) -> int:
     return 0
 
 
+def _doctor(argv: list[str]) -> int:
+    ap = _Parser(prog="python -m hpcmac.launch doctor",
+                 description="Check every host over ssh before a job; exit 1 when anything "
+                 "fails, with the command that fixes it.")
+    ap.add_argument("--hostfile", required=True)
+    ap.add_argument("--ssh", default="ssh -o BatchMode=yes -o ConnectTimeout=5",
+                    help="ssh command (or a launch agent) to reach hosts")
+    ap.add_argument("--need-gb", type=float, default=None,
+                    help="memory the job needs on each host (GiB)")
+    ap.add_argument("--timeout", type=float, default=30.0, help="seconds per host")
+    a = ap.parse_args(argv)
+    from hpcmac.launch import doctor
+
+    hf = load(a.hostfile)
+    python = doctor.python_paths(hf)
+    reports = doctor.collect(hf, shlex.split(a.ssh), python, a.timeout)
+    checks = doctor.evaluate(hf, reports, python, a.need_gb)
+    print(doctor.table(checks))
+    failed = [c for c in checks if not c.ok]
+    hosts = sorted({c.host for c in failed})
+    print(f"{hf.source}: " + (f"{len(failed)} checks failed on {', '.join(hosts)}" if failed
+                              else f"all {len(checks)} checks passed on {len(hf.hosts)} hosts"))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         if args and args[0] in SUBCOMMANDS:
             return {"check": _check, "convert": _convert, "routes": _routes,
-                     "discover": _discover}[args[0]](args[1:])
+                     "discover": _discover, "doctor": _doctor}[args[0]](args[1:])
         return _launch(args)
     except BrokenPipeError:  # output piped into `head`: not an error worth a traceback
         import os
