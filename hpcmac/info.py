@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         state = "usable on every rank" if everywhere else ("not usable: " + (why or "on some rank"))
         print(f"transport    {name:<6} {state}")
     print(f"chosen       {world.transport}")
+    from hpcmac import blas_threads
+
+    print(f"BLAS threads {blas_threads.describe()}")
     for line in _blas():
         print(f"BLAS         {line}")
     print(f"numpy        {numpy.__version__}")

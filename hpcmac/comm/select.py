@@ -68,6 +68,9 @@ def init(transport: str | None = None, strict: bool | None = None,
     announce : bool (global)
         False holds the "transport: ..." line back until :func:`announce`, so a
         command can check its input first (bad input then prints one line).
+
+    The first call also sets this process's BLAS threads
+    (:mod:`hpcmac.blas_threads`: cores shared among the ranks on each host).
     """
     if transport:
         name = check_transport(transport)
@@ -86,8 +89,21 @@ def init(transport: str | None = None, strict: bool | None = None,
         group = _choose(name, strict)
     finally:
         _holding = False
+    _configure_blas(group)
     _cached[key] = group
     return group
+
+
+def _configure_blas(group: Group) -> None:
+    """Collective: BLAS threads per rank (``hpcmac.blas_threads``), once per process."""
+    from hpcmac import blas_threads
+
+    if blas_threads.current is not None:
+        return
+    try:
+        blas_threads.configure(group)
+    except ValueError as exc:   # HPCMAC_BLAS_THREADS malformed: the same on every rank
+        raise UsageError(str(exc)) from None
 
 
 def announce() -> None:

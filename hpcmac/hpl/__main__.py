@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.blas_threads is not None and args.blas_threads < 0:
         raise UsageError(f"--blas-threads: expected an integer >= 0, found {args.blas_threads}")
+    if args.blas_threads is not None:   # comm.init applies it (hpcmac.blas_threads)
+        os.environ["HPCMAC_BLAS_THREADS"] = str(args.blas_threads)
 
     from hpcmac.hpl import driver, report
     from hpcmac.hpl.progress import want_progress
@@ -186,12 +188,6 @@ def main(argv: list[str] | None = None) -> int:
 
     ranks_here = driver.local_ranks(world)
     _check_memory(world, cfg, ranks_here)
-    threads = driver.blas_threads(args.blas_threads, ranks_here)
-    limiter = None
-    if threads is not None:
-        from threadpoolctl import threadpool_limits
-
-        limiter = threadpool_limits(limits=threads, user_api="blas")  # noqa: F841 (kept alive)
 
     json_path = args.json
     out, locks = _open_outputs(world, cfg, json_path)
@@ -215,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
             out.commit() if done else out.discard()
         for lock in locks:
             lock.release()
-    del limiter
     return 1 if failed else 0
 
 

@@ -15,7 +15,6 @@ Collective calls say so; everything else is local.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -158,29 +157,6 @@ def local_ranks(world: Group) -> int:
 
     hosts = world.allgather_obj(socket.gethostname())
     return hosts.count(hosts[world.rank])
-
-
-def blas_threads(requested: int | None, ranks_here: int, env=None) -> int | None:
-    """The BLAS thread count to impose, or None to leave BLAS as it is.
-
-    ``requested`` (``--blas-threads``) wins (0 means leave alone). Otherwise a
-    thread count set in the environment (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS,
-    MKL_NUM_THREADS) is respected; otherwise ranks sharing a host split its
-    cores: ``cores // ranks_here``, at least 1 (one thread per rank when there
-    are as many ranks as cores, or more).
-    """
-    env = os.environ if env is None else env
-    if requested is not None:
-        return requested if requested > 0 else None
-    if any(env.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")):
-        return None
-    if ranks_here <= 1:
-        return None
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
-    return max(1, cores // ranks_here)
 
 
 class Driver:

@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from hpcmac.hpl import driver, progress
+from hpcmac.hpl import progress
 
 
 class Tty(io.StringIO):
@@ -42,11 +42,3 @@ def test_progress_on_a_pipe_is_whole_lines():
     p(4, 4)
     lines = out.getvalue().split("\n")
     assert "\r" not in out.getvalue() and len(lines) == 3 and lines[1].startswith("X: 4/4")
-
-
-def test_blas_threads_policy():
-    assert driver.blas_threads(3, 4, env={}) == 3
-    assert driver.blas_threads(0, 4, env={}) is None
-    assert driver.blas_threads(None, 1, env={}) is None
-    assert driver.blas_threads(None, 4, env={"OMP_NUM_THREADS": "2"}) is None
-    assert driver.blas_threads(None, 10**6, env={}) == 1

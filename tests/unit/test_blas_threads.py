@@ -1,0 +1,56 @@
+"""BLAS thread policy (pure) and its application in a real process."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hpcmac import blas_threads as bt
+
+
+def test_ranks_share_the_cores_and_one_rank_gets_all():
+    assert bt.choose(None, 1, 32, env={}).threads == 32          # a single rank: every core
+    assert bt.choose(None, 4, 32, env={}).threads == 8
+    assert bt.choose(None, 2, 2, env={}).threads == 1            # ranks fill the cores
+    assert bt.choose(None, 4, 2, env={}).threads == 1            # oversubscribed: still 1
+    assert bt.choose(None, 3, 8, env={}).threads == 2
+
+
+def test_binding_and_user_settings_win():
+    c = bt.choose(None, 1, 32, usable=1, env={})                 # bound to one core
+    assert c.threads == 1 and "bound to 1 core" in c.reason
+    assert bt.choose(3, 4, 32, env={"OMP_NUM_THREADS": "5"}).threads == 3
+    c = bt.choose(0, 4, 32, env={})
+    assert c.threads is None and "requested 0" in c.reason
+    c = bt.choose(None, 4, 32, env={"OPENBLAS_NUM_THREADS": "2"})
+    assert c.threads is None and "OPENBLAS_NUM_THREADS=2" in c.reason
+
+
+def test_requested_from_env():
+    assert bt.requested_from_env({}) is None
+    assert bt.requested_from_env({"HPCMAC_BLAS_THREADS": "3"}) == 3
+    with pytest.raises(ValueError, match="HPCMAC_BLAS_THREADS: expected an integer >= 0"):
+        bt.requested_from_env({"HPCMAC_BLAS_THREADS": "two"})
+
+
+def _threads_after_init(env_extra: dict) -> list[int]:
+    code = ("from hpcmac import comm; comm.init('local')\n"
+            "from threadpoolctl import threadpool_info\n"
+            "from hpcmac import blas_threads\n"
+            "print([p['num_threads'] for p in threadpool_info() if p['user_api'] == 'blas'])\n"
+            "print(blas_threads.describe())\n")
+    env = {k: v for k, v in os.environ.items() if k not in bt.ENV_KEYS + ("HPCMAC_BLAS_THREADS",)}
+    env.update(env_extra)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.splitlines()
+    return eval(out[0]), out[1]   # noqa: S307 (our own printed list)
+
+
+def test_comm_init_applies_the_choice():
+    cores = min(os.cpu_count() or 1, len(os.sched_getaffinity(0)))
+    threads, line = _threads_after_init({})
+    assert threads and all(t == cores for t in threads), (threads, line)
+    assert line.startswith(f"{cores} per rank")
+    threads, line = _threads_after_init({"HPCMAC_BLAS_THREADS": "1"})
+    assert threads == [1] * len(threads) and line == "1 per rank (requested)"
