@@ -226,7 +226,9 @@ def _jaccl_over_mpi(mx, world: Group):
     problems = [p for p in world.allgather_obj(problem) if p]
     if problems:
         raise RuntimeError(problems[0])
-    factory = mpi_all_gather_factory(world.comm)
+    # its own communicator: a rank whose JACCL fails may reach the outcome check in
+    # select.init_or_fallback while others are still inside JACCL's allgathers
+    factory = mpi_all_gather_factory(world.comm.Dup())
     import json
 
     with tempfile.NamedTemporaryFile("w", prefix="hpcmac-ibv-", suffix=".json",

@@ -146,9 +146,54 @@ def _choose(name: str, strict: bool) -> Group:
             raise UsageError(reason)
         _log_rank0(world.rank, f"transport: mpi ({reason})")
         return world
-    group = mlx_backend.init_group(wanted, world)
+    group, failure = init_or_fallback(world, wanted)
+    if failure:
+        if strict:
+            raise UsageError(failure)
+        _log_rank0(world.rank, f"transport: mpi ({failure})")
+        return world
     _log_rank0(world.rank, f"transport: {wanted} ({group.fallback_note()})")
     return group
+
+
+def init_or_fallback(world: Group, name: str) -> tuple[Group | None, str]:
+    """Collective over ``world``: (the MLX group, '') or (None, why it failed to initialise).
+
+    Every rank tries :func:`hpcmac.comm.mlx.init_group`; the outcome is agreed
+    with a bounded non-blocking reduction, so when one rank's JACCL fails
+    while its peers wait inside JACCL's own handshake, the job is ended with
+    that rank's reason after ``HPCMAC_INIT_WAIT`` seconds (default 60)
+    instead of hanging.
+    """
+    import socket
+    import time
+
+    import numpy as np
+
+    from hpcmac.comm import mlx as mlx_backend
+
+    group, why = None, ""
+    try:
+        group = mlx_backend.init_group(name, world)
+    except Exception as exc:  # JACCL/ring raise RuntimeError; anything else is a failure too
+        why = f"{name}: {_launcher_backend(name)} failed to initialise on rank {world.rank} " \
+              f"({socket.gethostname()}): {str(exc).splitlines()[0] if str(exc) else exc!r}"
+    from mpi4py import MPI
+
+    flag = np.array([1 if why else 0], dtype=np.int32)
+    anyfail = np.zeros(1, dtype=np.int32)
+    req = world.comm.Iallreduce(flag, anyfail, op=MPI.MAX)
+    deadline = time.monotonic() + float(os.environ.get("HPCMAC_INIT_WAIT", "60"))
+    while not req.Test():
+        if time.monotonic() > deadline:
+            print(f"error: {why or name + ': peers did not finish initialising'}; other ranks "
+                  "are stuck in its handshake, ending the job", file=sys.stderr, flush=True)
+            world.abort(1)
+        time.sleep(0.01)
+    if not anyfail[0]:
+        return group, ""
+    reasons = [r for r in world.allgather_obj(why) if r]
+    return None, reasons[0]
 
 
 def _choose_mlx_launch(name: str, strict: bool, launched: str) -> Group:
