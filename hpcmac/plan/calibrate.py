@@ -1,0 +1,144 @@
+"""``python -m hpcmac.plan calibrate``: measure this node in seconds.
+
+* DGEMM (numpy, this BLAS) with 1 thread and with every core busy, at a large
+  inner dimension; and at k = 64, 128, 256 with 1 thread, as the fraction of
+  the large-k rate (HPL's update is a rank-NB DGEMM);
+* memory bandwidth: numpy copies of 64 MiB per thread, 1 thread and every
+  core (bytes read + bytes written, as STREAM's copy counts them);
+* hpcmac's own panel factorisation (the HPL panel, one process) at two panel
+  heights: its fixed cost per column and its flop rate.
+
+Each figure is the median of a few repeats, so a briefly busy machine does
+not decide it. The JSON it writes is what ``--calibration FILE`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+
+import numpy as np
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up: first touch, thread pool start
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def dgemm_rates(threads: int, ks: tuple[int, ...] = (1024,), n: int = 2048,
+                rounds: int = 3) -> dict[int, float]:
+    """Gflop/s of C = A @ B (A n x k, B k x n) for each k, on ``threads`` BLAS threads.
+
+    The sizes are timed in turn, round after round, and each k's median is
+    kept: a machine that is busy for a moment slows one sample of each, not
+    one size.
+    """
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+    mats = {k: (np.asfortranarray(rng.standard_normal((n, k))),
+                np.asfortranarray(rng.standard_normal((k, n)))) for k in ks}
+    c = np.empty((n, n), order="F")
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    with threadpool_limits(limits=threads, user_api="blas"):
+        for k in ks:  # warm-up
+            np.matmul(*mats[k], out=c)
+        for _ in range(rounds):
+            for k in ks:
+                t = time.perf_counter()
+                np.matmul(*mats[k], out=c)
+                times[k].append(time.perf_counter() - t)
+    return {k: 2.0 * n * n * k / statistics.median(times[k]) / 1e9 for k in ks}
+
+
+def copy_gbs(threads: int, mib: int = 64, repeats: int = 7) -> float:
+    """GB/s of numpy copies, ``threads`` threads at once (numpy releases the GIL)."""
+    words = mib * (1 << 20) // 8
+    src = [np.ones(words) for _ in range(threads)]
+    dst = [np.empty(words) for _ in range(threads)]
+
+    def run() -> None:
+        ts = [threading.Thread(target=np.copyto, args=(dst[i], src[i])) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    t = _median_time(run, repeats)
+    return 2.0 * words * 8 * threads / t / 1e9
+
+
+def panel_cost(nb: int = 256, heights: tuple[int, int] = (1024, 6144),
+               repeats: int = 3) -> dict[str, float]:
+    """hpcmac's HPL panel on one process: seconds per column and Gflop/s.
+
+    ``t(m) = nb * col_s + m * nb^2 / rate`` from two panel heights.
+    """
+    from threadpoolctl import threadpool_limits
+
+    from hpcmac.linalg import _blas as blas
+    from hpcmac.linalg.panel import PanelFactor
+    from hpcmac.linalg.pivot import LocalPivot
+
+    rng = np.random.default_rng(1)
+    times = []
+    for m in heights:
+        base = np.asfortranarray(rng.random((m, nb)) - 0.5)
+        w = np.empty_like(base, order="F")
+
+        def run(w=w, base=base, m=m) -> None:
+            w[...] = base
+            ptr = blas.addr(w)
+            piv = LocalPivot(w, ptr, m, nb, np.arange(m, dtype=np.int64))
+            PanelFactor(w, ptr, m, nb, 0, piv, "right", "crout", 4, 2).run()
+
+        with threadpool_limits(limits=1, user_api="blas"):
+            times.append(_median_time(run, repeats))
+    (m1, m2), (t1, t2) = heights, times
+    per_row = max((t2 - t1) / (m2 - m1), 1e-12)
+    col_s = max(0.0, (t1 - m1 * per_row) / nb)
+    return {"col_s": col_s, "gflops": nb * nb / per_row / 1e9, "nb": nb,
+            "t_small_s": t1, "t_large_s": t2}
+
+
+def calibrate(quick: bool = False) -> dict:
+    """Every measurement of this node, as the JSON ``--calibration`` reads."""
+    t0 = time.perf_counter()
+    nc = cores()
+    reps = 3 if quick else 5
+    busy = sorted({1, nc})
+    ks = (64, 128, 256, 1024)
+    one = dgemm_rates(1, ks, rounds=reps)
+    dgemm = {1: one[1024], **{b: dgemm_rates(b, rounds=reps)[1024] for b in busy if b > 1}}
+    dgemm_k = {k: min(1.0, one[k] / one[1024]) for k in ks}
+    bw = {b: copy_gbs(b) for b in busy}
+    panel = panel_cost(repeats=reps)
+    return {
+        "name": "this node", "cores": nc, "memory_gb": round(memory_gb(), 2),
+        "dgemm_gflops": {str(k): round(v, 3) for k, v in dgemm.items()},
+        "dgemm_k": {str(k): round(v, 4) for k, v in dgemm_k.items()},
+        "mem_bw_gbs": {str(k): round(v, 3) for k, v in bw.items()},
+        "panel": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in panel.items()},
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
