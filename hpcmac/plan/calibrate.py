@@ -1,8 +1,8 @@
 """``python -m hpcmac.plan calibrate``: measure this node in seconds.
 
-* DGEMM (numpy, this BLAS) with 1 thread and with every core busy, at a large
-  inner dimension; and at k = 64, 128, 256 with 1 thread, as the fraction of
-  the large-k rate (HPL's update is a rank-NB DGEMM);
+* DGEMM (numpy, this BLAS, one thread each) on one core and on every core at
+  once, at a large inner dimension; and at k = 64, 128, 256 on one core, as
+  the fraction of the large-k rate (HPL's update is a rank-NB DGEMM);
 * memory bandwidth: numpy copies of 64 MiB per thread, 1 thread and every
   core (bytes read + bytes written, as STREAM's copy counts them);
 * hpcmac's own panel factorisation (the HPL panel, one process) at two panel
@@ -46,30 +46,44 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def dgemm_rates(threads: int, ks: tuple[int, ...] = (1024,), n: int = 2048,
-                rounds: int = 3) -> dict[int, float]:
-    """Gflop/s of C = A @ B (A n x k, B k x n) for each k, on ``threads`` BLAS threads.
+def dgemm_rates(configs: list[tuple[int, int]], n: int = 2048,
+                rounds: int = 3) -> dict[tuple[int, int], float]:
+    """Node Gflop/s of C = A @ B (A n x k, B k x n) for each (busy, k) in ``configs``.
 
-    The sizes are timed in turn, round after round, and each k's median is
-    kept: a machine that is busy for a moment slows one sample of each, not
-    one size.
+    ``busy`` threads each multiply their own matrices with one BLAS thread,
+    as ``busy`` one-thread ranks of HPL do (numpy releases the GIL in matmul).
+    The configurations are timed in turn, round after round, and each one's
+    median is kept: a machine busy for a moment slows one sample of each, not
+    one configuration, so their ratios hold.
     """
     from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(0)
-    mats = {k: (np.asfortranarray(rng.standard_normal((n, k))),
-                np.asfortranarray(rng.standard_normal((k, n)))) for k in ks}
-    c = np.empty((n, n), order="F")
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    with threadpool_limits(limits=threads, user_api="blas"):
-        for k in ks:  # warm-up
-            np.matmul(*mats[k], out=c)
+    most = max(b for b, _ in configs)
+    ks = sorted({k for _, k in configs})
+    mats = [{k: (np.asfortranarray(rng.standard_normal((n, k))),
+                 np.asfortranarray(rng.standard_normal((k, n))),
+                 np.empty((n, n), order="F")) for k in ks} for _ in range(most)]
+
+    def together(busy: int, k: int) -> None:
+        ts = [threading.Thread(target=np.matmul, args=m[k][:2], kwargs={"out": m[k][2]})
+              for m in mats[:busy]]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
+    with threadpool_limits(limits=1, user_api="blas"):
+        for c in configs:  # warm-up
+            together(*c)
         for _ in range(rounds):
-            for k in ks:
+            for c in configs:
                 t = time.perf_counter()
-                np.matmul(*mats[k], out=c)
-                times[k].append(time.perf_counter() - t)
-    return {k: 2.0 * n * n * k / statistics.median(times[k]) / 1e9 for k in ks}
+                together(*c)
+                times[c].append(time.perf_counter() - t)
+    return {(b, k): b * 2.0 * n * n * k / statistics.median(times[(b, k)]) / 1e9
+            for b, k in configs}
 
 
 def copy_gbs(threads: int, mib: int = 64, repeats: int = 7) -> float:
@@ -129,9 +143,10 @@ def calibrate(quick: bool = False) -> dict:
     reps = 3 if quick else 5
     busy = sorted({1, nc})
     ks = (64, 128, 256, 1024)
-    one = dgemm_rates(1, ks, rounds=reps)
-    dgemm = {1: one[1024], **{b: dgemm_rates(b, rounds=reps)[1024] for b in busy if b > 1}}
-    dgemm_k = {k: min(1.0, one[k] / one[1024]) for k in ks}
+    rates = dgemm_rates([(1, k) for k in ks] + [(b, 1024) for b in busy if b > 1],
+                        rounds=reps)
+    dgemm = {b: rates[(b, 1024)] for b in busy}
+    dgemm_k = {k: min(1.0, rates[(1, k)] / rates[(1, 1024)]) for k in ks}
     bw = {b: copy_gbs(b) for b in busy}
     panel = panel_cost(repeats=reps)
     return {

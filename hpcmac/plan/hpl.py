@@ -20,10 +20,11 @@ For each panel step (remaining order ``m``, local ``mp = m/P`` rows and
   ``mix`` one or the other by the local column count.
 
 Look-ahead (depth 1) overlaps the next panel's factorisation and broadcast
-with the trailing update: each step costs update + swaps + ``panel / Q`` (the
-process columns take turns) unless the chain panel -> broadcast -> next
-panel is longer, plus whatever part of the broadcast to the farthest rank the
-update does not hide. Depth 0 adds everything. The final triangular solve
+with the trailing update: a step costs the longest of a rank's busy time
+(update + swaps + ``panel / Q``: the process columns take turns), the chain
+from the next panel's columns through its factorisation and broadcast to its
+owner, and the same chain to the farthest rank of the row. Depth 0 adds
+everything. The final triangular solve
 streams U once. Gflops = (2/3 N^3 + 3/2 N^2) / time, as HPL reports it.
 
 Pure: no I/O, no MPI. Every rank does the same share of work (block-cyclic),
@@ -207,10 +208,11 @@ def predict(cluster: Cluster, case: HplCase) -> HplPrediction:
             else:
                 sw = (P - 1) * col_link.alpha_s + 2.0 * (P - 1) / P * ubytes / col_link.beta_bps
         if case.depth >= 1 and j + jb < n:
+            # busy time of a rank, the chain to the next panel's owner, and to the farthest
             work = upd + laswp + sw + pan / Q
-            chain = pan + first + (2.0 * mp * jb * jb) / rank_rate_k
-            t_pan += pan / Q + max(0.0, chain - work)
-            t_bc += max(0.0, last - upd)
+            head = 2.0 * mp * min(jb, m - jb) * jb / rank_rate_k + pan
+            t_pan += pan / Q
+            t_bc += max(0.0, max(head + first, head + last) - work)
         else:
             t_pan += pan
             t_bc += last

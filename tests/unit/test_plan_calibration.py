@@ -1,0 +1,101 @@
+"""The model against this machine: inputs measured here, predictions against runs here.
+
+The test measures everything it compares, in one run: the link between two
+ranks (``python -m hpcmac.bench.comm --json``), the node (``calibrate``, once
+before and once after the runs, averaged), and ``python -m hpcmac.hpl`` on
+1 x 1 and 1 x 2. The model, given only the measured inputs, must land within
+20% of each measured rate. No number here is hard-coded. On a shared machine
+whose speed moves by more than 15% between the two calibrations the runs are
+measured again (three times at most, then the test is skipped, saying so):
+a prediction cannot match runs made on a different machine.
+
+N = 4000 (the issue names 8000): the four runs then cost seconds, not a
+minute, in CI; at 4000 the panel, row swaps and broadcasts are a larger share
+of the time than at 8000, so the model's overhead terms are tested harder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcmac.plan import cluster as clmod
+from hpcmac.plan import hpl
+from hpcmac.plan.calibrate import calibrate
+
+ROOT = Path(__file__).resolve().parents[2]
+N, NB = 4000, 256
+
+
+def mpirun(np_: int, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HPCMAC_MPIRUN_TIMEOUT=str(timeout),
+               HPCMAC_QUIET_TRANSPORT="1")
+    cmd = [str(ROOT / "tools" / "mpirun"), str(np_), sys.executable, *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 30)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def average(a: dict, b: dict) -> dict:
+    """Two calibrations merged: the mean of every number, key by key."""
+    if isinstance(a, dict):
+        return {k: average(a[k], b[k]) for k in a if k in b}
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return (a + b) / 2
+    return a
+
+
+def drift(a: dict, b: dict) -> float:
+    """The largest relative change of a DGEMM or bandwidth figure between two calibrations."""
+    return max(abs(b[key][k] / a[key][k] - 1) for key in ("dgemm_gflops", "mem_bw_gbs")
+               for k in a[key])
+
+
+STEADY = 0.15   # a comparison only means something while the machine keeps its speed
+ATTEMPTS = 3
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Calibrate, measure the link, run HPL, calibrate again; again (at most 3 times) if
+    the machine's speed moved by more than 15% meanwhile (other jobs on a shared host)."""
+    tmp = tmp_path_factory.mktemp("plan")
+    comm = tmp / "comm.json"
+    mpirun(2, "-m", "hpcmac.bench.comm", "--quick", "--transports", "mpi", "--rounds", "3",
+           "--max-bandwidth", "16M", "--max-latency", "64", "--max-collective", "8",
+           "--json", str(comm))
+    moved = []
+    for _ in range(ATTEMPTS):
+        before = calibrate(quick=True)
+        runs = {}
+        for p, q in ((1, 1), (1, 2)):
+            out = tmp / f"hpl{p}x{q}.json"
+            mpirun(p * q, "-m", "hpcmac.hpl", "-N", str(N), "--nb", str(NB), "-P", str(p),
+                   "-Q", str(q), "--blas-threads", "1", "--json", str(out))
+            (rec,) = json.loads(out.read_text())
+            assert rec["passed"]
+            runs[(p, q)] = rec
+        after = calibrate(quick=True)
+        moved.append(drift(before, after))
+        if moved[-1] <= STEADY:
+            cal = tmp / "node.json"
+            cal.write_text(json.dumps(average(before, after)))
+            return {"cal": str(cal), "comm": str(comm), "hpl": runs}
+    shown = ", ".join(f"{d:.0%}" for d in moved)
+    pytest.skip(f"this machine's DGEMM or memory speed moved by {shown} during each of "
+                f"{ATTEMPTS} measurements (shared and busy): nothing to compare")
+
+
+@pytest.mark.parametrize("grid", [(1, 1), (1, 2)])
+def test_hpl_prediction_within_20_percent(measured, grid):
+    p, q = grid
+    cl = clmod.build(calibration=measured["cal"], comm=measured["comm"], slots=p * q,
+                     blas_threads=1)
+    pred = hpl.predict(cl, hpl.HplCase(N, NB, p, q))
+    got = measured["hpl"][grid]["gflops"]
+    assert pred.gflops == pytest.approx(got, rel=0.20), (pred, got)

@@ -1,0 +1,116 @@
+"""``python -m hpcmac.plan``: answers, output forms, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcmac.plan.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "hpcmac.plan", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=60)
+
+
+def test_hpl_scaling_table_json_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    p = run("hpl", "--machine", "m3-ultra", "--nodes", "1,2,4", "--link", "2.5gbe,tb5-rdma",
+            "--json", str(out), "--plot", str(png))
+    assert p.returncode == 0, p.stderr
+    recs = json.loads(out.read_text())
+    assert [(r["link"], r["nodes"]) for r in recs] == [
+        (lk, k) for lk in ("2.5gbe", "tb5-rdma") for k in (1, 2, 4)]
+    assert "Gflops" in p.stdout and len(p.stdout.splitlines()) == 7
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # more nodes, more Gflops; RDMA never behind Ethernet
+    for lk in ("2.5gbe", "tb5-rdma"):
+        g = [r["gflops"] for r in recs if r["link"] == lk]
+        assert g == sorted(g)
+    assert recs[5]["gflops"] >= recs[2]["gflops"]
+
+
+def test_json_to_stdout_is_only_json():
+    p = run("hpl", "--machine", "m4-pro", "--nodes", "2", "--link", "tb5-tcp", "-N", "40000",
+            "--nb", "192", "-P", "1", "-Q", "2", "--json", "-")
+    assert p.returncode == 0, p.stderr
+    (rec,) = json.loads(p.stdout)
+    assert (rec["n"], rec["nb"], rec["p"], rec["q"]) == (40000, 192, 1, 2)
+
+
+@pytest.mark.parametrize("argv", [
+    ["hpl", "--machine", "m3-ultra", "--nodes", "1,2,4", "--link", "2.5gbe,10gbe,tb5-tcp,tb5-rdma"],
+    ["hpl", "--machine", "m3-ultra", "--nodes", "4", "--link", "2.5gbe", "--slots", "32",
+     "--blas-threads", "1"],
+    ["machines"],
+])
+def test_answers_in_under_a_second(argv, capsys):
+    t = time.perf_counter()
+    assert main(argv) == 0
+    assert time.perf_counter() - t < 1.0
+    assert capsys.readouterr().out
+
+
+def _hostfile(tmp_path: Path, hosts: list[dict], **top) -> str:
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps({"hosts": hosts, **top}))
+    return str(f)
+
+
+def test_hostfile_cluster(tmp_path):
+    hf = _hostfile(tmp_path, [{"name": "a", "machine": "m3-ultra", "memory_gb": 512},
+                              {"name": "b", "machine": "m3-ultra", "memory_gb": 256}],
+                   link="tb5-rdma")
+    p = run("hpl", "--hostfile", hf, "--json", "-")
+    assert p.returncode == 0, p.stderr
+    (rec,) = json.loads(p.stdout)
+    assert rec["link"] == "tb5-rdma" and rec["ranks"] == 2
+    assert rec["memory_fraction"] == pytest.approx(0.8, rel=0.02)
+
+
+@pytest.mark.parametrize("args, hosts, top, expect", [
+    (["--machine", "m9-ultra"], None, {}, "unknown machine 'm9-ultra'; known: m1-ultra"),
+    (["--machine", "m3-ultra", "--nodes", "2", "--link", "wifi"], None, {},
+     "unknown link 'wifi'; known: 2.5gbe"),
+    (["--machine", "m3-ultra", "--nodes", "2"], None, {},
+     "2 nodes but no link type: give --link NAME"),
+    ([], [{"name": "a"}, {"name": "b"}], {"link": "10gbe"},
+     "host 'a': no field 'machine' (one of m1-ultra"),
+    ([], [{"name": "a", "machine": "m3-ultra"}, {"name": "b", "machine": "m3-ultra"}], {},
+     "no field 'link' (one of 2.5gbe"),
+    ([], [{"name": "a", "machine": "m3-ultra", "memory_gb": -1}], {},
+     "field 'memory_gb' must be positive"),
+    (["--machine", "m3-ultra", "--calibration", "missing.json"], None, {},
+     "missing.json: cannot read calibration"),
+    (["--machine", "m3-ultra", "--nodes", "2", "--comm", "{bad}"], None, {},
+     "cannot read bench.comm report"),
+    (["--machine", "m3-ultra", "-N", "1000", "--nb", "100", "-P", "2", "-Q", "2"], None, {},
+     "-P 2 -Q 2 needs 4 ranks; the cluster has 1"),
+    (["--machine", "m3-ultra", "--fill", "1.5"], None, {}, "--fill must be in (0, 1]"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, hosts, top, expect):
+    if hosts is not None:
+        args = [*args, "--hostfile", _hostfile(tmp_path, hosts, **top)]
+    p = run("hpl", *args, cwd=tmp_path)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert expect in lines[0]
+
+
+def test_bad_comm_json_says_how_to_measure(tmp_path):
+    f = tmp_path / "comm.json"
+    f.write_text(json.dumps({"latency": [], "bandwidth": []}))
+    p = run("hpl", "--machine", "m3-ultra", "--comm", str(f))
+    assert p.returncode == 2
+    assert "python -m hpcmac.bench.comm --json" in p.stderr
