@@ -23,6 +23,7 @@ from hpcmac.linalg.diagonal import diag, trace
 from hpcmac.linalg.distmatrix import DistMatrix
 from hpcmac.linalg.inverse import det, inv, slogdet
 from hpcmac.linalg.krylov import KrylovResult, cg, gmres, jacobi
+from hpcmac.linalg.leastsq import lstsq
 from hpcmac.linalg.norms import norm
 from hpcmac.linalg.summa import matmul
 from hpcmac.linalg.trisolve import solve_triangular
@@ -37,6 +38,6 @@ def transpose(a: DistMatrix, conj: bool = False) -> DistMatrix:
 
 __all__ = [
     "BlockVector", "DistMatrix", "Grid", "KrylovResult", "LinAlgError", "cg", "cho_factor",
-    "cho_solve", "cholesky", "det", "diag", "gmres", "inv", "jacobi", "lu_factor", "lu_solve",
-    "matmul", "norm", "slogdet", "solve", "solve_triangular", "trace", "transpose",
+    "cho_solve", "cholesky", "det", "diag", "gmres", "inv", "jacobi", "lstsq", "lu_factor",
+    "lu_solve", "matmul", "norm", "slogdet", "solve", "solve_triangular", "trace", "transpose",
 ]

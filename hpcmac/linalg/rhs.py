@@ -32,6 +32,6 @@ def as_dist(b, like: DistMatrix, what: str):
         full = x.allgather()
         if full is None:
             return None
-        return full.reshape(arr.shape) if arr.ndim == 1 else full
+        return full.reshape(-1) if arr.ndim == 1 else full
 
     return bd, back
