@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from hpcmac.errors import UsageError
 from hpcmac.plan.cluster import Cluster
 from hpcmac.plan.machines import Link
@@ -183,42 +185,42 @@ def predict(cluster: Cluster, case: HplCase) -> HplPrediction:
                           nodes_used)
 
     hops, hop_bytes = _hops(case.bcast, Q)
-    t_upd = t_laswp = t_pan = t_bc = t_swap = 0.0
-    for j in range(0, n, nb):
-        jb = min(nb, n - j)
-        m = n - j
-        mp = m / P
-        nq = max(0.0, (m - jb) / Q + 1.0 / Q)  # trailing columns (+ b) per rank
-        upd = (2.0 * mp * nq * jb + jb * jb * nq) / rank_rate_k
-        laswp = 2.0 * jb * nq * LINE / bw
-        pan = jb * col_s + mp * jb * jb / prate
-        if P > 1:  # one pivot all-reduce (jb + 4 words) per column, log2 P messages
-            pan += jb * _log2(P) * col_link.time((jb + 4) * 8)
-        msg = (mp + jb + 1) * jb * 8
-        first = row_link.time(msg) if Q > 1 else 0.0
-        last = hops * row_link.time(msg * hop_bytes) if Q > 1 else 0.0
-        sw = 0.0
-        if P > 1:
-            ubytes = jb * nq * 8
-            local_cols = nq
-            kind = case.swap if case.swap != "mix" else (
-                "binexch" if local_cols <= case.swap_threshold else "spread")
-            if kind == "binexch":
-                sw = _log2(P) * col_link.time(ubytes)
-            else:
-                sw = (P - 1) * col_link.alpha_s + 2.0 * (P - 1) / P * ubytes / col_link.beta_bps
-        if case.depth >= 1 and j + jb < n:
-            # busy time of a rank, the chain to the next panel's owner, and to the farthest
-            work = upd + laswp + sw + pan / Q
-            head = 2.0 * mp * min(jb, m - jb) * jb / rank_rate_k + pan
-            t_pan += pan / Q
-            t_bc += max(0.0, max(head + first, head + last) - work)
-        else:
-            t_pan += pan
-            t_bc += last
-        t_upd += upd
-        t_laswp += laswp
-        t_swap += sw
+    # every panel step at once (arrays over the steps)
+    j = np.arange(0, n, nb, dtype=np.float64)
+    jb = np.minimum(nb, n - j)
+    m = n - j
+    mp = m / P
+    nq = np.maximum(0.0, (m - jb) / Q + 1.0 / Q)  # trailing columns (+ b) per rank
+    upd = (2.0 * mp * nq * jb + jb * jb * nq) / rank_rate_k
+    laswp = 2.0 * jb * nq * LINE / bw
+    pan = jb * col_s + mp * jb * jb / prate
+    if P > 1:  # one pivot all-reduce (jb + 4 words) per column, log2 P messages
+        pan = pan + jb * _log2(P) * (col_link.alpha_s + (jb + 4) * 8 / col_link.beta_bps)
+    msg = (mp + jb + 1) * jb * 8
+    zero = np.zeros_like(j)
+    first = row_link.alpha_s + msg / row_link.beta_bps if Q > 1 else zero
+    last = hops * (row_link.alpha_s + msg * hop_bytes / row_link.beta_bps) if Q > 1 else zero
+    sw = zero
+    if P > 1:
+        ubytes = jb * nq * 8
+        binexch = _log2(P) * (col_link.alpha_s + ubytes / col_link.beta_bps)
+        spread = (P - 1) * col_link.alpha_s + 2.0 * (P - 1) / P * ubytes / col_link.beta_bps
+        if case.swap == "binexch":
+            sw = binexch
+        elif case.swap == "spread":
+            sw = spread
+        else:  # mix: binary exchange up to the threshold of local columns
+            sw = np.where(nq <= case.swap_threshold, binexch, spread)
+    if case.depth >= 1:
+        # a rank's busy time; the chain to the next panel's owner, and to the farthest rank
+        work = upd + laswp + sw + pan / Q
+        head = 2.0 * mp * np.minimum(jb, m - jb) * jb / rank_rate_k + pan
+        exposed = np.maximum(0.0, np.maximum(head + first, head + last) - work)
+        t_pan = float(np.sum(pan[:-1] / Q) + pan[-1])
+        t_bc = float(np.sum(exposed[:-1]) + last[-1])
+    else:
+        t_pan, t_bc = float(np.sum(pan)), float(np.sum(last))
+    t_upd, t_laswp, t_swap = float(np.sum(upd)), float(np.sum(laswp)), float(np.sum(sw))
     # triangular solve: U streamed once (N^2/2 words over the ranks), one message per block
     steps = math.ceil(n / nb)
     solve = (n * n / 2.0 * 8 / nranks) / bw
