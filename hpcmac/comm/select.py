@@ -236,12 +236,14 @@ def _mlx_reason(world: Group, name: str) -> str:
     if ok and name == "rdma":  # the device matrix must fit this job's ranks too
         why = mlx_backend.rdma_matrix_problem(world.size, world.rank)[1]
         ok = not why
-    verdicts = world.allgather_obj((ok, why))
-    bad = [(r, reason) for r, (good, reason) in enumerate(verdicts) if not good]
+    import socket
+
+    verdicts = world.allgather_obj((ok, why, socket.gethostname()))
+    bad = [(r, reason, host) for r, (good, reason, host) in enumerate(verdicts) if not good]
     if not bad:
         return ""
-    r, reason = bad[0]
-    return reason if len(bad) == len(verdicts) else f"{reason} (rank {r})"
+    r, reason, host = bad[0]
+    return reason if len(bad) == len(verdicts) else f"{reason} (rank {r} on {host})"
 
 
 def _log_rank0(rank: int, line: str) -> None:
