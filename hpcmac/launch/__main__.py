@@ -206,7 +206,8 @@ def _doctor(argv: list[str]) -> int:
     failed = [c for c in checks if not c.ok]
     hosts = sorted({c.host for c in failed})
     print(f"{hf.source}: " + (f"{len(failed)} checks failed on {', '.join(hosts)}" if failed
-                              else f"all {len(checks)} checks passed on {len(hf.hosts)} hosts"))
+                              else f"all {len(checks)} checks passed on {len(hf.hosts)} "
+                              f"host{'s' if len(hf.hosts) > 1 else ''}"))
     return 1 if failed else 0
 
 

@@ -215,7 +215,8 @@ def _versions(hf: Hostfile, good: dict[str, dict[str, str]]) -> list[Check]:
             continue
         want = values.get(ref)
         if len(set(values.values())) == 1:
-            out.append(Check("all", key, True, f"{want} on {len(values)} hosts"))
+            n = len(values)
+            out.append(Check("all", key, True, f"{want} on {n} host{'s' if n > 1 else ''}"))
             continue
         for n, got in values.items():
             if got == want:
