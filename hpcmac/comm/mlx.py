@@ -218,6 +218,8 @@ def rdma_matrix_problem(size: int, rank: int) -> tuple[list | None, str]:
         return None, f"rdma: {exc}"
     problem = rdma_env.check_device_matrix(matrix, size, rank, rdma_env.local_devices(),
                                            rdma_env.local_port_states())
+    if not problem:
+        problem = rdma_env.port_problem(rank, matrix[rank], rdma_env.local_ports())
     return (None, f"rdma: {problem}") if problem else (matrix, "")
 
 

@@ -158,11 +158,11 @@ def matrix_spec_from_env(env: dict[str, str] | None = None) -> str | None:
 
 
 def _run(cmd: list[str]) -> str | None:
-    """stdout of ``cmd``, or None when it is not installed, fails or takes over 5 s."""
+    """stdout of ``cmd``, or None when it is not installed, fails or takes over 10 s."""
     if shutil.which(cmd[0]) is None:
         return None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=5)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout if proc.returncode == 0 else None
@@ -185,3 +185,33 @@ def local_port_states() -> dict[str, str] | None:
     """{device: port state} from this host's ``ibv_devinfo``; None where it is absent."""
     text = _run(["ibv_devinfo"])
     return None if text is None else rdma_ready.parse_ibv_devinfo(text)
+
+
+def port_problem(rank: int, row: list, ports: list[rdma_ready.Port] | None) -> str:
+    """'' when every device in this rank's ``row`` sits on a port that can do RDMA.
+
+    ``ports`` is this Mac's Thunderbolt ports (:func:`local_ports`), None where
+    ``system_profiler`` is absent (nothing to check). Pure.
+    """
+    if ports is None:
+        return ""
+    by_iface = {p.iface: p for p in ports}
+    for j, entry in enumerate(row):
+        for name in _names(entry):
+            port = by_iface.get(name.removeprefix("rdma_"))
+            why = rdma_ready.port_cannot_rdma(port) if port is not None else ""
+            if why:
+                return f"rank {rank}: device {name} (towards rank {j}): {why}"
+    return ""
+
+
+def local_ports() -> list[rdma_ready.Port] | None:
+    """This Mac's Thunderbolt ports from ``system_profiler`` (None elsewhere or on failure)."""
+    tb = _run(["system_profiler", "SPThunderboltDataType", "-json"])
+    hw = _run(["networksetup", "-listallhardwareports"])
+    if not tb or hw is None:
+        return None
+    try:
+        return rdma_ready.parse_thunderbolt(tb, rdma_ready.parse_hardware_ports(hw))
+    except rdma_ready.ProfilerError:
+        return None

@@ -128,3 +128,19 @@ def test_ring_hostfile_and_addresses():
     assert ring_env.parse_ifconfig(mac_out) == ["192.168.0.1", "127.0.0.1"]
     port = ring_env.free_port("127.0.0.1")
     assert 0 < port < 65536
+
+
+def test_a_device_on_a_port_that_cannot_do_rdma_is_refused_before_jaccl_starts():
+    studio = Path(__file__).parent / "data" / "launch" / "studio4"
+    ports = rdma_ready.parse_thunderbolt(
+        (studio / "mac1.thunderbolt.json").read_text(),
+        rdma_ready.parse_hardware_ports((studio / "mac1.ports.txt").read_text()))
+    assert rdma_env.port_problem(0, [None, "rdma_en3", ["rdma_en4"]], ports) == ""
+    assert rdma_env.port_problem(0, [None, "rdma_en2"], ports) == (
+        "rank 0: device rdma_en2 (towards rank 1): en2 is the Mac Studio's Thunderbolt port "
+        "next to the Ethernet jack, which cannot do RDMA")
+    mini = rdma_ready.parse_thunderbolt(read("thunderbolt_macmini_tb4.json"),
+                                        rdma_ready.parse_hardware_ports(read("ports_macmini.txt")))
+    assert "40 Gb/s" in rdma_env.port_problem(1, ["rdma_en2", None], mini)
+    assert rdma_env.port_problem(0, [None, "rdma_en2"], None) == ""  # not a Mac: no data
+    assert rdma_env.local_ports() is None  # this Linux machine has no system_profiler
