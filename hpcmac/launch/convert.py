@@ -35,11 +35,13 @@ def openmpi_mca(hf: Hostfile) -> list[tuple[str, str]]:
 
     ``oob_tcp_if_include`` is deliberately left alone: matching several
     interfaces with it crashes PRRTE 3 (Open MPI 5.0.x) intermittently.
+    A hostfile without links (this machine, or hosts on a switch) gets none:
+    Open MPI's defaults then use shared memory between ranks on one host,
+    where TCP over loopback made local jobs several times slower.
     """
-    mca = [("btl", "tcp,self")]
-    if hf.links:
-        mca.append(("btl_tcp_if_include", btl_tcp_if_include(hf)))
-    return mca
+    if not hf.links:
+        return []
+    return [("btl", "tcp,self"), ("btl_tcp_if_include", btl_tcp_if_include(hf))]
 
 
 def btl_tcp_if_include(hf: Hostfile) -> str:

@@ -11,6 +11,7 @@ how they are cabled::
       "hosts": [
         {"name": "mac1", "ssh": "mac1.local", "slots": 1, "memory_gb": 512,
          "ips": ["192.168.1.11"]},              # management (Ethernet) addresses
+        {"name": "localhost", "slots": "auto"},  # "auto": this machine's cores (local only)
         ...
       ],
       "links": [
@@ -190,6 +191,30 @@ def _rdma_row(value: Any, where: str) -> tuple[str | None, ...]:
     return tuple(row)
 
 
+def local_cores() -> int:
+    """Cores this process may use (its affinity mask where the OS has one)."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+#: what ``"ssh"`` says for the machine that launches: ``"slots": "auto"`` may count its cores
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _slots(h: dict, where: str) -> int:
+    """A host's ``slots``: an integer, or ``"auto"`` = this machine's cores (local hosts only)."""
+    if h.get("slots") == "auto":
+        if h.get("ssh", h.get("name")) not in LOCAL_NAMES:
+            raise UsageError(f"{where}: field 'slots' \"auto\" counts this machine's cores, so it "
+                             f"is only for a host whose 'ssh' is one of {', '.join(LOCAL_NAMES)}")
+        return local_cores()
+    return _opt(h, "slots", where, int, 1)
+
+
 def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
     """Decoded JSON -> :class:`Hostfile`; a missing or mistyped field is a UsageError.
 
@@ -218,7 +243,7 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
         name = _req(h, "name", where, str)
         where = f"{source}: host {name!r}"
         memory = _opt(h, "memory_gb", where, (int, float), None)
-        slots = _opt(h, "slots", where, int, 1)
+        slots = _slots(h, where)
         rdma = _rdma_row(h["rdma"], where) if h.get("rdma") is not None else None
         hosts.append(Host(
             name=name,

@@ -229,7 +229,11 @@ def plan(hf: Hostfile, command: list[str], opts: Options, workdir: str) -> Plan:
         for name in ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             if name in os.environ:
                 argv += ["-x", name]
-        argv += ["--", *command]  # PATH goes with -x: a bare "python" is found as here
+        if command[0] in BARE_PYTHONS:
+            # the hosts' Python (default: this one), not whatever "python" comes first on
+            # PATH: without an activated venv that is a Python without hpcmac
+            command = [remote_python(hf), *command[1:]]
+        argv += ["--", *command]
         return Plan(argv=argv, env=env, files={path: convert.openmpi_hostfile(hf)})
     path = os.path.join(workdir, "hostfile.mlx.json")
     content = json.dumps(convert.mlx_hostfile(hf, opts.backend, opts.np), indent=1)

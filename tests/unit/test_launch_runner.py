@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcmac.launch.hostfile import local_cores
+
 ROOT = Path(__file__).resolve().parents[2]
 HOSTFILES = ROOT / "hostfiles"
 LOCAL = str(HOSTFILES / "localhost.json")
@@ -44,7 +46,8 @@ def test_dry_run_prints_the_argument_list_and_the_generated_hostfile():
     cmd = shlex.split(res.stdout.strip().splitlines()[-1])
     assert cmd[0].endswith("mpirun")
     i = cmd.index("--")
-    assert cmd[i + 1:] == ["python", "-m", "hpcmac", "info", "--x=$(rm -rf /)"]  # verbatim
+    # verbatim, with a bare "python" made the launching interpreter
+    assert cmd[i + 1:] == [PY, "-m", "hpcmac", "info", "--x=$(rm -rf /)"]
     assert cmd[cmd.index("-np") + 1] == "4"
     assert ["--mca", "btl_tcp_if_include", "10.77.0.0/18"] == cmd[
         cmd.index("btl_tcp_if_include") - 1:cmd.index("btl_tcp_if_include") + 2]
@@ -113,7 +116,7 @@ def test_bad_hostfile_is_one_line_exit_2_and_nothing_launched(tmp_path, fake_mpi
 
 
 @pytest.mark.parametrize("args,expect", [
-    (["--np", "9"], "more than the 4 slots"),
+    (["--np", "999"], f"more than the {local_cores()} slots"),
     (["--via", "nope"], "invalid choice"),
     (["--env", "NOEQUALS"], "expected KEY=VALUE"),
     ([], None),  # no command
