@@ -6,6 +6,9 @@ traffic of every update. These wrappers reach the same OpenBLAS that scipy
 links, through the function pointers scipy exports in ``cython_blas`` and
 ``cython_lapack``, and take raw addresses: ``addr(a)`` of a Fortran-ordered
 float64 array plus ``8 * (i + j * ld)`` is the address of ``a[i, j]``.
+One :class:`Routines` per precision (``DOUBLE``, ``SINGLE``; ``for_dtype``)
+carries the same names without the type letter and its ``itemsize``; the
+module-level ``dgemm``, ``dtrsm``, ... are ``DOUBLE``'s.
 
 All integer arguments are Fortran ``int`` (32 bit); indices are 0-based where
 a function returns one. The caller keeps the arrays alive during the call.
@@ -41,26 +44,10 @@ def _load(module, name: str, nargs: int, restype=None):
     return capsule_function(module, name, [_vp] * nargs, restype)
 
 
-_dgemm = _load(cython_blas, "dgemm", 13)
-_dtrsm = _load(cython_blas, "dtrsm", 11)
-_dtrsv = _load(cython_blas, "dtrsv", 8)
-_dgemv = _load(cython_blas, "dgemv", 11)
-_dger = _load(cython_blas, "dger", 9)
-_dscal = _load(cython_blas, "dscal", 4)
-_dswap = _load(cython_blas, "dswap", 5)
-_dcopy = _load(cython_blas, "dcopy", 5)
-_idamax = _load(cython_blas, "idamax", 3, ctypes.c_int)
-_dlaswp = _load(cython_lapack, "dlaswp", 7)
-
-# scratch storage for the by-reference scalars (single-threaded use only)
-_I = np.zeros(16, dtype=np.int32)
-_D = np.zeros(4, dtype=np.float64)
+# by-reference character arguments, shared (read-only) by every precision
 _C = np.frombuffer(b"NTLURC", dtype=np.uint8).copy()
-_IA = _I.ctypes.data
-_DA = _D.ctypes.data
 _CA = _C.ctypes.data
 CHAR = {c: _CA + i for i, c in enumerate("NTLURC")}
-_i = [_IA + 4 * k for k in range(16)]
 
 
 def addr(a: np.ndarray) -> int:
@@ -68,88 +55,136 @@ def addr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
-def dgemm(ta: str, tb: str, m: int, n: int, k: int, alpha: float, a: int, lda: int,
-          b: int, ldb: int, beta: float, c: int, ldc: int) -> None:
-    """C(m, n) = alpha op(A) op(B) + beta C (all addresses)."""
-    if m <= 0 or n <= 0:
-        return
-    _I[0], _I[1], _I[2], _I[3], _I[4], _I[5] = m, n, k, max(lda, 1), max(ldb, 1), max(ldc, 1)
-    _D[0], _D[1] = alpha, beta
-    _dgemm(CHAR[ta], CHAR[tb], _i[0], _i[1], _i[2], _DA, a, _i[3], b, _i[4], _DA + 8, c, _i[5])
+class Routines:
+    """BLAS/LAPACK of one precision (``"d"`` float64 or ``"s"`` float32) by address.
+
+    ``itemsize`` is the bytes per element: ``addr(a) + itemsize * (i + j * ld)``
+    is ``a[i, j]``. Not thread-safe (by-reference scalars live in scratch arrays).
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.dtype = np.dtype({"d": np.float64, "s": np.float32}[prefix])
+        self.itemsize = self.dtype.itemsize
+        self._gemm = _load(cython_blas, prefix + "gemm", 13)
+        self._trsm = _load(cython_blas, prefix + "trsm", 11)
+        self._trsv = _load(cython_blas, prefix + "trsv", 8)
+        self._gemv = _load(cython_blas, prefix + "gemv", 11)
+        self._ger = _load(cython_blas, prefix + "ger", 9)
+        self._scal = _load(cython_blas, prefix + "scal", 4)
+        self._swap = _load(cython_blas, prefix + "swap", 5)
+        self._copy = _load(cython_blas, prefix + "copy", 5)
+        self._iamax = _load(cython_blas, "i" + prefix + "amax", 3, ctypes.c_int)
+        self._laswp = _load(cython_lapack, prefix + "laswp", 7)
+        # scratch storage for the by-reference scalars
+        self._I = np.zeros(16, dtype=np.int32)
+        self._D = np.zeros(4, dtype=self.dtype)
+        self._DA = self._D.ctypes.data
+        self._i = [self._I.ctypes.data + 4 * k for k in range(16)]
+
+    def gemm(self, ta: str, tb: str, m: int, n: int, k: int, alpha: float, a: int, lda: int,
+             b: int, ldb: int, beta: float, c: int, ldc: int) -> None:
+        """C(m, n) = alpha op(A) op(B) + beta C (all addresses)."""
+        if m <= 0 or n <= 0:
+            return
+        I, i = self._I, self._i
+        I[0], I[1], I[2], I[3], I[4], I[5] = m, n, k, max(lda, 1), max(ldb, 1), max(ldc, 1)
+        self._D[0], self._D[1] = alpha, beta
+        self._gemm(CHAR[ta], CHAR[tb], i[0], i[1], i[2], self._DA, a, i[3], b, i[4],
+                   self._DA + self.itemsize, c, i[5])
+
+    def trsm(self, side: str, uplo: str, ta: str, diag: str, m: int, n: int, alpha: float,
+             a: int, lda: int, b: int, ldb: int) -> None:
+        """B(m, n) = alpha op(A)^-1 B (side L) or alpha B op(A)^-1 (side R)."""
+        if m <= 0 or n <= 0:
+            return
+        I, i = self._I, self._i
+        I[0], I[1], I[2], I[3] = m, n, max(lda, 1), max(ldb, 1)
+        self._D[0] = alpha
+        self._trsm(CHAR[side], CHAR[uplo], CHAR[ta], CHAR[diag], i[0], i[1], self._DA, a, i[2],
+                   b, i[3])
+
+    def trsv(self, uplo: str, ta: str, diag: str, n: int, a: int, lda: int, x: int,
+             incx: int) -> None:
+        """x(n) = op(A)^-1 x."""
+        if n <= 0:
+            return
+        I, i = self._I, self._i
+        I[0], I[1], I[2] = n, max(lda, 1), incx
+        self._trsv(CHAR[uplo], CHAR[ta], CHAR[diag], i[0], a, i[1], x, i[2])
+
+    def gemv(self, ta: str, m: int, n: int, alpha: float, a: int, lda: int, x: int, incx: int,
+             beta: float, y: int, incy: int) -> None:
+        """y = alpha op(A) x + beta y, A is (m, n)."""
+        if m <= 0 or n <= 0:
+            return
+        I, i = self._I, self._i
+        I[0], I[1], I[2], I[3], I[4] = m, n, max(lda, 1), incx, incy
+        self._D[0], self._D[1] = alpha, beta
+        self._gemv(CHAR[ta], i[0], i[1], self._DA, a, i[2], x, i[3], self._DA + self.itemsize,
+                   y, i[4])
+
+    def ger(self, m: int, n: int, alpha: float, x: int, incx: int, y: int, incy: int,
+            a: int, lda: int) -> None:
+        """A(m, n) += alpha x y^T."""
+        if m <= 0 or n <= 0:
+            return
+        I, i = self._I, self._i
+        I[0], I[1], I[2], I[3], I[4] = m, n, incx, incy, max(lda, 1)
+        self._D[0] = alpha
+        self._ger(i[0], i[1], self._DA, x, i[2], y, i[3], a, i[4])
+
+    def scal(self, n: int, alpha: float, x: int, incx: int) -> None:
+        if n <= 0:
+            return
+        self._I[0], self._I[1] = n, incx
+        self._D[0] = alpha
+        self._scal(self._i[0], self._DA, x, self._i[1])
+
+    def swap(self, n: int, x: int, incx: int, y: int, incy: int) -> None:
+        if n <= 0:
+            return
+        self._I[0], self._I[1], self._I[2] = n, incx, incy
+        self._swap(self._i[0], x, self._i[1], y, self._i[2])
+
+    def copy(self, n: int, x: int, incx: int, y: int, incy: int) -> None:
+        if n <= 0:
+            return
+        self._I[0], self._I[1], self._I[2] = n, incx, incy
+        self._copy(self._i[0], x, self._i[1], y, self._i[2])
+
+    def iamax(self, n: int, x: int, incx: int) -> int:
+        """0-based index of the first entry of largest magnitude (-1 when n == 0)."""
+        if n <= 0:
+            return -1
+        self._I[0], self._I[1] = n, incx
+        return self._iamax(self._i[0], x, self._i[1]) - 1
+
+    def laswp(self, n: int, a: int, lda: int, k1: int, k2: int, ipiv: np.ndarray) -> None:
+        """Apply row interchanges ``k1..k2`` (1-based, as LAPACK) of ``ipiv`` (int32,
+        1-based rows relative to ``a``) to the ``n`` columns of ``a``."""
+        if n <= 0 or k2 < k1:
+            return
+        I, i = self._I, self._i
+        I[0], I[1], I[2], I[3], I[4] = n, max(lda, 1), k1, k2, 1
+        self._laswp(i[0], a, i[1], i[2], i[3], addr(ipiv), i[4])
 
 
-def dtrsm(side: str, uplo: str, ta: str, diag: str, m: int, n: int, alpha: float,
-          a: int, lda: int, b: int, ldb: int) -> None:
-    """B(m, n) = alpha op(A)^-1 B (side L) or alpha B op(A)^-1 (side R)."""
-    if m <= 0 or n <= 0:
-        return
-    _I[0], _I[1], _I[2], _I[3] = m, n, max(lda, 1), max(ldb, 1)
-    _D[0] = alpha
-    _dtrsm(CHAR[side], CHAR[uplo], CHAR[ta], CHAR[diag], _i[0], _i[1], _DA, a, _i[2], b, _i[3])
+DOUBLE = Routines("d")
+SINGLE = Routines("s")
 
 
-def dtrsv(uplo: str, ta: str, diag: str, n: int, a: int, lda: int, x: int, incx: int) -> None:
-    """x(n) = op(A)^-1 x."""
-    if n <= 0:
-        return
-    _I[0], _I[1], _I[2] = n, max(lda, 1), incx
-    _dtrsv(CHAR[uplo], CHAR[ta], CHAR[diag], _i[0], a, _i[1], x, _i[2])
+def for_dtype(dtype) -> Routines:
+    """The routines for ``dtype`` (float64 or float32); ValueError for any other."""
+    dt = np.dtype(dtype)
+    if dt == DOUBLE.dtype:
+        return DOUBLE
+    if dt == SINGLE.dtype:
+        return SINGLE
+    raise ValueError(f"BLAS by address supports float64 and float32, got {dt}")
 
 
-def dgemv(ta: str, m: int, n: int, alpha: float, a: int, lda: int, x: int, incx: int,
-          beta: float, y: int, incy: int) -> None:
-    """y = alpha op(A) x + beta y, A is (m, n)."""
-    if m <= 0 or n <= 0:
-        return
-    _I[0], _I[1], _I[2], _I[3], _I[4] = m, n, max(lda, 1), incx, incy
-    _D[0], _D[1] = alpha, beta
-    _dgemv(CHAR[ta], _i[0], _i[1], _DA, a, _i[2], x, _i[3], _DA + 8, y, _i[4])
-
-
-def dger(m: int, n: int, alpha: float, x: int, incx: int, y: int, incy: int,
-         a: int, lda: int) -> None:
-    """A(m, n) += alpha x y^T."""
-    if m <= 0 or n <= 0:
-        return
-    _I[0], _I[1], _I[2], _I[3], _I[4] = m, n, incx, incy, max(lda, 1)
-    _D[0] = alpha
-    _dger(_i[0], _i[1], _DA, x, _i[2], y, _i[3], a, _i[4])
-
-
-def dscal(n: int, alpha: float, x: int, incx: int) -> None:
-    if n <= 0:
-        return
-    _I[0], _I[1] = n, incx
-    _D[0] = alpha
-    _dscal(_i[0], _DA, x, _i[1])
-
-
-def dswap(n: int, x: int, incx: int, y: int, incy: int) -> None:
-    if n <= 0:
-        return
-    _I[0], _I[1], _I[2] = n, incx, incy
-    _dswap(_i[0], x, _i[1], y, _i[2])
-
-
-def dcopy(n: int, x: int, incx: int, y: int, incy: int) -> None:
-    if n <= 0:
-        return
-    _I[0], _I[1], _I[2] = n, incx, incy
-    _dcopy(_i[0], x, _i[1], y, _i[2])
-
-
-def idamax(n: int, x: int, incx: int) -> int:
-    """0-based index of the first entry of largest magnitude (-1 when n == 0)."""
-    if n <= 0:
-        return -1
-    _I[0], _I[1] = n, incx
-    return _idamax(_i[0], x, _i[1]) - 1
-
-
-def dlaswp(n: int, a: int, lda: int, k1: int, k2: int, ipiv: np.ndarray) -> None:
-    """Apply row interchanges ``k1..k2`` (1-based, as LAPACK) of ``ipiv`` (int32,
-    1-based rows relative to ``a``) to the ``n`` columns of ``a``."""
-    if n <= 0 or k2 < k1:
-        return
-    _I[0], _I[1], _I[2], _I[3], _I[4] = n, max(lda, 1), k1, k2, 1
-    _dlaswp(_i[0], a, _i[1], _i[2], _i[3], addr(ipiv), _i[4])
+# float64, by the BLAS names (the LU of hpcmac.hpl and its tests call these)
+dgemm, dtrsm, dtrsv, dgemv, dger = DOUBLE.gemm, DOUBLE.trsm, DOUBLE.trsv, DOUBLE.gemv, DOUBLE.ger
+dscal, dswap, dcopy, idamax, dlaswp = (DOUBLE.scal, DOUBLE.swap, DOUBLE.copy, DOUBLE.iamax,
+                                       DOUBLE.laswp)

@@ -17,7 +17,15 @@ updates the rest of its columns; every other process updates its columns in
 chunks, advancing the in-flight broadcast between chunks. ``depth=0`` does
 update, then factor, then broadcast.
 
-Supported: float64, square blocks (``mb == nb``), any M, N, any P x Q grid.
+Without pivoting (``LUOptions(pivoting=False)``, HPL-MxP's LU of a diagonally
+dominant matrix) the same phases run with the diagonal as every pivot
+(:class:`~hpcmac.linalg.pivot.NoPivot`): no pivot search, and the swap phase
+only carries U down the process column.
+
+Supported: float64, float32 (the precision of the matrix; BLAS by address in
+that precision), square blocks (``mb == nb``), any M, N, any P x Q grid. The
+trailing update ``C -= L U`` may be handed to another kernel (``gemm=``: HPL-MxP's
+MLX update in float16 or bfloat16).
 """
 
 from __future__ import annotations
@@ -34,13 +42,17 @@ from hpcmac.linalg.broadcast import RowBcast
 from hpcmac.linalg.distmatrix import DistMatrix
 from hpcmac.linalg.panel import VARIANTS as FACTS
 from hpcmac.linalg.panel import PanelFactor
-from hpcmac.linalg.pivot import ColumnPivot, LocalPivot
+from hpcmac.linalg.pivot import ColumnPivot, LocalPivot, NoPivot
 from hpcmac.linalg.swap import VARIANTS as SWAPS
 from hpcmac.linalg.swap import swap_column
 from hpcmac.linalg.triangular import block_trsv
 from hpcmac.linalg.update import gemm_update, solve_u
 
 __all__ = ["LUOptions", "hpl_solve", "lu_factor_dist", "lu_solve_dist"]
+
+#: ``gemm(c, l, u, poll)``: ``c -= l @ u`` in place on local arrays (c: (m, n) view of the
+#: local piece, l: (m, jb), u: (jb, n)), calling ``poll()`` now and then until it returns True
+Gemm = Callable[[np.ndarray, np.ndarray, np.ndarray, Callable[[], bool] | None], None]
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,7 @@ class LUOptions:
     u_transposed: bool = True     # U kept transposed in its buffer (P > 1)
     equil: bool = True            # spread-roll: spread U rows evenly before rolling
     align: int = 8                # buffers aligned to this many doubles (>= 1)
+    pivoting: bool = True         # False: no row interchanges (HPL-MxP, diagonally dominant A)
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str) -> None:
@@ -75,15 +88,16 @@ class LUOptions:
                 bad(field, f"an integer >= {lo}")
         if isinstance(self.depth, bool) or self.depth not in (0, 1):
             bad("depth", "0 or 1")
-        for field in ("l1_transposed", "u_transposed", "equil"):
+        for field in ("l1_transposed", "u_transposed", "equil", "pivoting"):
             if not isinstance(getattr(self, field), (bool, np.bool_)):
                 bad(field, "True or False")
 
 
-def _aligned(nwords: int, align: int) -> np.ndarray:
-    """1-D float64 buffer whose first element is aligned to ``align`` doubles."""
-    raw = np.empty(nwords + align, dtype=np.float64)
-    off = (-(blas.addr(raw) // 8)) % align
+def _aligned(nwords: int, align: int, dtype=np.float64) -> np.ndarray:
+    """1-D buffer whose first element is aligned to ``align`` doubles (8 * align bytes)."""
+    isz = np.dtype(dtype).itemsize
+    raw = np.empty(nwords + 8 * align // isz, dtype=dtype)
+    off = ((-blas.addr(raw)) % (8 * align)) // isz
     return raw[off:off + nwords]
 
 
@@ -122,8 +136,11 @@ class _Panel:
 class _LU:
     """State of one factorisation of the first ``kmax`` columns of ``a`` (local)."""
 
-    def __init__(self, a: DistMatrix, opts: LUOptions, kmax: int, swap_left: bool):
+    def __init__(self, a: DistMatrix, opts: LUOptions, kmax: int, swap_left: bool,
+                 gemm: Gemm | None = None):
         self.a, self.opts, self.kmax, self.swap_left = a, opts, kmax, swap_left
+        self.b = blas.for_dtype(a.dtype)
+        self.gemm = gemm
         g = self.g = a.grid
         self.nb = a.nb
         self.P, self.Q, self.myrow, self.mycol = g.nprow, g.npcol, g.myrow, g.mycol
@@ -137,7 +154,7 @@ class _LU:
         self.count = 0
 
     def _at(self, i: int, j: int) -> int:
-        return self.base + 8 * (i + j * self.lda)
+        return self.base + self.b.itemsize * (i + j * self.lda)
 
     def _geom(self, j: int):
         nb = self.nb
@@ -150,7 +167,7 @@ class _LU:
         return jb, prow, pcol, ii, jj, top, m
 
     def _buffer(self, m: int, jb: int) -> np.ndarray:
-        return _aligned(m * jb + jb * jb + jb + 1, self.opts.align)
+        return _aligned(m * jb + jb * jb + jb + 1, self.opts.align, self.A.dtype)
 
     # -- panel: factor or receive, and broadcast ---------------------------------------
     def _factor(self, j: int) -> _Panel:
@@ -161,21 +178,23 @@ class _LU:
         buf = None
         if P == 1:
             w, wptr, ld = A[ii:, jj:jj + jb], self._at(ii, jj), self.lda
-            piv = LocalPivot(w, wptr, ld, jb, self.grows[ii:])
+            piv = (LocalPivot(w, wptr, ld, jb, self.grows[ii:]) if o.pivoting
+                   else NoPivot(w, j))
         else:
             buf = self._buffer(m, jb)
             w = buf[:m * jb].reshape((m, jb), order="F")
             wptr, ld = blas.addr(buf), m
             below = ii + (jb if top else 0)
             w[jb:] = A[below:, jj:jj + jb]
-            t = np.empty(jb * jb)
+            t = np.empty(jb * jb, dtype=A.dtype)
             t2 = t.reshape((jb, jb), order="F")
             if top:
                 t2[...] = A[ii:ii + jb, jj:jj + jb]
             self.g.col.bcast(t, prow)
             w[:jb] = t2
             glob = np.concatenate([np.arange(j, j + jb, dtype=np.int64), self.grows[below:]])
-            piv = ColumnPivot(w, wptr, ld, jb, glob, j, top, self.g.col)
+            piv = (ColumnPivot(w, wptr, ld, jb, glob, j, top, self.g.col) if o.pivoting
+                   else NoPivot(w, j))
         f = PanelFactor(w, wptr, ld, jb, j, piv, o.pfact, o.rfact, o.nbmin, o.ndiv)
         f.run()
         if P > 1:
@@ -184,7 +203,7 @@ class _LU:
             buf = self._buffer(m, jb)
             buf[:m * jb].reshape((m, jb), order="F")[...] = w
         if buf is None:
-            l1 = np.empty((jb, jb), order="F")
+            l1 = np.empty((jb, jb), order="F", dtype=A.dtype)
         else:
             l1 = buf[m * jb:m * jb + jb * jb].reshape((jb, jb), order="F")
             buf[m * jb + jb * jb:m * jb + jb * jb + jb] = f.ipiv
@@ -224,8 +243,9 @@ class _LU:
         o = self.opts
         jb, prow, pcol, ii, jj, top, m = self._geom(pan.j)
         if self.P == 1:
-            rel = (pan.ipiv - pan.j + 1).astype(np.int32)
-            blas.dlaswp(nc, self._at(ii, c0), self.lda, 1, jb, rel)
+            if o.pivoting:
+                rel = (pan.ipiv - pan.j + 1).astype(np.int32)
+                self.b.laswp(nc, self._at(ii, c0), self.lda, 1, jb, rel)
             U = None
             uptr, ldu, ut = self._at(ii, c0), self.lda, False
         else:
@@ -236,21 +256,25 @@ class _LU:
             else:
                 U = np.asfortranarray(U)
                 uptr, ldu, ut = blas.addr(U), jb, False
-        solve_u(pan.l1ptr, o.l1_transposed, jb, uptr, ldu, nc, ut)
+        solve_u(pan.l1ptr, o.l1_transposed, jb, uptr, ldu, nc, ut, self.b)
         if U is not None and top:
             self.A[ii:ii + jb, c0:c1] = U
         ib = ii + (jb if top else 0)
-        gemm_update(self.lm - ib, nc, jb, pan.wptr + 8 * jb, pan.ld, uptr, ldu, ut,
-                    self._at(ib, c0), self.lda, chunk=max(self.nb, 128), poll=poll)
+        if self.gemm is not None:
+            self.gemm(self.A[ib:, c0:c1], pan.w[jb:], self.A[ii:ii + jb, c0:c1] if U is None
+                      else U, poll)
+            return
+        gemm_update(self.lm - ib, nc, jb, pan.wptr + self.b.itemsize * jb, pan.ld, uptr, ldu,
+                    ut, self._at(ib, c0), self.lda, chunk=max(self.nb, 128), poll=poll, b=self.b)
 
     def _swap_left(self, pan: _Panel) -> None:
         """Apply the panel's interchanges to the columns left of it (lu_factor's L)."""
         jb, prow, pcol, ii, jj, top, m = self._geom(pan.j)
-        if jj <= 0 and self.P == 1:
+        if (jj <= 0 and self.P == 1) or not self.opts.pivoting:
             return
         if self.P == 1:
             rel = (pan.ipiv - pan.j + 1).astype(np.int32)
-            blas.dlaswp(jj, self._at(ii, 0), self.lda, 1, jb, rel)
+            self.b.laswp(jj, self._at(ii, 0), self.lda, 1, jb, rel)
         else:
             o = self.opts
             swap_column(self.A, self.g, self.nb, pan.j, jb, pan.ipiv, 0, jj, o.swap,
@@ -297,8 +321,8 @@ def _check(a: DistMatrix, who: str) -> None:
         raise TypeError(f"{who}: expected a DistMatrix, got {type(a).__name__}")
     if a.mb != a.nb:
         raise ValueError(f"{who}: needs square blocks (mb == nb), got {a.mb}x{a.nb}")
-    if a.dtype != np.float64:
-        raise ValueError(f"{who}: needs float64, got {a.dtype}")
+    if a.dtype not in (np.float64, np.float32):
+        raise ValueError(f"{who}: needs float64 or float32, got {a.dtype}")
     if a.grid.in_grid and not a.local.flags.f_contiguous:
         raise ValueError(f"{who}: the local piece must be Fortran-contiguous")
 
@@ -341,22 +365,27 @@ def hpl_solve(a: DistMatrix, opts: LUOptions | None = None,
     return block_trsv(a, y, n, lower=False, unit=False, trans=False)[:, 0]
 
 
-def lu_factor_dist(a: DistMatrix, opts: LUOptions | None = None
-                   ) -> tuple[DistMatrix, np.ndarray | None]:
+def lu_factor_dist(a: DistMatrix, opts: LUOptions | None = None,
+                   progress: Callable[[int, int], None] | None = None,
+                   gemm: Gemm | None = None) -> tuple[DistMatrix, np.ndarray | None]:
     """LU with partial pivoting of an M x N DistMatrix (square blocks), in place.
 
     Collective over the grid. Returns ``(a, piv)`` as scipy's ``lu_factor``:
     ``a`` holds L (unit, below the diagonal) and U; ``piv`` (min(M, N),) int64
     global 0-based pivot rows, the same on every grid rank (None outside the
     grid). Raises ``LinAlgError`` on every rank when a pivot is exactly zero.
+    With ``opts.pivoting`` False no rows move (``piv[k] == k``). ``a`` may be
+    float32 (the factorisation then runs in float32). ``progress(cols_done, n)``
+    runs on every grid rank after each panel; ``gemm`` (local) replaces the
+    trailing update's BLAS call (see :data:`Gemm`).
     """
     opts = LUOptions() if opts is None else opts
     _check(a, "lu_factor_dist")
     if not a.grid.in_grid:
         return a, None
     m, n = a.gshape
-    lu = _LU(a, opts, min(m, n), swap_left=True)
-    lu.run()
+    lu = _LU(a, opts, min(m, n), swap_left=True, gemm=gemm)
+    lu.run(progress)
     if lu.zero >= 0:
         raise _singular(lu.zero)
     return a, lu.piv

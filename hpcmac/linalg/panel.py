@@ -50,19 +50,20 @@ class PanelFactor:
         self.nbmin, self.ndiv = max(1, nbmin), max(2, ndiv)
         self.ipiv = np.empty(jb, dtype=np.int64)
         self.zero = -1
+        self.blas = blas.for_dtype(w.dtype)  # float64 (HPL) or float32 (HPL-MxP)
 
     def run(self) -> None:
         self._rfact(0, self.jb)
 
     # -- helpers ------------------------------------------------------------------
     def _a(self, i: int, j: int) -> int:
-        return self.ptr + 8 * (i + j * self.ld)
+        return self.ptr + self.blas.itemsize * (i + j * self.ld)
 
     def _pivot_scale(self, k: int) -> None:
         g, v = self.pivoter.pivot(k)
         self.ipiv[k] = g
         if v != 0.0:
-            blas.dscal(self.m - k - 1, 1.0 / v, self._a(k + 1, k), 1)
+            self.blas.scal(self.m - k - 1, 1.0 / v, self._a(k + 1, k), 1)
         elif self.zero < 0:
             self.zero = self.j + k
 
@@ -81,56 +82,56 @@ class PanelFactor:
         if n <= self.nbmin or n // self.nbmin < 2:
             self.pfact(c, n)
             return
-        a, ld, m = self._a, self.ld, self.m
+        a, ld, m, b = self._a, self.ld, self.m, self.blas
         end = c + n
         for ci, ni in self._pieces(c, n):
             r0 = ci + ni
             if self.rfact == "left":
                 if ci > c:
-                    blas.dtrsm("L", "L", "N", "U", ci - c, ni, 1.0, a(c, c), ld, a(c, ci), ld)
-                    blas.dgemm("N", "N", m - ci, ni, ci - c, -1.0, a(ci, c), ld,
+                    b.trsm("L", "L", "N", "U", ci - c, ni, 1.0, a(c, c), ld, a(c, ci), ld)
+                    b.gemm("N", "N", m - ci, ni, ci - c, -1.0, a(ci, c), ld,
                                a(c, ci), ld, 1.0, a(ci, ci), ld)
                 self._rfact(ci, ni)
             elif self.rfact == "crout":
                 if ci > c:
-                    blas.dgemm("N", "N", m - ci, ni, ci - c, -1.0, a(ci, c), ld,
+                    b.gemm("N", "N", m - ci, ni, ci - c, -1.0, a(ci, c), ld,
                                a(c, ci), ld, 1.0, a(ci, ci), ld)
                 self._rfact(ci, ni)
                 if r0 < end:
                     if ci > c:
-                        blas.dgemm("N", "N", ni, end - r0, ci - c, -1.0, a(ci, c), ld,
+                        b.gemm("N", "N", ni, end - r0, ci - c, -1.0, a(ci, c), ld,
                                    a(c, r0), ld, 1.0, a(ci, r0), ld)
-                    blas.dtrsm("L", "L", "N", "U", ni, end - r0, 1.0, a(ci, ci), ld, a(ci, r0), ld)
+                    b.trsm("L", "L", "N", "U", ni, end - r0, 1.0, a(ci, ci), ld, a(ci, r0), ld)
             else:  # right
                 self._rfact(ci, ni)
                 if r0 < end:
-                    blas.dtrsm("L", "L", "N", "U", ni, end - r0, 1.0, a(ci, ci), ld, a(ci, r0), ld)
-                    blas.dgemm("N", "N", m - r0, end - r0, ni, -1.0, a(r0, ci), ld,
+                    b.trsm("L", "L", "N", "U", ni, end - r0, 1.0, a(ci, ci), ld, a(ci, r0), ld)
+                    b.gemm("N", "N", m - r0, end - r0, ni, -1.0, a(r0, ci), ld,
                                a(ci, r0), ld, 1.0, a(r0, r0), ld)
 
     # -- column-by-column base cases ------------------------------------------------
     def _pfact_right(self, c: int, n: int) -> None:
-        a, ld, m = self._a, self.ld, self.m
+        a, ld, m, b = self._a, self.ld, self.m, self.blas
         for k in range(c, c + n):
             self._pivot_scale(k)
-            blas.dger(m - k - 1, c + n - k - 1, -1.0, a(k + 1, k), 1, a(k, k + 1), ld,
+            b.ger(m - k - 1, c + n - k - 1, -1.0, a(k + 1, k), 1, a(k, k + 1), ld,
                       a(k + 1, k + 1), ld)
 
     def _pfact_left(self, c: int, n: int) -> None:
-        a, ld, m = self._a, self.ld, self.m
+        a, ld, m, b = self._a, self.ld, self.m, self.blas
         for k in range(c, c + n):
             if k > c:
-                blas.dtrsv("L", "N", "U", k - c, a(c, c), ld, a(c, k), 1)
-                blas.dgemv("N", m - k, k - c, -1.0, a(k, c), ld, a(c, k), 1, 1.0, a(k, k), 1)
+                b.trsv("L", "N", "U", k - c, a(c, c), ld, a(c, k), 1)
+                b.gemv("N", m - k, k - c, -1.0, a(k, c), ld, a(c, k), 1, 1.0, a(k, k), 1)
             self._pivot_scale(k)
 
     def _pfact_crout(self, c: int, n: int) -> None:
-        a, ld, m = self._a, self.ld, self.m
+        a, ld, m, b = self._a, self.ld, self.m, self.blas
         end = c + n
         for k in range(c, end):
             if k > c:
-                blas.dgemv("N", m - k, k - c, -1.0, a(k, c), ld, a(c, k), 1, 1.0, a(k, k), 1)
+                b.gemv("N", m - k, k - c, -1.0, a(k, c), ld, a(c, k), 1, 1.0, a(k, k), 1)
             self._pivot_scale(k)
             if k > c and k + 1 < end:
-                blas.dgemv("T", k - c, end - k - 1, -1.0, a(c, k + 1), ld, a(k, c), ld,
+                b.gemv("T", k - c, end - k - 1, -1.0, a(c, k + 1), ld, a(k, c), ld,
                            1.0, a(k, k + 1), ld)

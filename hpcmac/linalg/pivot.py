@@ -14,6 +14,8 @@ the column, and the row it replaced sits where the pivot came from. Two
 implementations: :class:`LocalPivot` (one process row: no communication) and
 :class:`ColumnPivot` (one allgather per column carrying the candidate rows, so
 the winner's whole row arrives with the reduction, as netlib's HPL_pdmxswp).
+:class:`NoPivot` keeps the diagonal as the pivot (HPL-MxP's LU without
+pivoting, for diagonally dominant matrices): no search, no swap, no message.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ class LocalPivot:
 
     def pivot(self, k: int) -> tuple[int, float]:
         """Local: swap the largest |W[r, k]|, r >= k, into row k; return (global row, value)."""
-        ptr, ld = self.ptr, self.ld
-        r = k + blas.idamax(self.m - k, ptr + 8 * (k + k * ld), 1)
+        ptr, ld, b = self.ptr, self.ld, blas.for_dtype(self.w.dtype)
+        sz = b.itemsize
+        r = k + b.iamax(self.m - k, ptr + sz * (k + k * ld), 1)
         if r != k:
-            blas.dswap(self.jb, ptr + 8 * r, ld, ptr + 8 * k, ld)
+            b.swap(self.jb, ptr + sz * r, ld, ptr + sz * k, ld)
         return int(self.glob[r]), float(self.w[k, k])
 
 
@@ -62,10 +65,12 @@ class ColumnPivot:
     def pivot(self, k: int) -> tuple[int, float]:
         """Collective over the column group: see the class docstring."""
         w, ptr, ld, jb = self.w, self.ptr, self.ld, self.jb
+        b = blas.for_dtype(w.dtype)
+        sz = b.itemsize
         start = k if self.owns_top else jb
         send = self.send
         if start < self.m:
-            r = start + blas.idamax(self.m - start, ptr + 8 * (start + k * ld), 1)
+            r = start + b.iamax(self.m - start, ptr + sz * (start + k * ld), 1)
             send[0] = abs(w[r, k])
             send[1] = self.glob[r]
             send[2:] = w[r, :]
@@ -85,9 +90,25 @@ class ColumnPivot:
         if g != top:
             if g < self.j + jb:  # inside the replicated block: every process swaps
                 t = g - self.j
-                blas.dswap(jb, ptr + 8 * t, ld, ptr + 8 * k, ld)
+                b.swap(jb, ptr + sz * t, ld, ptr + sz * k, ld)
             else:
                 if best == self.group.rank:
                     w[r, :] = w[k, :]
                 w[k, :] = row
         return g, float(row[k])
+
+
+class NoPivot:
+    """No pivoting: row ``k`` of ``W`` (global row ``j + k``) is the pivot row.
+
+    For matrices whose LU is stable without interchanges (diagonally dominant,
+    as HPL-MxP's). ``W``'s top ``jb`` rows are the diagonal block on every
+    process of the column, so each reads the pivot locally: no communication.
+    """
+
+    def __init__(self, w: np.ndarray, j: int):
+        self.w, self.j = w, j
+
+    def pivot(self, k: int) -> tuple[int, float]:
+        """Local: (global row ``j + k``, ``W[k, k]``); nothing moves."""
+        return self.j + k, float(self.w[k, k])

@@ -55,7 +55,7 @@ def _exchange(group, U, mine: list[int], peer: int, theirs: list[int], tag: int)
         out = np.ascontiguousarray(U[mine])
         req = group.isend(out, peer, tag)
     if theirs:
-        inc = np.empty((len(theirs), U.shape[1]))
+        inc = np.empty((len(theirs), U.shape[1]), dtype=U.dtype)
         group.recv(inc, peer, tag)
         U[theirs] = inc
     if req is not None:
@@ -107,7 +107,7 @@ def _spread_roll(group, U, owner_of: list[int], equil: bool) -> None:
                 reqs.append(group.isend(buf, r, _TAG + 200))
         for r, rows in recvs.items():
             if rows:
-                inc = np.empty((len(rows), U.shape[1]))
+                inc = np.empty((len(rows), U.shape[1]), dtype=U.dtype)
                 group.recv(inc, r, _TAG + 200)
                 U[rows] = inc
         for q in reqs:
@@ -121,7 +121,7 @@ def _spread_roll(group, U, owner_of: list[int], equil: bool) -> None:
             out = np.ascontiguousarray(U[mine])
             req = group.isend(out, nxt, _TAG + 300 + s)
         if theirs:
-            inc = np.empty((len(theirs), U.shape[1]))
+            inc = np.empty((len(theirs), U.shape[1]), dtype=U.dtype)
             group.recv(inc, prv, _TAG + 300 + s)
             U[theirs] = inc
         if req is not None:
@@ -143,7 +143,7 @@ def swap_column(a: np.ndarray, grid, nb: int, j: int, jb: int, ipiv, c0: int, c1
     group = grid.col
     p, me = grid.nprow, grid.myrow
     nc = c1 - c0
-    U = np.empty((jb, nc), dtype=np.float64)
+    U = np.empty((jb, nc), dtype=a.dtype)
     if nc <= 0:
         return U
     usrc, outs = pivot_moves(j, jb, ipiv)
@@ -180,7 +180,7 @@ def swap_column(a: np.ndarray, grid, nb: int, j: int, jb: int, ipiv, c0: int, c1
         if me == top:
             rows = local_outs
         else:
-            rows = np.empty((len(my_dests), nc))
+            rows = np.empty((len(my_dests), nc), dtype=a.dtype)
             group.recv(rows, top, _TAG + 500)
         a[layout.g2l(np.array(my_dests), nb, p), c0:c1] = rows
     for q in reqs:

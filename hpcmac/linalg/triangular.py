@@ -50,7 +50,7 @@ def block_trsv(a, x: np.ndarray, n: int, lower: bool, unit: bool, trans: bool) -
             else:
                 c0 = layout.first_local_at_or_after(k0 + kb, nb, mycol, q)
                 c1 = layout.first_local_at_or_after(n, nb, mycol, q)
-            part = np.zeros((kb, nrhs))
+            part = np.zeros((kb, nrhs), dtype=x.dtype)
             if c1 > c0:
                 np.matmul(A[lr:lr + kb, c0:c1], x[gcols[c0:c1]], out=part)
             s = g.row.allreduce(part) if q > 1 else part
@@ -61,7 +61,7 @@ def block_trsv(a, x: np.ndarray, n: int, lower: bool, unit: bool, trans: bool) -
             else:
                 r0 = layout.first_local_at_or_after(k0 + kb, nb, myrow, p)
                 r1 = layout.first_local_at_or_after(n, nb, myrow, p)
-            part = np.zeros((kb, nrhs))
+            part = np.zeros((kb, nrhs), dtype=x.dtype)
             if r1 > r0:
                 np.matmul(A[r0:r1, lc:lc + kb].T, x[grows[r0:r1]], out=part)
             s = g.col.allreduce(part) if p > 1 else part
@@ -72,7 +72,7 @@ def block_trsv(a, x: np.ndarray, n: int, lower: bool, unit: bool, trans: bool) -
             keeper, line, root = myrow == prow, g.row, pcol
         if not keeper:
             continue
-        xk = np.empty((kb, nrhs))
+        xk = np.empty((kb, nrhs), dtype=x.dtype)
         if myrow == prow and mycol == pcol:
             lr, lc = int(layout.g2l(k0, nb, p)), int(layout.g2l(k0, nb, q))
             xk[...] = solve_triangular(A[lr:lr + kb, lc:lc + kb], x[k0:k0 + kb] - s,

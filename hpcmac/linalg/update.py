@@ -13,28 +13,29 @@ from hpcmac.linalg import _blas as blas
 
 
 def solve_u(l1: int, l1_transposed: bool, jb: int, u: int, ldu: int, nc: int,
-            u_transposed: bool) -> None:
+            u_transposed: bool, b: blas.Routines = blas.DOUBLE) -> None:
     """U (jb x nc, or its transpose nc x jb) := L1^-1 U with L1 unit lower.
 
-    ``l1`` holds L1 (jb x jb, leading dimension jb), or L1^T when ``l1_transposed``.
+    ``l1`` holds L1 (jb x jb, leading dimension jb), or L1^T when ``l1_transposed``;
+    ``b`` is the precision's routines (float64 unless told).
     """
     if nc <= 0 or jb <= 0:
         return
     if not u_transposed:
         if l1_transposed:
-            blas.dtrsm("L", "U", "T", "U", jb, nc, 1.0, l1, jb, u, ldu)
+            b.trsm("L", "U", "T", "U", jb, nc, 1.0, l1, jb, u, ldu)
         else:
-            blas.dtrsm("L", "L", "N", "U", jb, nc, 1.0, l1, jb, u, ldu)
+            b.trsm("L", "L", "N", "U", jb, nc, 1.0, l1, jb, u, ldu)
     else:  # Ut := Ut L1^-T
         if l1_transposed:
-            blas.dtrsm("R", "U", "N", "U", nc, jb, 1.0, l1, jb, u, ldu)
+            b.trsm("R", "U", "N", "U", nc, jb, 1.0, l1, jb, u, ldu)
         else:
-            blas.dtrsm("R", "L", "T", "U", nc, jb, 1.0, l1, jb, u, ldu)
+            b.trsm("R", "L", "T", "U", nc, jb, 1.0, l1, jb, u, ldu)
 
 
 def gemm_update(mrows: int, nc: int, jb: int, l2: int, ldl: int, u: int, ldu: int,
                 u_transposed: bool, c: int, ldc: int, chunk: int = 0,
-                poll: Callable[[], bool] | None = None) -> None:
+                poll: Callable[[], bool] | None = None, b: blas.Routines = blas.DOUBLE) -> None:
     """C (mrows x nc) -= L2 (mrows x jb) U (jb x nc; U^T nc x jb when ``u_transposed``).
 
     With ``poll`` the columns go in chunks of ``chunk`` and ``poll()`` runs
@@ -49,8 +50,9 @@ def gemm_update(mrows: int, nc: int, jb: int, l2: int, ldl: int, u: int, ldu: in
     c0 = 0
     while c0 < nc:
         w = nc - c0 if (poll is None or chunk <= 0) else min(chunk, nc - c0)
-        uoff = u + 8 * (c0 if u_transposed else c0 * ldu)
-        blas.dgemm("N", tb, mrows, w, jb, -1.0, l2, ldl, uoff, ldu, 1.0, c + 8 * c0 * ldc, ldc)
+        uoff = u + b.itemsize * (c0 if u_transposed else c0 * ldu)
+        b.gemm("N", tb, mrows, w, jb, -1.0, l2, ldl, uoff, ldu, 1.0, c + b.itemsize * c0 * ldc,
+               ldc)
         c0 += w
         if poll is not None and poll():
             poll = None

@@ -71,3 +71,51 @@ def test_singular_names_the_pivot_on_every_rank():
             msg = str(exc)
         if grid.in_grid:
             parallel_assert("global index 4" in msg, f"got {msg!r}", grid.all)
+
+
+NOPIV = [LUOptions(pivoting=False), LUOptions(pivoting=False, pfact="crout", rfact="left",
+                                              depth=0, swap="binexch", bcast="long")]
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 2e-4)])
+@pytest.mark.parametrize("n,nb", [(29, 6), (40, 8)])
+def test_no_pivoting_matches_scipy_on_a_dominant_matrix(dtype, tol, n, nb):
+    # column-diagonally dominant: scipy's partial pivoting keeps every row in place,
+    # so its LU is the LU without pivoting
+    g = world()
+    rng = np.random.default_rng(n)
+    a0 = rng.uniform(-0.5, 0.5, (n, n)) + n * np.eye(n)
+    lu0, piv0 = sl.lu_factor(a0)
+    assert np.array_equal(piv0, np.arange(n))
+    for p, q in grids(g.size):
+        grid = Grid(g, p, q)
+        for opts in NOPIV:
+            a = DistMatrix.from_global(a0.astype(dtype) if g.rank == 0 else None, grid, nb, nb)
+            lu, piv = lu_factor_dist(a, opts)
+            full = lu.allgather()
+            if grid.in_grid:
+                ok = (full.dtype == dtype and np.allclose(full, lu0, rtol=tol, atol=tol)
+                      and np.array_equal(piv, np.arange(n)))
+                parallel_assert(ok, f"{p}x{q} n={n} {dtype.__name__} {opts}", grid.all)
+
+
+def test_no_pivoting_keeps_rows_where_partial_pivoting_would_swap():
+    # a small first pivot: partial pivoting swaps, no pivoting must not (Doolittle's LU)
+    g = world()
+    n, nb = 12, 4
+    rng = np.random.default_rng(3)
+    a0 = rng.standard_normal((n, n)) + 4 * np.eye(n)
+    a0[0, 0] = 0.25
+    ref = a0.copy()
+    for k in range(n):  # unblocked Doolittle without pivoting
+        ref[k + 1:, k] /= ref[k, k]
+        ref[k + 1:, k + 1:] -= np.outer(ref[k + 1:, k], ref[k, k + 1:])
+    assert not np.array_equal(sl.lu_factor(a0)[1], np.arange(n))
+    for p, q in grids(g.size):
+        grid = Grid(g, p, q)
+        a = DistMatrix.from_global(a0 if g.rank == 0 else None, grid, nb, nb)
+        lu, piv = lu_factor_dist(a, LUOptions(pivoting=False))
+        full = lu.allgather()
+        if grid.in_grid:
+            ok = np.allclose(full, ref, rtol=1e-9, atol=1e-9) and np.array_equal(piv, np.arange(n))
+            parallel_assert(ok, f"{p}x{q}", grid.all)
