@@ -63,17 +63,22 @@ def _row(label: str, items: list[str]) -> str:
     return f"{label}:" + "\n        ".join(lines)
 
 
-def header(cfg: HPLConfig, eps: float) -> str:
-    """The banner and the regurgitated input, as ``HPL_pdinfo`` prints them."""
+def header(cfg: HPLConfig, eps: float, banner: list[str] | None = None) -> str:
+    """The banner and the regurgitated input, as ``HPL_pdinfo`` prints them.
+
+    ``banner`` replaces the three title lines (hpcmac.hpl_mxp names itself there).
+    """
     ints = lambda vals: [f"{v:8d} " for v in vals]  # noqa: E731
     facts = lambda vals: [f"{FACT_LABELS[v]:>8} " for v in vals]  # noqa: E731
     swap = {0: " Binary-exchange", 1: " Spread-roll (long)",
             2: f" Mix (threshold = {cfg.swap_threshold})"}[cfg.swap]
     out = [
         RULE_EQ,
-        "HPLinpack 2.3  --  High-Performance Linpack benchmark  --   December 2, 2018",
-        f"hpcmac {__version__}: netlib HPL's algorithm and output, in Python over hpcmac.comm",
-        "Algorithm by A. Petitet and R. Clint Whaley,  Innovative Computing Laboratory, UTK",
+        *(banner or [
+            "HPLinpack 2.3  --  High-Performance Linpack benchmark  --   December 2, 2018",
+            f"hpcmac {__version__}: netlib HPL's algorithm and output, in Python over hpcmac.comm",
+            "Algorithm by A. Petitet and R. Clint Whaley,  Innovative Computing Laboratory, UTK",
+        ]),
         RULE_EQ,
         "",
         "An explanation of the input/output parameters follows:",

@@ -1,0 +1,1 @@
+"""HPL-MxP: mixed-precision LINPACK (low-precision LU, FP64 GMRES refinement)."""

@@ -1,0 +1,157 @@
+"""``mpirun -np 4 python -m hpcmac.hpl_mxp``: mixed-precision LINPACK (HPL-MxP rules).
+
+Reads HPL.dat like ``hpcmac.hpl``, runs every combination it lists, prints an
+HPL.out-style report naming both precisions. See ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from hpcmac import comm
+from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.hpl import config as hplconfig
+
+DESCRIPTION = f"""\
+HPL-MxP (formerly HPL-AI): solve netlib HPL's system to FP64 accuracy from a
+low-precision factorisation. The matrix is HPL's random matrix with each
+diagonal entry set to the sum of the magnitudes of its row (diagonally
+dominant, as the HPL-MxP rules require); it is factored WITHOUT pivoting in
+low precision by hpcmac.linalg's block-cyclic LU (netlib HPL's panel,
+broadcast and update phases, the variants HPL.dat names), then flexible GMRES
+in float64, preconditioned by that LU, refines the solution until HPL's scaled
+residual is below the threshold. The rate is HPL's (2/3 N^3 + 3/2 N^2) flops
+over the whole time: factorisation plus refinement.
+
+Input (the first that applies), as python -m hpcmac.hpl:
+  --dat FILE        this HPL.dat (netlib's 31-line format; python -m hpcmac.hpl --help)
+  ./HPL.dat         when present in the working directory
+  embedded default  N={hplconfig.DEFAULT_N} NB={hplconfig.DEFAULT_NB}, WR11C2R4, P x Q from the
+                    rank count
+-N / --nb / -P / -Q then replace the file's Ns, NBs and grids. The threshold
+(line 13, default 16.0) must be > 0: the refinement stops on it.
+"""
+
+EPILOG = """\
+Precisions (--backend, --precision):
+  numpy  float32    the whole LU in float32 with the BLAS's SGEMM (the default)
+  mlx    float32 | bfloat16 | float16
+                    panels in float32 on the CPU, the trailing update C -= L U
+                    through MLX with L and U in that precision (Metal on Apple
+                    GPUs; MLX's CPU build elsewhere, slow: numerics, not speed)
+The refinement, the matrix-vector products and the residual check are always
+float64.
+
+Output: HPL.out's lines (T/V N NB P Q Time Gflops; start/end times; the
+residual line ending in PASSED or FAILED; the closing counts) plus, per run,
+the factorisation and refinement times and GMRES's iteration count. A run is
+PASSED only when the refinement reached the threshold; it is FAILED when the
+iteration limit ran out first or the low-precision LU broke down (an exactly
+zero pivot). --json writes hpcmac.hpl's record plus precision, backend,
+iterations, restarts, converged, time_factor_s, time_refine_s, history
+(scaled residual at each restart) and note.
+
+Exit status: 0 when every run passed, 1 when one FAILED, 2 on bad input.
+
+Examples:
+  mpirun -np 2 python -m hpcmac.hpl_mxp -N 8000 --nb 256 -P 1 -Q 2 --json mxp.json
+  mpirun -np 4 python -m hpcmac.hpl_mxp --backend mlx --precision float16 -N 4000
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hpcmac.hpl_mxp.kernels import BACKENDS, PRECISIONS
+
+    p = ArgumentParser(prog="python -m hpcmac.hpl_mxp", description=DESCRIPTION,
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dat", metavar="FILE", help="read this HPL.dat (default: ./HPL.dat if "
+                   "present, else the embedded default)")
+    p.add_argument("-N", dest="ns", type=int, nargs="+", metavar="N",
+                   help="problem sizes, replacing the file's Ns")
+    p.add_argument("--nb", dest="nbs", type=int, nargs="+", metavar="NB",
+                   help="block sizes, replacing the file's NBs")
+    p.add_argument("-P", type=int, help="process rows; with -Q, the one grid to run")
+    p.add_argument("-Q", type=int, help="process columns")
+    p.add_argument("--backend", default="numpy", metavar="{" + ",".join(BACKENDS) + "}",
+                   help="where the factorisation's GEMM runs (default numpy)")
+    p.add_argument("--precision", default="float32", metavar="{" + ",".join(PRECISIONS) + "}",
+                   help="the factorisation's precision (default float32)")
+    p.add_argument("--maxit", type=int, default=50, help="GMRES iterations at most, in all "
+                   "(default 50); a run that needs more is FAILED")
+    p.add_argument("--restart", type=int, default=30, help="GMRES restart length (default 30)")
+    p.add_argument("--diag", type=float, default=1.0, metavar="S",
+                   help="diagonal = S x the row's off-diagonal magnitude sum (default 1, the "
+                   "rules' matrix; other values are for testing and are not HPL-MxP runs)")
+    p.add_argument("--json", metavar="FILE", help="also write one JSON record per run")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="rank 0 shows the factorisation's progress on stderr")
+    comm.add_transport_argument(p)
+    p.add_argument("--blas-threads", type=int, metavar="T", default=None,
+                   help="BLAS threads per rank, as python -m hpcmac.hpl")
+    return p
+
+
+def check_args(args) -> None:
+    """Pure: UsageError (one line) for flags out of range; the same on every rank."""
+    from hpcmac.hpl_mxp.kernels import check_choice
+
+    if args.blas_threads is not None and args.blas_threads < 0:
+        raise UsageError(f"--blas-threads: expected an integer >= 0, found {args.blas_threads}")
+    if args.maxit < 0:
+        raise UsageError(f"--maxit: expected an integer >= 0, found {args.maxit}")
+    if args.restart < 1:
+        raise UsageError(f"--restart: expected an integer >= 1, found {args.restart}")
+    if not math.isfinite(args.diag) or args.diag < 0:
+        raise UsageError(f"--diag: expected a number >= 0, found {args.diag}")
+    check_choice(args.backend, args.precision)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+
+    from hpcmac.hpl import driver as hpl_driver
+    from hpcmac.hpl.__main__ import _open_output, _read_input
+    from hpcmac.hpl.progress import want_progress
+    from hpcmac.hpl_mxp import report
+    from hpcmac.hpl_mxp.driver import Driver, MxPOptions
+
+    world = comm.init(args.transport, args.transport_strict, announce=False)
+    text, name = _read_input(world, args.dat)
+    cfg = hplconfig.parse_hpl_dat(text, name) if name else hplconfig.default_config(world.size)
+    cfg = hplconfig.apply_overrides(cfg, world.size, args.ns, args.nbs, args.P, args.Q)
+    if not cfg.threshold > 0.0:
+        raise UsageError(f"{cfg.source}:13: threshold: expected a number > 0 for HPL-MxP (the "
+                         f"refinement runs until the scaled residual is below it), found "
+                         f"{cfg.threshold}")
+    hplconfig.check_grids(cfg, world.size)
+
+    threads = hpl_driver.blas_threads(args.blas_threads, hpl_driver.local_ranks(world))
+    limiter = None
+    if threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        limiter = threadpool_limits(limits=threads, user_api="blas")  # noqa: F841 (kept alive)
+
+    out = _open_output(world, cfg)
+    comm.announce()
+    mxp = MxPOptions(args.precision, args.backend, args.maxit, args.restart, args.diag)
+    json_path = args.json
+    on_result = (lambda results: report.write_json(json_path, results)) if json_path else None
+    try:
+        d = Driver(world, cfg, mxp, out, show_progress=want_progress(args.progress),
+                   notes=sys.stderr, on_result=on_result)
+        failed = d.run()
+        if json_path and world.rank == 0 and not d.results:
+            report.write_json(json_path, [])
+    finally:
+        if out is not None and out not in (sys.stdout, sys.stderr):
+            out.close()
+    del limiter
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main))

@@ -1,0 +1,169 @@
+"""The HPL-MxP driver: every combination of HPL.dat, timed and checked.
+
+For each grid P x Q, N, NB and variant of the HPL.dat (in xhpl's order):
+
+1. generate HPL-MxP's matrix in float64 and b (:mod:`hpcmac.hpl_mxp.matgen`),
+   its copy in float32 for the factorisation, and ``||A||_oo`` (untimed, as
+   generation);
+2. barrier; time the LU without pivoting of the float32 copy (hpcmac.linalg's
+   LU with the variant's PFACT, RFACT, BCAST, DEPTH, SWAP; on the MLX backend
+   the trailing update in the chosen precision) and the FP64 GMRES refinement
+   (:mod:`hpcmac.hpl_mxp.refine`); the run's time is the slowest rank's;
+3. Gflops = (2/3 N^3 + 3/2 N^2) / time / 1e9, HPL's count (the refinement's
+   work is not counted, its time is);
+4. PASSED when the refinement reached HPL's scaled residual below the
+   threshold; FAILED when it did not within the iteration limit, or when the
+   low-precision LU met an exactly zero pivot (then there is no preconditioner).
+
+Collective calls say so; everything else is local.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+import numpy as np
+
+from hpcmac.comm.base import Group
+from hpcmac.comm.grid import Grid
+from hpcmac.hpl.config import HPLConfig, Variant
+from hpcmac.hpl.progress import Progress
+from hpcmac.hpl.report import footer, gflops, results_header
+from hpcmac.hpl_mxp import kernels, matgen, refine
+from hpcmac.hpl_mxp.report import MxPResult, header, result_lines
+from hpcmac.linalg.lu import LUOptions, lu_factor_dist
+
+EPS = refine.EPS
+
+
+@dataclass(frozen=True)
+class MxPOptions:
+    """What HPL-MxP adds to HPL.dat (global: the same on every rank)."""
+
+    precision: str = "float32"  # float32 | bfloat16 | float16
+    backend: str = "numpy"  # numpy | mlx
+    maxit: int = 50  # GMRES iterations in all
+    restart: int = 30  # GMRES restart length
+    diag: float = 1.0  # a_ii = diag * (row's off-diagonal magnitude sum); 1 = the rules
+
+
+def _max(group: Group, *values: float) -> list[float]:
+    return [float(v) for v in group.allreduce(np.array(values, dtype=np.float64), op="max")]
+
+
+def run_one(grid: Grid, n: int, nb: int, variant: Variant, options: LUOptions,
+            threshold: float, mxp: MxPOptions,
+            progress: Callable[[int, int], None] | None = None) -> MxPResult:
+    """Collective over ``grid.all`` (in-grid ranks only): one timed, checked HPL-MxP run."""
+    a, b = matgen.generate(n, nb, grid, mxp.diag)
+    lu = a.astype(np.float32)
+    norm_a = refine.norm_inf(a)
+    gemm = kernels.mlx_gemm(mxp.precision) if mxp.backend == "mlx" else None
+    grid.all.barrier()
+    start = time.time()
+    t0 = time.perf_counter()
+    note = ""
+    try:
+        if n > 0:
+            lu_factor_dist(lu, options, progress=progress, gemm=gemm)
+    except np.linalg.LinAlgError as exc:  # raised on every grid rank alike
+        note = f"the {mxp.precision} LU {exc}: no preconditioner"
+    t1 = time.perf_counter()
+    if not note:
+        ref = refine.refine(a, lu, b, threshold=threshold, maxit=mxp.maxit,
+                            restart=mxp.restart, norm_a=norm_a)
+        chk = ref.check
+    else:
+        ref = None
+        chk = refine.Check(float("nan"), float("nan"), norm_a, float("nan"),
+                           float(np.abs(b).max()) if n else 0.0)
+    t2 = time.perf_counter()
+    end = time.time()
+    t_lu, t_ir, wall = _max(grid.all, t1 - t0, t2 - t1, t2 - t0)
+    res = MxPResult(
+        tv=variant.tv, n=n, nb=nb, p=grid.nprow, q=grid.npcol, time_s=wall,
+        gflops=gflops(n, wall), residual=chk.residual, passed=False,
+        norm_a_inf=chk.norm_a_inf, norm_x_inf=chk.norm_x_inf, norm_b_inf=chk.norm_b_inf,
+        resid0=chk.resid0, start=start, end=end,
+        precision=mxp.precision, backend=mxp.backend, time_factor_s=t_lu, time_refine_s=t_ir,
+    )
+    if ref is not None:
+        res.iterations, res.restarts = ref.iterations, ref.restarts
+        res.converged, res.history = ref.converged, list(ref.history)
+        if not ref.converged:
+            why = ("the residual is not finite" if not np.isfinite(chk.residual)
+                   else f"the iteration limit ({mxp.maxit}) ran out")
+            note = f"{why}; scaled residual {chk.residual:.3e} at the end"
+    res.note = note
+    # never PASSED unless the refinement converged to the threshold
+    res.passed = bool(res.converged and chk.residual < threshold)
+    return res
+
+
+class Driver:
+    """Runs every combination of an HPLConfig with HPL-MxP (collective: every rank).
+
+    ``out`` is the HPL.out stream on world rank 0 (None elsewhere).
+    """
+
+    def __init__(self, world: Group, cfg: HPLConfig, mxp: MxPOptions, out: TextIO | None,
+                 show_progress: bool = False, notes: TextIO | None = None,
+                 on_result: Callable[[list[MxPResult]], None] | None = None):
+        self.world, self.cfg, self.mxp, self.out = world, cfg, mxp, out
+        self.show_progress = show_progress and world.rank == 0
+        self.notes = notes
+        self.on_result = on_result
+        self.results: list[MxPResult] = []
+        self.kpass = self.kfail = self.kskip = 0
+
+    def _write(self, text: str) -> None:
+        if self.out is not None and text:
+            self.out.write(text)
+            self.out.flush()
+
+    def _note(self, text: str) -> None:
+        if self.world.rank == 0 and self.notes is not None:
+            self.notes.write(f"note: {text}\n")
+            self.notes.flush()
+
+    def run(self) -> int:
+        """Collective: all runs; returns the number of runs that FAILED."""
+        cfg, world, m = self.cfg, self.world, self.mxp
+        self._write(header(cfg, EPS, m.precision, m.backend, m.maxit, m.restart, m.diag))
+        per_grid = len(cfg.ns) * len(cfg.nbs) * sum(1 for _ in cfg.variants())
+        for p, q in cfg.grids:
+            if p * q > world.size:
+                self._note(f"grid {p}x{q} needs {p * q} ranks, have {world.size}: skipped")
+                self.kskip += per_grid
+                continue
+            grid = Grid(world, p, q, order="col" if cfg.pmap == 1 else "row")
+            if not grid.in_grid:
+                continue  # idle for this grid
+            for n in cfg.ns:
+                for nb in cfg.nbs:
+                    for v in cfg.variants():
+                        self._write(results_header())
+                        self._one(grid, n, nb, v)
+        self._write(footer(self.kpass, self.kfail, self.kskip, cfg.threshold))
+        return self.kfail
+
+    def _one(self, grid: Grid, n: int, nb: int, v: Variant) -> None:
+        label = f"{v.tv} N={n} NB={nb} {grid.nprow}x{grid.npcol} {self.mxp.precision}"
+        prog = Progress(label) if self.show_progress else None
+        options = LUOptions(**self.cfg.lu_options(v), pivoting=False)
+        try:
+            res = run_one(grid, n, nb, v, options, self.cfg.threshold, self.mxp, prog)
+        finally:
+            if prog is not None:
+                prog.close()
+        if res.passed:
+            self.kpass += 1
+        else:
+            self.kfail += 1
+        self.results.append(res)
+        self._write(result_lines(res, self.cfg.threshold))
+        if self.on_result is not None and self.world.rank == 0:
+            self.on_result(self.results)
