@@ -70,7 +70,7 @@ def run_one(grid: Grid, n: int, nb: int, variant: Variant, options: LUOptions,
         if n > 0:
             lu_factor_dist(lu, options, progress=progress, gemm=gemm)
     except np.linalg.LinAlgError as exc:  # raised on every grid rank alike
-        note = f"the {mxp.precision} LU {exc}: no preconditioner"
+        note = f"the {mxp.precision} LU without pivoting broke down ({exc}): no preconditioner"
     t1 = time.perf_counter()
     if not note:
         ref = refine.refine(a, lu, b, threshold=threshold, maxit=mxp.maxit,
