@@ -74,8 +74,7 @@ class MxPResult(RunResult):
                   "time_factor_s", "time_refine_s", "history", "note"):
             rec[k] = d[k]
         rec["history"] = [_finite(v) for v in rec["history"]]
-        rec["residual"] = _finite(rec["residual"])
-        return rec
+        return {k: _finite(v) if isinstance(v, float) else v for k, v in rec.items()}
 
 
 def _finite(v):
