@@ -13,6 +13,7 @@ import sys
 from hpcmac import comm
 from hpcmac.errors import ArgumentParser, UsageError, run_cli
 from hpcmac.hpl import config as hplconfig
+from hpcmac.io.inputs import float_arg, int_arg
 
 DESCRIPTION = f"""\
 HPL-MxP (formerly HPL-AI): solve netlib HPL's system to FP64 accuracy from a
@@ -68,27 +69,27 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dat", metavar="FILE", help="read this HPL.dat (default: ./HPL.dat if "
                    "present, else the embedded default)")
-    p.add_argument("-N", dest="ns", type=int, nargs="+", metavar="N",
+    p.add_argument("-N", dest="ns", type=int_arg, nargs="+", metavar="N",
                    help="problem sizes, replacing the file's Ns")
-    p.add_argument("--nb", dest="nbs", type=int, nargs="+", metavar="NB",
+    p.add_argument("--nb", dest="nbs", type=int_arg, nargs="+", metavar="NB",
                    help="block sizes, replacing the file's NBs")
-    p.add_argument("-P", type=int, help="process rows; with -Q, the one grid to run")
-    p.add_argument("-Q", type=int, help="process columns")
+    p.add_argument("-P", type=int_arg, help="process rows; with -Q, the one grid to run")
+    p.add_argument("-Q", type=int_arg, help="process columns")
     p.add_argument("--backend", default="numpy", metavar="{" + ",".join(BACKENDS) + "}",
                    help="where the factorisation's GEMM runs (default numpy)")
     p.add_argument("--precision", default="float32", metavar="{" + ",".join(PRECISIONS) + "}",
                    help="the factorisation's precision (default float32)")
-    p.add_argument("--maxit", type=int, default=50, help="GMRES iterations at most, in all "
+    p.add_argument("--maxit", type=int_arg, default=50, help="GMRES iterations at most, in all "
                    "(default 50); a run that needs more is FAILED")
-    p.add_argument("--restart", type=int, default=30, help="GMRES restart length (default 30)")
-    p.add_argument("--diag", type=float, default=1.0, metavar="S",
+    p.add_argument("--restart", type=int_arg, default=30, help="GMRES restart length (default 30)")
+    p.add_argument("--diag", type=float_arg, default=1.0, metavar="S",
                    help="diagonal = S x the row's off-diagonal magnitude sum (default 1, the "
                    "rules' matrix; other values are for testing and are not HPL-MxP runs)")
     p.add_argument("--json", metavar="FILE", help="also write one JSON record per run")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="rank 0 shows the factorisation's progress on stderr")
     comm.add_transport_argument(p)
-    p.add_argument("--blas-threads", type=int, metavar="T", default=None,
+    p.add_argument("--blas-threads", type=int_arg, metavar="T", default=None,
                    help="BLAS threads per rank, as python -m hpcmac.hpl")
     return p
 
@@ -103,9 +104,37 @@ def check_args(args) -> None:
         raise UsageError(f"--maxit: expected an integer >= 0, found {args.maxit}")
     if args.restart < 1:
         raise UsageError(f"--restart: expected an integer >= 1, found {args.restart}")
-    if not math.isfinite(args.diag) or args.diag < 0:
+    if not math.isfinite(args.diag) or args.diag < 0:  # float_arg refuses nan and inf
         raise UsageError(f"--diag: expected a number >= 0, found {args.diag}")
     check_choice(args.backend, args.precision)
+
+
+def run_bytes(n: int, nb: int, p: int, q: int, restart: int) -> int:
+    """Bytes the largest rank holds for one run: HPL's [A | b] block and workspace
+    (``hpcmac.hpl.config.run_bytes``), the float32 copy of A (half of it again), and
+    GMRES's 2 x (restart + 1) vectors of N float64."""
+    return hplconfig.run_bytes(n, nb, p, q) * 3 // 2 + 16 * (restart + 1) * n
+
+
+def check_memory(world, cfg: hplconfig.HPLConfig, restart: int, ranks_here: int) -> None:
+    """Collective: UsageError on every rank when a run cannot fit the smallest rank's
+    share of its host's memory (checked before any matrix is made)."""
+    from hpcmac.limits import available_memory, gib
+
+    per_rank = min(world.allgather_obj(available_memory(ranks_here)))
+    for p, q in cfg.grids:
+        if p * q > world.size:
+            continue
+        for nb in cfg.nbs:
+            for n in cfg.ns:
+                need = run_bytes(n, nb, p, q, restart)
+                if need > per_rank:
+                    where = getattr(cfg, "ns_where", "") or (
+                        cfg.source if cfg.source.startswith("<") else f"{cfg.source}:6")
+                    raise UsageError(
+                        f"{where}: Ns: N={n} needs {gib(need)} per rank for HPL-MxP on the "
+                        f"{p}x{q} grid (NB={nb}; A in float64 and float32), expected at most "
+                        f"the {gib(per_rank)} available per rank")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     check_args(args)
 
     from hpcmac.hpl import driver as hpl_driver
-    from hpcmac.hpl.__main__ import _open_output, _read_input
+    from hpcmac.hpl.__main__ import _open_outputs, _read_input
     from hpcmac.hpl.progress import want_progress
     from hpcmac.hpl_mxp import report
     from hpcmac.hpl_mxp.driver import Driver, MxPOptions
@@ -127,28 +156,35 @@ def main(argv: list[str] | None = None) -> int:
                          f"refinement runs until the scaled residual is below it), found "
                          f"{cfg.threshold}")
     hplconfig.check_grids(cfg, world.size)
+    ranks_here = hpl_driver.local_ranks(world)
+    check_memory(world, cfg, args.restart, ranks_here)
 
-    threads = hpl_driver.blas_threads(args.blas_threads, hpl_driver.local_ranks(world))
+    threads = hpl_driver.blas_threads(args.blas_threads, ranks_here)
     limiter = None
     if threads is not None:
         from threadpoolctl import threadpool_limits
 
         limiter = threadpool_limits(limits=threads, user_api="blas")  # noqa: F841 (kept alive)
 
-    out = _open_output(world, cfg)
+    json_path = args.json
+    out, locks = _open_outputs(world, cfg, json_path)  # checked writable, locked
     comm.announce()
     mxp = MxPOptions(args.precision, args.backend, args.maxit, args.restart, args.diag)
-    json_path = args.json
     on_result = (lambda results: report.write_json(json_path, results)) if json_path else None
+    done = False
     try:
         d = Driver(world, cfg, mxp, out, show_progress=want_progress(args.progress),
                    notes=sys.stderr, on_result=on_result)
         failed = d.run()
         if json_path and world.rank == 0 and not d.results:
             report.write_json(json_path, [])
+        done = True
     finally:
         if out is not None and out not in (sys.stdout, sys.stderr):
-            out.close()
+            # HPL.out replaces the previous file only when complete
+            out.commit() if done else out.discard()
+        for lock in locks:
+            lock.release()
     del limiter
     return 1 if failed else 0
 

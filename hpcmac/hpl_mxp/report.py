@@ -113,7 +113,8 @@ def result_lines(res: MxPResult, threshold: float) -> str:
 
 
 def write_json(path: str, results: list[MxPResult]) -> None:
-    """Write the records (a JSON list, one object per run) to ``path``."""
-    with open(path, "w") as fh:
-        json.dump([r.record() for r in results], fh, indent=1)
-        fh.write("\n")
+    """Replace ``path`` with the records (a JSON list, one object per run), atomically
+    (as hpcmac.hpl's --json: a kill mid-write leaves the previous list whole)."""
+    from hpcmac.io.outputs import write_atomic
+
+    write_atomic(path, json.dumps([r.record() for r in results], indent=1) + "\n")

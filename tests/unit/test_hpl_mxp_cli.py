@@ -34,7 +34,9 @@ def run_mxp(args, cwd, np_=2, timeout=90):
      "--precision float16: the numpy backend factors in float32 only"),
     (["--backend", "cuda"], None, "--backend: expected one of numpy, mlx, found 'cuda'"),
     (["--restart", "0"], None, "--restart: expected an integer >= 1, found 0"),
-    (["--diag", "nan"], None, "--diag: expected a number >= 0, found nan"),
+    (["--diag", "-1"], None, "--diag: expected a number >= 0, found -1.0"),
+    (["--maxit", "1_0"], None, "python -m hpcmac.hpl_mxp: argument --maxit: expected an "
+     "integer (ASCII digits), found '1_0'"),
     ([], FITS.replace("16.0         threshold", "0.0 threshold"),
      "bad.dat:13: threshold: expected a number > 0 for HPL-MxP"),
     ([], FITS.replace("29 30 34 35  Ns", "29 x 34 35"),
