@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from hpcmac import comm
@@ -140,6 +141,8 @@ def check_memory(world, cfg: hplconfig.HPLConfig, restart: int, ranks_here: int)
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    if args.blas_threads is not None:  # comm.init applies it (hpcmac.blas_threads)
+        os.environ["HPCMAC_BLAS_THREADS"] = str(args.blas_threads)
 
     from hpcmac.hpl import driver as hpl_driver
     from hpcmac.hpl.__main__ import _open_outputs, _read_input
@@ -159,12 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     ranks_here = hpl_driver.local_ranks(world)
     check_memory(world, cfg, args.restart, ranks_here)
 
-    threads = hpl_driver.blas_threads(args.blas_threads, ranks_here)
-    limiter = None
-    if threads is not None:
-        from threadpoolctl import threadpool_limits
-
-        limiter = threadpool_limits(limits=threads, user_api="blas")  # noqa: F841 (kept alive)
 
     json_path = args.json
     out, locks = _open_outputs(world, cfg, json_path)  # checked writable, locked
@@ -185,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
             out.commit() if done else out.discard()
         for lock in locks:
             lock.release()
-    del limiter
     return 1 if failed else 0
 
 
