@@ -92,7 +92,9 @@ def fail(message: str, code: int = 2) -> None:
     rank = world.Get_rank()
     sys.stdout.flush()
     sys.stderr.flush()
-    mpi.Finalize()
+    from hpcmac.comm.cleanup import finalize
+
+    finalize()  # MPI_Finalize, then remove what Open MPI leaves in /dev/shm
     if rank != 0:
         os._exit(0)
     time.sleep(0.5)  # let the other ranks leave first
@@ -112,16 +114,21 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     """Run a command's ``main(argv)``; bad input becomes one line and exit 2.
 
     Any other exception on any rank aborts the whole MPI job (when MPI is
-    initialised), so no rank is left waiting in a collective.
+    initialised), so no rank is left waiting in a collective. SIGINT and SIGTERM
+    end the process with ``interrupted, rank R`` and exit 130 / 143
+    (:mod:`hpcmac.interrupts`).
     """
+    from hpcmac import interrupts
+
+    interrupts.install()
     try:
         code = main(argv)
     except UsageError as exc:
         fail(str(exc), 2)
-    except KeyboardInterrupt:
-        if world_rank() == 0:
-            print("interrupted", file=sys.stderr, flush=True)
-        _abort_if_parallel(130)
+    except KeyboardInterrupt:  # a handler of the command's own raised it (finally blocks ran)
+        import signal
+
+        interrupts.end(signal.SIGINT)
         raise SystemExit(130) from None
     except SystemExit:
         raise

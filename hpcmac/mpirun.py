@@ -113,8 +113,10 @@ def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) 
     """Start mpirun, forward signals, enforce ``timeout``; mpirun's exit code (124 past it)."""
     child = subprocess.Popen(argv, env=env)
     tty_signals = _foreground_of_a_terminal()
+    received: list[int] = []
 
     def forward(signum, _frame):
+        received.append(signum)
         # a Ctrl-C at the terminal already reached mpirun (same process group): a second
         # copy would make it abort without cleaning up
         if tty_signals and signum in (signal.SIGINT, signal.SIGQUIT):
@@ -127,7 +129,10 @@ def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) 
     old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         try:
-            return _wait(child, timeout, name)
+            rc = _wait(child, timeout, name)
+            # mpirun exits 1 when a signal ended the job: say which (130 INT, 143 TERM)
+            stop = [s for s in received if s in (signal.SIGINT, signal.SIGTERM)]
+            return 128 + stop[0] if stop and rc not in (0, 124) else rc
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

@@ -70,6 +70,7 @@ class MPIGroup(Group):
     def __init__(self, comm=None):
         from mpi4py import MPI
 
+        _clean_at_exit()
         self._MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self._rank = self.comm.Get_rank()
@@ -199,6 +200,21 @@ class MPIGroup(Group):
 
     def allgather_obj(self, obj: Any) -> list[Any]:
         return self.comm.allgather(obj)
+
+
+_cleaning: list[bool] = []
+
+
+def _clean_at_exit() -> None:
+    """Once: at exit, finalize MPI ourselves and remove Open MPI's /dev/shm segment
+    (registered after mpi4py's own finalizer, so it runs first; see comm.cleanup)."""
+    if not _cleaning:
+        import atexit
+
+        from hpcmac.comm.cleanup import finalize
+
+        atexit.register(finalize)
+        _cleaning.append(True)
 
 
 def _pick_maxloc(pairs: np.ndarray) -> tuple[float, int]:

@@ -124,6 +124,13 @@ def _choose(name: str, strict: bool) -> Group:
     launched = mlx_backend.launched_by_mlx()
     if launched is not None:
         return _choose_mlx_launch(name, strict, launched)
+    if name == "auto" and not launched_by_mpi():
+        # one process and no launcher: starting MPI here (an Open MPI singleton) only
+        # costs start-up time and leaves files in /dev/shm and $TMPDIR
+        from hpcmac.comm.local import LocalGroup
+
+        _log("transport: local (one process, not started by mpirun)")
+        return LocalGroup()
     from hpcmac.comm.mpi import MPIGroup, is_available
 
     ok, why = is_available()
@@ -213,6 +220,12 @@ def _choose_mlx_launch(name: str, strict: bool, launched: str) -> Group:
     note = group.fallback_note() + (f"; {rejected}" if rejected else "")
     _log_rank0(rank, f"transport: {launched} ({note})")
     return group
+
+
+def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
+    """Whether an MPI launcher (mpirun, mpiexec, srun with PMI/PMIx) started this process."""
+    env = os.environ if env is None else env
+    return any(v in env for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK"))
 
 
 def _agree_on_request(world: Group, name: str, strict: bool) -> None:

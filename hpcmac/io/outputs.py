@@ -22,6 +22,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from hpcmac import interrupts
 from hpcmac.errors import UsageError
 
 
@@ -83,6 +84,7 @@ class AtomicText:
         fd, self.tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp",
                                         dir=p.parent if str(p.parent) else ".")
         self.fh = os.fdopen(fd, "w")
+        interrupts.on_interrupt(self._remove)
         try:  # keep the old file's permissions; a new file gets the umask's
             os.chmod(self.tmp, stat.S_IMODE(os.stat(path).st_mode))
         except OSError:
@@ -104,11 +106,16 @@ class AtomicText:
         os.fsync(self.fh.fileno())
         self.fh.close()
         os.replace(self.tmp, self.path)
+        interrupts.forget(self._remove)
 
     def discard(self) -> None:
         """Remove the temporary; ``path`` keeps its previous content."""
         if not self.fh.closed:
             self.fh.close()
+        self._remove()
+        interrupts.forget(self._remove)
+
+    def _remove(self) -> None:
         try:
             os.unlink(self.tmp)
         except FileNotFoundError:
@@ -170,11 +177,13 @@ class OutputLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
+        interrupts.on_interrupt(self.release)
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent)."""
         if self.fd < 0:
             return
+        interrupts.forget(self.release)
         try:
             os.unlink(self.lock)
         except FileNotFoundError:

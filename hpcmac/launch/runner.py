@@ -313,6 +313,9 @@ def run(p: Plan, opts: Options) -> int:
         return 124
     if rc == 0 and rank_codes:
         rc = rank_codes[0]
+    stop = [s for s in received if s in (signal.SIGINT, signal.SIGTERM)]
+    if stop and rc != 0:  # mpirun exits 1 when a signal ended the job: say which
+        return 128 + stop[0]
     return 128 - rc if rc < 0 else rc
 
 
