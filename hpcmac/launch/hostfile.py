@@ -191,6 +191,30 @@ def _rdma_row(value: Any, where: str) -> tuple[str | None, ...]:
     return tuple(row)
 
 
+#: the fields each object of a hostfile may have; anything else is refused with the nearest
+#: of these (a misspelt "memroy_gb" must not silently drop "memory_gb"); a field whose
+#: name starts with "_" is a comment and is ignored
+TOP_KEYS = ("topology", "backend", "envs", "hosts", "links")
+HOST_KEYS = ("name", "ssh", "slots", "memory_gb", "ips", "rdma", "python")
+LINK_KEYS = ("subnet", "ends")
+END_KEYS = ("host", "iface", "addr", "rdma")
+MLX_TOP_KEYS = ("backend", "envs", "hosts")
+MLX_HOST_KEYS = ("ssh", "ips", "rdma")
+
+
+def _known_fields(obj: dict, keys: tuple[str, ...], where: str) -> None:
+    """UsageError naming the first field of ``obj`` not in ``keys``, and the nearest known one."""
+    import difflib
+
+    for k in obj:
+        if k in keys or k.startswith("_"):
+            continue
+        near = difflib.get_close_matches(k, keys, n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]!r}?" if near else f"expected one of {', '.join(keys)}"
+        raise UsageError(f"{where}: unknown field {k!r}: {hint} (a field whose name starts "
+                         "with '_' is a comment)")
+
+
 def local_cores() -> int:
     """Cores this process may use (its affinity mask where the OS has one)."""
     import os
@@ -228,6 +252,9 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
         raise UsageError(f"{source}: expected a JSON object with 'hosts', "
                          f"found {type(data).__name__}")
     hosts_raw = _req(data, "hosts", source, list)
+    is_mlx = "links" not in data and all(isinstance(h, dict) and "name" not in h
+                                         for h in hosts_raw)
+    _known_fields(data, MLX_TOP_KEYS if is_mlx and hosts_raw else TOP_KEYS, source)
     if not hosts_raw:
         raise UsageError(f"{source}: 'hosts' is empty")
     _cap(source, "hosts", len(hosts_raw), MAX_HOSTS)
@@ -242,6 +269,7 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
             raise UsageError(f"{where}: expected an object, found {h!r}")
         name = _req(h, "name", where, str)
         where = f"{source}: host {name!r}"
+        _known_fields(h, HOST_KEYS, where)
         memory = _opt(h, "memory_gb", where, (int, float), None)
         slots = _slots(h, where)
         rdma = _rdma_row(h["rdma"], where) if h.get("rdma") is not None else None
@@ -259,6 +287,7 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
         where = f"{source}: links[{i}]"
         if not isinstance(lk, dict):
             raise UsageError(f"{where}: expected an object, found {lk!r}")
+        _known_fields(lk, LINK_KEYS, where)
         subnet = _req(lk, "subnet", where, str)
         ends_raw = _req(lk, "ends", where, list)
         if len(ends_raw) != 2:
@@ -268,6 +297,7 @@ def parse(data: Any, source: str = "<hostfile>") -> Hostfile:
             ewhere = f"{where}.ends[{k}]"
             if not isinstance(e, dict):
                 raise UsageError(f"{ewhere}: expected an object, found {e!r}")
+            _known_fields(e, END_KEYS, ewhere)
             ends.append(End(
                 host=_req(e, "host", ewhere, str),
                 iface=_req(e, "iface", ewhere, str),
@@ -298,6 +328,7 @@ def _parse_mlx(data: dict, source: str) -> Hostfile:
         where = f"{source}: hosts[{i}]"
         if not isinstance(h, dict):
             raise UsageError(f"{where}: expected an object, found {h!r}")
+        _known_fields(h, MLX_HOST_KEYS, where)
         ssh = _req(h, "ssh", where, str)
         rdma = _rdma_row(h["rdma"], where) if h.get("rdma") else None
         hosts.append(Host(name=ssh, ssh=ssh, ips=_str_list(h.get("ips", []), where, "ips"),
