@@ -26,6 +26,7 @@ from hpcmac.linalg.krylov import KrylovResult, cg, gmres, jacobi
 from hpcmac.linalg.leastsq import lstsq
 from hpcmac.linalg.norms import norm
 from hpcmac.linalg.summa import matmul
+from hpcmac.linalg.symeig import eigh
 from hpcmac.linalg.trisolve import solve_triangular
 from hpcmac.linalg.vectors import BlockVector
 
@@ -38,6 +39,6 @@ def transpose(a: DistMatrix, conj: bool = False) -> DistMatrix:
 
 __all__ = [
     "BlockVector", "DistMatrix", "Grid", "KrylovResult", "LinAlgError", "cg", "cho_factor",
-    "cho_solve", "cholesky", "det", "diag", "gmres", "inv", "jacobi", "lstsq", "lu_factor",
+    "cho_solve", "cholesky", "det", "diag", "eigh", "gmres", "inv", "jacobi", "lstsq", "lu_factor",
     "lu_solve", "matmul", "norm", "slogdet", "solve", "solve_triangular", "trace", "transpose",
 ]
