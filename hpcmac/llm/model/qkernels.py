@@ -1,0 +1,175 @@
+"""Compiled kernels for quantized weights on the numpy backend (numba).
+
+Decode multiplies one or a few activation rows by every weight once per
+token, so it is bound by the bytes of the weights: a 4-bit weight is 1/8 of
+float32's, if its codes are turned into products in registers, never into a
+float32 matrix in memory. :func:`qmatmul` does that for few rows: per output,
+per group, ``scale * sum(q * x) + bias * sum(x)``, in one pass over the codes
+(LLVM vectorises the inner loop; no per-element Python, no numpy temporaries).
+For many rows (prefill) it dequantizes a tile of outputs at a time into a
+small float32 buffer and hands it to BLAS, where the dequantization is paid
+once per tile and amortised over the rows.
+
+Storage (:class:`NQWeight`): 4-bit codes as MLX packs them (byte ``k`` holds
+codes ``2k`` in its low and ``2k+1`` in its high nibble), so an MLX
+checkpoint's words are used as they are; 8-bit codes one per byte; 2, 3, 5
+and 6 bits are widened to one byte per code at load (still 4x smaller than
+float32). Scales and biases are float32, one per group.
+
+Reductions run in float32 with reassociation allowed (``fastmath``): the
+result differs from float32 BLAS on the dequantized matrix by rounding only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcmac.llm.model.quant import QuantTensor, unpack
+
+#: rows of x above which a product goes through dequantized tiles and BLAS
+GEMM_ROWS = 3
+#: output rows dequantized per tile on the BLAS path
+TILE = 32
+
+_kernels = None
+
+
+def _compile():
+    """The numba kernels, compiled (or loaded from numba's cache) on first use."""
+    global _kernels
+    if _kernels is not None:
+        return _kernels
+    import numba as nb
+
+    opts = dict(cache=True, fastmath=True, nogil=True, boundscheck=False)
+
+    @nb.njit(**opts)
+    def mv4(xe, xo, xs, q, s, b, y):  # q (out, in/2) uint8; xe/xo (M, in/2): even/odd x
+        M = xe.shape[0]
+        out, half = q.shape
+        G = s.shape[1]
+        hg = half // G
+        for o in range(out):
+            for m in range(M):
+                acc = np.float32(0.0)
+                for g in range(G):
+                    t = np.float32(0.0)
+                    base = g * hg
+                    for k in range(hg):
+                        # int32 before float: int64 -> float32 does not vectorise
+                        c = np.int32(q[o, base + k])
+                        t += np.float32(c & np.int32(15)) * xe[m, base + k] + \
+                            np.float32(c >> np.int32(4)) * xo[m, base + k]
+                    acc += s[o, g] * t + b[o, g] * xs[m, g]
+                y[m, o] = acc
+
+    @nb.njit(**opts)
+    def mv8(x, xs, q, s, b, y):  # q (out, in) uint8
+        M = x.shape[0]
+        out, n = q.shape
+        G = s.shape[1]
+        gs = n // G
+        for o in range(out):
+            for m in range(M):
+                acc = np.float32(0.0)
+                for g in range(G):
+                    t = np.float32(0.0)
+                    base = g * gs
+                    for k in range(gs):
+                        t += np.float32(np.int32(q[o, base + k])) * x[m, base + k]
+                    acc += s[o, g] * t + b[o, g] * xs[m, g]
+                y[m, o] = acc
+
+    @nb.njit(**opts)
+    def deq4(q, s, b, lo, hi, w):  # rows [lo, hi) -> w (hi-lo, in) float32
+        half = q.shape[1]
+        G = s.shape[1]
+        hg = half // G
+        for o in range(lo, hi):
+            for g in range(G):
+                sc = s[o, g]
+                bi = b[o, g]
+                for k in range(g * hg, (g + 1) * hg):
+                    c = np.int32(q[o, k])
+                    w[o - lo, 2 * k] = sc * np.float32(c & np.int32(15)) + bi
+                    w[o - lo, 2 * k + 1] = sc * np.float32(c >> np.int32(4)) + bi
+
+    @nb.njit(**opts)
+    def deq8(q, s, b, lo, hi, w):
+        n = q.shape[1]
+        G = s.shape[1]
+        gs = n // G
+        for o in range(lo, hi):
+            for g in range(G):
+                sc = s[o, g]
+                bi = b[o, g]
+                for k in range(g * gs, (g + 1) * gs):
+                    w[o - lo, k] = sc * np.float32(np.int32(q[o, k])) + bi
+
+    _kernels = dict(mv4=mv4, mv8=mv8, deq4=deq4, deq8=deq8)
+    return _kernels
+
+
+class NQWeight:
+    """A quantized weight (out, in) for the numpy backend (see the module docstring)."""
+
+    __slots__ = ("q", "scales", "biases", "bits", "group", "n", "k", "source")
+
+    def __init__(self, t: QuantTensor):
+        if t.ndim != 2:
+            raise ValueError("NQWeight: expected a 2-D weight")
+        self.n, self.k = t.shape
+        self.bits, self.group, self.source = t.bits, t.group, t.source
+        if t.bits == 4:
+            self.q = np.ascontiguousarray(t.words).view(np.uint8)
+        elif t.bits == 8:
+            self.q = np.ascontiguousarray(t.words).view(np.uint8)
+        else:  # 2, 3, 5, 6 bits: one byte per code
+            self.q = np.ascontiguousarray(unpack(t.words, t.bits, self.k))
+        self.scales = np.ascontiguousarray(t.scales, dtype=np.float32)
+        self.biases = np.ascontiguousarray(t.biases, dtype=np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.nbytes + self.scales.nbytes + self.biases.nbytes)
+
+    @property
+    def packed4(self) -> bool:
+        return self.bits == 4
+
+    def dequantize_rows(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``[lo, hi)`` as float32 (hi - lo, in)."""
+        kern = _compile()
+        w = out if out is not None else np.empty((hi - lo, self.k), np.float32)
+        (kern["deq4"] if self.packed4 else kern["deq8"])(self.q, self.scales, self.biases,
+                                                         lo, hi, w)
+        return w
+
+    def take(self, idx: np.ndarray) -> np.ndarray:
+        """Rows ``idx`` dequantized (an embedding lookup): (len(idx), in) float32."""
+        out = np.empty((len(idx), self.k), np.float32)
+        for j, i in enumerate(np.asarray(idx, np.int64)):
+            self.dequantize_rows(int(i), int(i) + 1, out[j:j + 1])
+        return out
+
+
+def qmatmul(x: np.ndarray, w: NQWeight) -> np.ndarray:
+    """``x @ W.T`` for a quantized weight: x (M, in) float32 -> (M, out) float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m = x.shape[0]
+    kern = _compile()
+    y = np.empty((m, w.n), np.float32)
+    if m <= GEMM_ROWS:
+        xs = np.ascontiguousarray(x.reshape(m, -1, w.group).sum(axis=-1, dtype=np.float32))
+        if w.packed4:
+            kern["mv4"](np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2]),
+                        xs, w.q, w.scales, w.biases, y)
+        else:
+            kern["mv8"](x, xs, w.q, w.scales, w.biases, y)
+        return y
+    buf = np.empty((min(TILE, w.n), w.k), np.float32)
+    for lo in range(0, w.n, TILE):
+        hi = min(lo + TILE, w.n)
+        t = w.dequantize_rows(lo, hi, buf[:hi - lo])
+        np.matmul(x, t.T, out=y[:, lo:hi])
+    return y

@@ -1,0 +1,177 @@
+"""Quantized weights kept quantized: MLX's affine format as the one in-memory form.
+
+A :class:`QuantTensor` is a weight (..., out, in) stored as MLX stores it
+(``mx.quantize``, mlx-lm's ``-q``, mlx-community checkpoints): integer codes
+``q`` in ``[0, 2**bits)`` packed little-endian into ``uint32`` words along the
+input axis, and one float32 ``scale`` and ``bias`` per ``group`` inputs, so that
+
+    w[..., o, i] = scales[..., o, i // group] * q[..., o, i] + biases[..., o, i // group]
+
+computed in float32 (the product, then the sum, each rounded once: exactly what
+``mx.dequantize`` does). Both backends take this form: MLX multiplies the
+packed words with ``mx.quantized_matmul``; numpy repacks them for its compiled
+kernels (:mod:`hpcmac.llm.model.qkernels`). GGUF block formats that map onto it
+without a second rounding are converted by :mod:`hpcmac.llm.model.gguf_quant`.
+
+Pure numpy: no MLX, no communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcmac.errors import UsageError
+
+#: bits per weight and group sizes of MLX's affine quantization
+BITS = (2, 3, 4, 5, 6, 8)
+GROUPS = (32, 64, 128)
+#: quantization modes we read ("affine" is MLX's default and mlx-lm's -q)
+MODES = ("affine",)
+
+
+def check_format(what: str, bits, group, mode: str = "affine") -> None:
+    """One-line UsageError unless (bits, group, mode) is a format we keep quantized."""
+    if mode not in MODES:
+        raise UsageError(f"{what}: quantization mode {mode!r} is not supported; "
+                         f"supported: {', '.join(MODES)} (bits {BITS}, groups {GROUPS})")
+    if bits not in BITS:
+        raise UsageError(f"{what}: {bits}-bit quantization is not supported; "
+                         f"supported bits: {', '.join(map(str, BITS))}")
+    if group not in GROUPS:
+        raise UsageError(f"{what}: quantization group size {group} is not supported; "
+                         f"supported: {', '.join(map(str, GROUPS))}")
+
+
+def pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Integer codes (..., n) -> MLX's packed words (..., n * bits / 32) uint32.
+
+    Codes are laid end to end, little-endian, ``bits`` each: code ``j`` holds
+    bits ``[j*bits, (j+1)*bits)`` of the row's bit string. ``n * bits`` must be
+    a multiple of 32 (always so for the group sizes above).
+    """
+    q = np.asarray(q)
+    n = q.shape[-1]
+    if (n * bits) % 32:
+        raise ValueError(f"pack: {n} codes of {bits} bits do not fill whole uint32 words")
+    if bits == 8:
+        return np.ascontiguousarray(q.astype(np.uint8)).view(np.uint32)
+    if bits in (2, 4):
+        per = 8 // bits
+        q8 = q.astype(np.uint8).reshape(*q.shape[:-1], n // per, per)
+        byte = np.zeros(q8.shape[:-1], np.uint8)
+        for j in range(per):
+            byte |= q8[..., j] << np.uint8(j * bits)
+        return np.ascontiguousarray(byte).view(np.uint32)
+    # 3, 5, 6 bits: through the bit string, a row block at a time
+    shift = np.arange(bits, dtype=np.uint8)
+    bitstr = ((q.astype(np.uint8)[..., None] >> shift) & np.uint8(1)).reshape(*q.shape[:-1], -1)
+    return np.ascontiguousarray(np.packbits(bitstr, axis=-1, bitorder="little")).view(np.uint32)
+
+
+def unpack(words: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """MLX's packed words (..., n * bits / 32) -> integer codes (..., n) uint8."""
+    b = np.ascontiguousarray(words).view(np.uint8)
+    if bits == 8:
+        return b[..., :n]
+    if bits in (2, 4):
+        per = 8 // bits
+        mask = np.uint8((1 << bits) - 1)
+        out = np.empty((*b.shape[:-1], b.shape[-1], per), np.uint8)
+        for j in range(per):
+            out[..., j] = (b >> np.uint8(j * bits)) & mask
+        return out.reshape(*b.shape[:-1], -1)[..., :n]
+    bitstr = np.unpackbits(b, axis=-1, bitorder="little")[..., :n * bits]
+    bitstr = bitstr.reshape(*b.shape[:-1], n, bits)
+    weight = (1 << np.arange(bits)).astype(np.uint8)
+    return (bitstr * weight).sum(axis=-1, dtype=np.uint8)
+
+
+@dataclass
+class QuantTensor:
+    """A weight (..., out, in) held in MLX's affine format (see the module docstring).
+
+    words : (..., out, in * bits / 32) uint32, packed codes
+    scales, biases : (..., out, in / group) float32
+    bits, group : bits per weight, inputs per scale and bias
+    source : where it came from, for ``info`` (e.g. ``"mlx q4 g64"``, ``"gguf Q4_1"``)
+    """
+
+    words: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+    bits: int
+    group: int
+    source: str = ""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.words.shape[:-1], self.words.shape[-1] * 32 // self.bits)
+
+    @property
+    def ndim(self) -> int:
+        return self.words.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.words.nbytes + self.scales.nbytes + self.biases.nbytes)
+
+    def codes(self) -> np.ndarray:
+        """The integer codes (..., out, in) uint8."""
+        return unpack(self.words, self.bits, self.shape[-1])
+
+    def dequantize(self) -> np.ndarray:
+        """float32 (..., out, in), bit for bit what ``mx.dequantize`` gives."""
+        q = self.codes().astype(np.float32)
+        q = q.reshape(*q.shape[:-1], -1, self.group)  # (..., out, G, group)
+        w = self.scales[..., None] * q + self.biases[..., None]
+        return w.reshape(self.shape)
+
+    def __getitem__(self, key) -> QuantTensor:
+        """Leading-axis selection (rows, or experts of a stack); never cuts the input axis."""
+        return QuantTensor(self.words[key], self.scales[key], self.biases[key],
+                           self.bits, self.group, self.source)
+
+    def cols(self, lo: int, hi: int) -> QuantTensor:
+        """Input columns ``[lo, hi)``; both must fall on group boundaries."""
+        if lo % self.group or hi % self.group:
+            raise ValueError(f"cols: [{lo}, {hi}) does not fall on groups of {self.group}")
+        wpg = self.group * self.bits // 32  # words per group
+        g0, g1 = lo // self.group, hi // self.group
+        return QuantTensor(np.ascontiguousarray(self.words[..., g0 * wpg:g1 * wpg]),
+                           np.ascontiguousarray(self.scales[..., g0:g1]),
+                           np.ascontiguousarray(self.biases[..., g0:g1]),
+                           self.bits, self.group, self.source)
+
+
+def same_format(parts) -> bool:
+    """Whether every part is a QuantTensor of one (bits, group)."""
+    return all(isinstance(p, QuantTensor) for p in parts) and \
+        len({(p.bits, p.group) for p in parts}) == 1
+
+
+def concat_rows(parts: list, axis: int = 0):
+    """Stack weights along an output axis (Q, K, V into QKV; gate and up).
+
+    Quantized parts of one format stay quantized; anything mixed (float32
+    beside quantized, or two formats) is dequantized and stacked as float32.
+    """
+    if same_format(parts):
+        p0 = parts[0]
+        src = p0.source if len({p.source for p in parts}) == 1 else "mixed"
+        return QuantTensor(*(np.concatenate([getattr(p, f) for p in parts], axis=axis)
+                             for f in ("words", "scales", "biases")), p0.bits, p0.group, src)
+    return np.concatenate([p.dequantize() if isinstance(p, QuantTensor) else
+                           np.asarray(p, np.float32) for p in parts], axis=axis)
+
+
+def as_float(w) -> np.ndarray:
+    """A float32 array of ``w`` (dequantized when quantized)."""
+    return w.dequantize() if isinstance(w, QuantTensor) else np.asarray(w, np.float32)
+
+
+def quantized_nbytes(numel: int, bits: int, group: int) -> int:
+    """Bytes of ``numel`` weights held quantized: packed codes, a float32 scale and bias
+    per group."""
+    return numel * bits // 8 + (numel // group) * 8
