@@ -10,6 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from hpcmac.errors import UsageError
+from hpcmac.llm.model.quant import QuantTensor, RowBlocks, quantized_nbytes
+
+__all__ = ["quantized_nbytes"]  # re-exported: the planner and tests import it from here
 
 BACKENDS = ("numpy", "mlx")
 
@@ -39,6 +42,14 @@ class Panels:
         return self.p.nbytes
 
 
+class Blocks(list):
+    """Backend weights whose outputs are concatenated (a :class:`RowBlocks` as loaded)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self)
+
+
 class NumpyBackend:
     """float32 numpy on the CPU; matrix products go to the BLAS numpy links."""
 
@@ -52,7 +63,16 @@ class NumpyBackend:
         return np.ascontiguousarray(a, dtype=np.float32)
 
     def weight(self, w):
-        """A weight (out, in) packed for :meth:`linear`; a stack (E, out, in) gives a list."""
+        """A weight (out, in) packed for :meth:`linear`; a stack (E, out, in) gives a list.
+
+        A :class:`QuantTensor` stays quantized (:class:`~hpcmac.llm.model.qkernels.NQWeight`,
+        multiplied by the compiled kernels)."""
+        if isinstance(w, RowBlocks):
+            return Blocks([self.weight(p) for p in w])
+        if isinstance(w, QuantTensor):
+            from hpcmac.llm.model.qkernels import NQWeight
+
+            return [NQWeight(w[e]) for e in range(w.shape[0])] if w.ndim == 3 else NQWeight(w)
         w = np.asarray(w, dtype=np.float32)
         if w.ndim == 3:
             return [Panels(we, self.panel) for we in w]
@@ -67,8 +87,18 @@ class NumpyBackend:
     def zeros(self, shape) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32)
 
+    def rows(self, w, idx: np.ndarray) -> np.ndarray:
+        """Rows ``idx`` of a quantized (out, in) weight, dequantized: (len(idx), in) float32."""
+        return w.take(idx)
+
     def linear(self, x: np.ndarray, w: Panels) -> np.ndarray:
         """``x @ W.T`` for a packed weight: x (M, in) -> (M, out)."""
+        if isinstance(w, Blocks):
+            return np.concatenate([self.linear(x, p) for p in w], axis=-1)
+        if not isinstance(w, Panels):  # NQWeight: kept quantized
+            from hpcmac.llm.model.qkernels import qmatmul
+
+            return qmatmul(x, w)
         m = x.shape[0]
         nb, _, r = w.p.shape
         if m == 1:  # vector @ panels: a gemv per panel, looped in C
@@ -127,20 +157,21 @@ def check_quantize(backend: str, bits: int | None, group_size: int = 64) -> None
                          "keeps float32 weights)")
 
 
-def quantized_nbytes(numel: int, bits: int, group_size: int) -> int:
-    """Bytes of ``numel`` weights held quantized: packed values, a float32 scale and bias
-    per group."""
-    return numel * bits // 8 + (numel // group_size) * 8
-
-
 class QWeight:
     """A weight (out, in) kept quantized by MLX (affine, ``bits`` per weight, one scale and
     bias per ``group`` inputs), multiplied with ``mx.quantized_matmul``."""
 
-    __slots__ = ("wq", "scales", "biases", "bits", "group")
+    __slots__ = ("wq", "scales", "biases", "bits", "group", "source")
 
-    def __init__(self, mx, w: np.ndarray, bits: int, group: int):
-        self.wq, self.scales, self.biases = mx.quantize(mx.array(w), group_size=group, bits=bits)
+    def __init__(self, mx, w: np.ndarray | QuantTensor, bits: int, group: int):
+        if isinstance(w, QuantTensor):  # already quantized: the stored codes, as they are
+            self.wq, self.scales, self.biases = (mx.array(np.ascontiguousarray(a)) for a in
+                                                 (w.words, w.scales, w.biases))
+            bits, group, self.source = w.bits, w.group, w.source
+        else:
+            self.wq, self.scales, self.biases = mx.quantize(mx.array(w), group_size=group,
+                                                            bits=bits)
+            self.source = f"mlx q{bits} g{group}"
         self.bits, self.group = bits, group
         mx.eval(self.wq, self.scales, self.biases)
 
@@ -181,7 +212,14 @@ class MLXBackend:
 
     def weight(self, w):
         """A weight (..., out, in) stored transposed, (..., in, out), or quantized
-        (:class:`QWeight`; a stack (E, out, in) gives a list)."""
+        (:class:`QWeight`; a stack (E, out, in) gives a list). A :class:`QuantTensor`
+        is kept as stored (never quantized a second time)."""
+        if isinstance(w, RowBlocks):
+            return Blocks([self.weight(p) for p in w])
+        if isinstance(w, QuantTensor):
+            if w.ndim == 3:
+                return [QWeight(self.mx, w[e], w.bits, w.group) for e in range(w.shape[0])]
+            return QWeight(self.mx, w, w.bits, w.group)
         w = np.asarray(w, np.float32)
         if self.bits and w.shape[-1] % self.group_size == 0:
             if w.ndim == 3:
@@ -197,6 +235,8 @@ class MLXBackend:
         return np.array(out, dtype=np.float32)
 
     def linear(self, x, wt):
+        if isinstance(wt, Blocks):
+            return self.mx.concatenate([self.linear(x, p) for p in wt], axis=-1)
         if isinstance(wt, QWeight):
             return self.mx.quantized_matmul(x, wt.wq, wt.scales, wt.biases, transpose=True,
                                             group_size=wt.group, bits=wt.bits)

@@ -176,3 +176,45 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int, group: int,
+                    recipe: str | None = None) -> Path:
+    """Quantize a random folder with mlx-lm itself (as ``mlx_lm.convert -q``), into ``out``.
+
+    ``recipe``: one of mlx-lm's mixed-precision recipes (e.g. ``mixed_3_6``).
+    mlx-lm wants ``rope_theta`` and ``num_experts`` at the top of config.json
+    (transformers 5 writes ``rope_parameters`` and may write ``num_local_experts``):
+    both are added to the source folder first, with the same values, so both
+    sides read one model. mlx-lm is the oracle (test extra), never a dependency.
+    """
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    folder, out = Path(folder), Path(out)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    if "num_local_experts" in cfg:
+        cfg.setdefault("num_experts", cfg["num_local_experts"])
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    model, config = load_model(folder, lazy=False)
+    pred = None
+    if recipe:
+        from mlx_lm.convert import mixed_quant_predicate_builder
+
+        pred = mixed_quant_predicate_builder(recipe, model, group)
+    model, config = quantize_model(model, config, group, bits, quant_predicate=pred)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    return out
+
+
+def mlx_lm_greedy(folder: str | Path, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of mlx-lm's own generation loop on ``folder`` (the oracle)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(folder))
+    steps = generate_step(mx.array(prompt), model, max_tokens=n,
+                          sampler=lambda logits: mx.argmax(logits, axis=-1))
+    return [int(tok) for (tok, _), _ in zip(steps, range(n))]

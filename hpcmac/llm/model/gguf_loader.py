@@ -24,6 +24,9 @@ GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": 
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                     "Q4_K", "Q5_K", "Q6_K")
 
+#: bits of the GGUF types kept quantized (see gguf_quant)
+_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5}
+
 _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -235,6 +238,55 @@ class GGUFCheckpoint:
     def numel(self, name: str) -> int:
         return int(np.prod(self.shape(name), dtype=np.int64))
 
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes ``name`` takes in memory as :meth:`get_weight` returns it."""
+        from hpcmac.llm.model.gguf_quant import EXACT
+        from hpcmac.llm.model.quant import quantized_nbytes
+
+        g = gguf_name(name)
+        if g in self._tensors and self._tensors[g].tensor_type.name in EXACT:
+            t = self._tensors[g]
+            return quantized_nbytes(self.numel(name), _BITS[t.tensor_type.name], 32)
+        return 4 * self.numel(name)
+
+    def experts_nbytes(self, layer: int) -> int | None:
+        """Bytes of one layer's routed experts as held (None: not all kept quantized)."""
+        from hpcmac.llm.model.gguf_quant import EXACT
+        from hpcmac.llm.model.quant import quantized_nbytes
+
+        total = 0
+        for which in ("gate", "up", "down"):
+            t = self._tensors.get(f"blk.{layer}.ffn_{which}_exps.weight")
+            if t is None or t.tensor_type.name not in EXACT:
+                return None
+            total += quantized_nbytes(int(np.prod(t.shape.tolist())),
+                                      _BITS[t.tensor_type.name], 32)
+        return total
+
+    def _keep(self, t, shape: tuple[int, ...]):
+        """A tensor as kept in memory: a QuantTensor for the exact types, else float32."""
+        from hpcmac.llm.model.gguf_quant import to_quant
+
+        qt = to_quant(t.data, t.tensor_type.name, shape)
+        if qt is None:
+            return self._dequant(t)
+        return qt
+
+    def get_weight(self, name: str):
+        """The tensor as stored: a QuantTensor for the exact GGUF types, else float32."""
+        if name.endswith("self_attn.kv_b_proj.weight") and gguf_name(name) not in self._tensors:
+            return self._kv_b_from_split(name)
+        t = self._tensor(name)
+        w = self._keep(t, self.shape(name))
+        if self._arch_gguf == "llama" and (name.endswith("self_attn.q_proj.weight")
+                                           or name.endswith("self_attn.k_proj.weight")):
+            cfg = self.config()
+            heads = cfg.n_heads if name.endswith("q_proj.weight") else cfg.n_kv_heads
+            d = w.shape[0]
+            perm = np.arange(d).reshape(heads, d // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+            w = w[perm]  # the rotary un-permute is a row permutation: codes move as they are
+        return w
+
     def _dequant(self, t) -> np.ndarray:
         from gguf import quants
 
@@ -271,6 +323,9 @@ class GGUFCheckpoint:
         cfg = self.config()
         return (cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
 
-    def experts(self, layer: int, which: str) -> np.ndarray:
-        """Routed expert weights of one layer, (E, out, in)."""
-        return self._dequant(self._tensor("", f"blk.{layer}.ffn_{which}_exps.weight"))
+    def experts(self, layer: int, which: str, keep_quant: bool = False):
+        """Routed expert weights of one layer, (E, out, in) (``keep_quant``: as stored)."""
+        t = self._tensor("", f"blk.{layer}.ffn_{which}_exps.weight")
+        if keep_quant:
+            return self._keep(t, tuple(int(s) for s in reversed(t.shape.tolist())))
+        return self._dequant(t)

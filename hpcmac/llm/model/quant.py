@@ -151,19 +151,27 @@ def same_format(parts) -> bool:
         len({(p.bits, p.group) for p in parts}) == 1
 
 
+class RowBlocks(list):
+    """Weights stacked along the output axis that cannot be one array: parts of
+    different formats (a mixed-precision checkpoint's 6-bit V beside 4-bit Q
+    and K). Each part stays as stored; backends multiply each and concatenate."""
+
+
 def concat_rows(parts: list, axis: int = 0):
     """Stack weights along an output axis (Q, K, V into QKV; gate and up).
 
-    Quantized parts of one format stay quantized; anything mixed (float32
-    beside quantized, or two formats) is dequantized and stacked as float32.
+    Float32 parts give one float32 array; quantized parts of one format one
+    QuantTensor; anything mixed a :class:`RowBlocks` of the parts as stored
+    (2-D weights; a mixed expert stack is dequantized to float32).
     """
     if same_format(parts):
         p0 = parts[0]
         src = p0.source if len({p.source for p in parts}) == 1 else "mixed"
         return QuantTensor(*(np.concatenate([getattr(p, f) for p in parts], axis=axis)
                              for f in ("words", "scales", "biases")), p0.bits, p0.group, src)
-    return np.concatenate([p.dequantize() if isinstance(p, QuantTensor) else
-                           np.asarray(p, np.float32) for p in parts], axis=axis)
+    if any(isinstance(p, QuantTensor) for p in parts) and parts[0].ndim == 2 and axis == 0:
+        return RowBlocks(parts)
+    return np.concatenate([as_float(p) for p in parts], axis=axis)
 
 
 def as_float(w) -> np.ndarray:

@@ -22,6 +22,8 @@ from hpcmac.llm.model.backend import QWeight, get_backend
 from hpcmac.llm.model.cache import KVCache
 from hpcmac.llm.model.config import ModelConfig
 from hpcmac.llm.model.layers import attention, latent_attention, mlp, moe
+from hpcmac.llm.model.qkernels import NQWeight
+from hpcmac.llm.model.quant import QuantTensor, as_float, concat_rows
 from hpcmac.llm.model.rope import cos_sin, rope_frequencies, softmax_scale
 from hpcmac.llm.model.weights import open_checkpoint
 
@@ -139,18 +141,37 @@ class Stage:
 class _Loader:
     """Reads canonical tensors from a checkpoint and checks their shapes."""
 
-    def __init__(self, ckpt, backend):
+    def __init__(self, ckpt, backend, keep_quantized: bool = True):
         self.ckpt, self.be = ckpt, backend
+        self.keep = keep_quantized and hasattr(ckpt, "get_weight")
         self.nbytes = 0
+        #: what was kept quantized: source ("gguf Q4_1", "mlx q4 g64") -> tensors
+        self.formats: dict[str, int] = {}
 
-    def np(self, name: str, shape: tuple) -> np.ndarray:
+    def _check(self, name: str, shape: tuple) -> None:
         found = tuple(self.ckpt.shape(name))
         if found != tuple(shape):
             raise UsageError(f"{self.ckpt.path}: tensor {name} has shape {list(found)}; "
                              f"expected {list(shape)}")
+
+    def np(self, name: str, shape: tuple) -> np.ndarray:
+        """A tensor as float32 (dequantized if stored quantized)."""
+        self._check(name, shape)
         w = self.ckpt.get(name)
         self.nbytes += w.nbytes
         return w
+
+    def raw(self, name: str, shape: tuple):
+        """A matrix as stored: a QuantTensor kept quantized, else float32."""
+        self._check(name, shape)
+        w = self.ckpt.get_weight(name) if self.keep else self.ckpt.get(name)
+        self._count(w)
+        return w
+
+    def _count(self, w) -> None:
+        self.nbytes += w.nbytes
+        if isinstance(w, QuantTensor):
+            self.formats[w.source] = self.formats.get(w.source, 0) + 1
 
     def __call__(self, name: str, shape: tuple):
         """A vector or a norm weight, as a backend array."""
@@ -158,14 +179,14 @@ class _Loader:
 
     def w(self, name: str, shape: tuple):
         """A matrix used by ``backend.linear`` (stored the backend's way)."""
-        return self.be.weight(self.np(name, shape))
+        return self.be.weight(self.raw(name, shape))
 
-    def experts(self, layer: int, which: str, shape: tuple) -> np.ndarray:
-        w = self.ckpt.experts(layer, which)
+    def experts(self, layer: int, which: str, shape: tuple):
+        w = self.ckpt.experts(layer, which, keep_quant=self.keep)
         if tuple(w.shape) != tuple(shape):
             raise UsageError(f"{self.ckpt.path}: experts '{which}' of layer {layer} have shape "
                              f"{list(w.shape)}; expected {list(shape)}")
-        self.nbytes += w.nbytes
+        self._count(w)
         return w
 
 
@@ -195,9 +216,9 @@ def _load_layer(ld: _Loader, cfg: ModelConfig, i: int) -> dict:
         w["wo"] = ld.w(a + "o_proj.weight", (D, H * vd))
     else:
         KV, d = cfg.n_kv_heads, cfg.head_dim
-        qkv = [ld.np(a + "q_proj.weight", (H * d, D)), ld.np(a + "k_proj.weight", (KV * d, D)),
-               ld.np(a + "v_proj.weight", (KV * d, D))]
-        w["wqkv"] = be.weight(np.concatenate(qkv, axis=0))
+        qkv = [ld.raw(a + "q_proj.weight", (H * d, D)),
+               ld.raw(a + "k_proj.weight", (KV * d, D)), ld.raw(a + "v_proj.weight", (KV * d, D))]
+        w["wqkv"] = be.weight(concat_rows(qkv))
         if cfg.attention_bias:
             w["bqkv"] = be.asarray(np.concatenate(
                 [ld.np(a + "q_proj.bias", (H * d,)), ld.np(a + "k_proj.bias", (KV * d,)),
@@ -216,19 +237,19 @@ def _load_layer(ld: _Loader, cfg: ModelConfig, i: int) -> dict:
             w["router_bias"] = ld.np(m + "gate.e_score_correction_bias", (E,))
         gate = ld.experts(i, "gate", (E, I, D))
         up = ld.experts(i, "up", (E, I, D))
-        w["e_gu"] = be.weight(np.concatenate([gate, up], axis=1))  # (E, 2I, D)
+        w["e_gu"] = be.weight(concat_rows([gate, up], axis=1))  # (E, 2I, D)
         del gate, up
         w["e_down"] = be.weight(ld.experts(i, "down", (E, D, I)))
         if cfg.n_shared_experts:
             S = I * cfg.n_shared_experts
             s = m + "shared_experts."
-            w["s_w_gu"] = be.weight(np.concatenate(
-                [ld.np(s + "gate_proj.weight", (S, D)), ld.np(s + "up_proj.weight", (S, D))]))
+            w["s_w_gu"] = be.weight(concat_rows(
+                [ld.raw(s + "gate_proj.weight", (S, D)), ld.raw(s + "up_proj.weight", (S, D))]))
             w["s_w_down"] = ld.w(s + "down_proj.weight", (D, S))
     else:
         I = cfg.intermediate
-        w["w_gu"] = be.weight(np.concatenate(
-            [ld.np(m + "gate_proj.weight", (I, D)), ld.np(m + "up_proj.weight", (I, D))]))
+        w["w_gu"] = be.weight(concat_rows(
+            [ld.raw(m + "gate_proj.weight", (I, D)), ld.raw(m + "up_proj.weight", (I, D))]))
         w["w_down"] = ld.w(m + "down_proj.weight", (D, I))
         if cfg.mlp_bias:
             w["b_gu"] = be.asarray(np.concatenate(
@@ -239,7 +260,7 @@ def _load_layer(ld: _Loader, cfg: ModelConfig, i: int) -> dict:
 
 def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: bool = True,
                last: bool = True, backend: str = "numpy", quantize: int | None = None,
-               group_size: int = 64) -> Stage:
+               group_size: int = 64, keep_quantized: bool = True) -> Stage:
     """Load layers ``[start, end)`` (global indices) of a model folder or GGUF file.
 
     Parameters
@@ -252,6 +273,9 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     backend : ``numpy`` or ``mlx``.
     quantize, group_size : keep the matrices quantized to ``quantize`` bits
         per weight, one scale and bias per ``group_size`` inputs (MLX only).
+    keep_quantized : keep weights the checkpoint stores quantized (MLX affine
+        safetensors, the exact GGUF types) as they are (default); False
+        dequantizes every weight to float32 (the reference the tests compare with).
     """
     be = get_backend(backend, quantize, group_size)
     ckpt = open_checkpoint(path_or_name)
@@ -259,16 +283,17 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     if not (0 <= start <= end <= cfg.n_layers):
         raise UsageError(f"layer range [{start}, {end}) is outside the model's "
                          f"{cfg.n_layers} layers")
-    ld = _Loader(ckpt, be)
+    ld = _Loader(ckpt, be, keep_quantized)
     extra: dict = {}
     if first or (last and cfg.tie_embeddings):
-        emb = ld.np("model.embed_tokens.weight", (cfg.vocab, cfg.hidden))
-        packed = be.weight(emb) if quantize else None
+        emb = ld.raw("model.embed_tokens.weight", (cfg.vocab, cfg.hidden))
+        packed = be.weight(emb) if quantize or isinstance(emb, QuantTensor) else None
         if first:
             extra["embed"] = True
-            if isinstance(packed, QWeight):  # one quantized copy: lookup and tied head
+            if isinstance(packed, (QWeight, NQWeight)):  # one quantized copy: lookup, tied head
                 extra["embed_q"] = packed
             else:
+                emb = as_float(emb)
                 extra["embed_np"] = emb
         if last and cfg.tie_embeddings:
             extra["head"] = packed if packed is not None else be.weight(emb)
@@ -277,4 +302,6 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
         extra["norm"] = ld("model.norm.weight", (cfg.hidden,))
         if not cfg.tie_embeddings:
             extra["head"] = ld.w("lm_head.weight", (cfg.vocab, cfg.hidden))
-    return Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes)
+    stage = Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes)
+    stage.formats = dict(ld.formats)
+    return stage

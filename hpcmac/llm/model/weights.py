@@ -5,6 +5,11 @@ names, so the model never cares where its weights come from:
 
 ``ckpt.config()``, ``ckpt.has(name)``, ``ckpt.shape(name)``,
 ``ckpt.get(name) -> float32 ndarray``, ``ckpt.experts(layer, which) -> (E, out, in)``.
+``ckpt.get_weight(name)`` and ``ckpt.experts(..., keep_quant=True)`` give a
+weight as stored: a :class:`~hpcmac.llm.model.quant.QuantTensor` when the file
+holds it quantized in a form we keep (MLX affine safetensors as mlx-lm and
+mlx-community write them; the exact GGUF block types), float32 otherwise;
+``ckpt.stored_nbytes(name)`` is what that takes in memory.
 
 Safetensors files are memory-mapped and only the tensors a caller asks for are
 read, so a pipeline stage touches only the bytes of its own layers.
@@ -21,6 +26,7 @@ import numpy as np
 
 from hpcmac.errors import UsageError
 from hpcmac.llm.model.config import ModelConfig, is_gguf, resolve_model
+from hpcmac.llm.model.quant import QuantTensor, as_float, check_format, quantized_nbytes
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
@@ -90,6 +96,93 @@ class SafetensorsCheckpoint:
 
         return load_config(self.path)
 
+    # -- MLX-quantized tensors (mlx-lm's -q, mlx-community) ---------------------
+    def _quant_config(self) -> dict:
+        """config.json's ``quantization`` (or ``quantization_config``) object, {} if none."""
+        if not hasattr(self, "_qcfg"):
+            self._qcfg = {}
+            f = self.path / "config.json"
+            try:
+                raw = json.loads(f.read_text()) if f.exists() else {}
+            except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+                raw = {}
+            q = raw.get("quantization", raw.get("quantization_config")) \
+                if isinstance(raw, dict) else None
+            if isinstance(q, dict):
+                self._qcfg = q
+        return self._qcfg
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether ``name`` (a ``.weight``) is stored MLX-quantized (it has ``.scales``)."""
+        return name.endswith(".weight") and self.has(name[:-len("weight")] + "scales")
+
+    def quant_params(self, name: str) -> tuple[int, int]:
+        """(bits, group) of a quantized ``name``, checked: config.json's per-layer entry
+        for its module, else the global ``quantization``; one line if unsupported."""
+        base = name[:-len(".weight")]
+        q = self._quant_config()
+        if not q:
+            raise UsageError(f"{self.path}: tensor {name} has scales but config.json has no "
+                             "'quantization' (bits, group_size) to read them with")
+        p = q.get(base)
+        if not isinstance(p, dict):
+            p = q
+        bits, group, mode = p.get("bits", q.get("bits")), \
+            p.get("group_size", q.get("group_size")), p.get("mode", q.get("mode", "affine"))
+        check_format(f"{self.path}: tensor {name}", bits, group, mode)
+        return int(bits), int(group)
+
+    def _raw(self, name: str) -> np.ndarray:
+        """A tensor's bytes as stored, memory-mapped (no copy), in its own dtype."""
+        f, start, info = self._info(name)
+        dtype = dict(_ST_DTYPES, U32=np.uint32, U8=np.uint8).get(info["dtype"])
+        if dtype is None:
+            raise UsageError(f"{f}: tensor {name} has dtype {info['dtype']}; "
+                             f"expected one of {', '.join(_ST_DTYPES)} (or U32 codes)")
+        if f not in self._maps:
+            self._maps[f] = np.memmap(f, dtype=np.uint8, mode="r")
+        lo, hi = info["data_offsets"]
+        want = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(dtype).itemsize
+        if hi - lo != want:
+            raise UsageError(f"{f}: tensor {name}: {hi - lo} bytes for shape {info['shape']} "
+                             f"of {info['dtype']} ({want} expected)")
+        return self._maps[f][start + lo:start + hi].view(dtype).reshape(info["shape"])
+
+    def _float(self, name: str) -> np.ndarray:
+        """A float tensor as float32 (a fresh array)."""
+        f, _, info = self._info(name)
+        if info["dtype"] not in _ST_DTYPES:
+            raise UsageError(f"{f}: tensor {name} has dtype {info['dtype']}; "
+                             f"expected one of {', '.join(_ST_DTYPES)}")
+        raw = self._raw(name)
+        if info["dtype"] == "BF16":
+            return bf16_to_f32(raw)
+        return np.array(raw, dtype=np.float32)
+
+    def _quant(self, name: str) -> QuantTensor:
+        base = name[:-len("weight")]
+        bits, group = self.quant_params(name)
+        words = self._raw(name)
+        if words.dtype != np.uint32:
+            raise UsageError(f"{self.path}: tensor {name} is quantized (it has scales) but is "
+                             f"{words.dtype}, expected U32 packed codes")
+        scales, biases = self._float(base + "scales"), None
+        if self.has(base + "biases"):
+            biases = self._float(base + "biases")
+        inputs = words.shape[-1] * 32 // bits
+        want = (*words.shape[:-1], inputs // group)
+        if inputs % group or tuple(scales.shape) != want or (
+                biases is not None and tuple(biases.shape) != want):
+            got = list(scales.shape) if tuple(scales.shape) != want else list(biases.shape)
+            raise UsageError(f"{self.path}: tensor {base}scales/biases has shape {got}; "
+                             f"expected {list(want)} for {bits}-bit codes of {inputs} inputs "
+                             f"in groups of {group}")
+        if biases is None:
+            raise UsageError(f"{self.path}: tensor {base}biases is missing (affine "
+                             "quantization needs scales and biases)")
+        return QuantTensor(np.ascontiguousarray(words), scales, biases, bits, group,
+                           f"mlx q{bits} g{group}")
+
     def names(self) -> list[str]:
         return list(self._file_of)
 
@@ -106,28 +199,41 @@ class SafetensorsCheckpoint:
         return f, start, table[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._info(name)[2]["shape"])
+        shape = tuple(self._info(name)[2]["shape"])
+        if self.is_quantized(name):  # the logical (..., out, in), not the packed words
+            bits, _ = self.quant_params(name)
+            shape = (*shape[:-1], shape[-1] * 32 // bits)
+        return shape
 
     def numel(self, name: str) -> int:
         return int(np.prod(self.shape(name), dtype=np.int64))
 
+    def stored_nbytes(self, name: str) -> int:
+        """Bytes ``name`` takes in memory as :meth:`get_weight` returns it."""
+        if self.is_quantized(name):
+            return quantized_nbytes(self.numel(name), *self.quant_params(name))
+        return 4 * self.numel(name)
+
     def get(self, name: str) -> np.ndarray:
         """The tensor as a float32 array (a fresh copy; only its bytes are read)."""
-        f, start, info = self._info(name)
-        dtype = _ST_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise UsageError(f"{f}: tensor {name} has dtype {info['dtype']}; "
-                             f"expected one of {', '.join(_ST_DTYPES)}")
-        if f not in self._maps:
-            self._maps[f] = np.memmap(f, dtype=np.uint8, mode="r")
-        lo, hi = info["data_offsets"]
-        raw = self._maps[f][start + lo:start + hi].view(dtype).reshape(info["shape"])
-        if info["dtype"] == "BF16":
-            return bf16_to_f32(raw)
-        return np.array(raw, dtype=np.float32)
+        return as_float(self.get_weight(name))
 
-    def experts(self, layer: int, which: str) -> np.ndarray:
-        """Routed expert weights of one layer, (E, out, in); ``which`` is gate, up or down."""
+    def get_weight(self, name: str):
+        """The tensor as stored: a QuantTensor when MLX-quantized, else float32."""
+        if self.is_quantized(name):
+            return self._quant(name)
+        return self._float(name)
+
+    def experts(self, layer: int, which: str, keep_quant: bool = False):
+        """Routed expert weights of one layer, (E, out, in); ``which`` is gate, up or down.
+
+        ``keep_quant``: a QuantTensor stack when mlx-lm stored them quantized
+        (``switch_mlp``), else float32.
+        """
+        switch = f"model.layers.{layer}.mlp.switch_mlp.{which}_proj.weight"
+        if self.has(switch):  # mlx-lm's stacked experts
+            w = self.get_weight(switch)
+            return w if keep_quant else as_float(w)
         prefix = f"model.layers.{layer}.mlp.experts"
         fused = f"{prefix}.gate_up_proj"
         if which in ("gate", "up") and self.has(fused):
@@ -144,6 +250,14 @@ class SafetensorsCheckpoint:
         if not mats:
             raise UsageError(f"{self.path}: tensor {prefix}.0.{which}_proj.weight is missing")
         return np.stack(mats)
+
+    def experts_nbytes(self, layer: int) -> int | None:
+        """Bytes of one layer's routed experts as held, when mlx-lm stored them quantized."""
+        names = [f"model.layers.{layer}.mlp.switch_mlp.{w}_proj.weight"
+                 for w in ("gate", "up", "down")]
+        if all(self.has(n) and self.is_quantized(n) for n in names):
+            return sum(self.stored_nbytes(n) for n in names)
+        return None
 
 
 def open_checkpoint(path_or_name: str | os.PathLike):
@@ -213,8 +327,9 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
     """Bytes of weights a stage will hold, from file headers only (nothing is read).
 
     ``path_or_ckpt``: a model path or short name, or a checkpoint already opened
-    with :func:`open_checkpoint`. GGUF tensors are dequantized to float32 at
-    load, so a Q4 file's stage takes about 7x its share of the file. With
+    with :func:`open_checkpoint`. Tensors stored quantized in a form we keep
+    (MLX affine, the exact GGUF types) count their quantized bytes; other GGUF
+    types are dequantized to float32 at load (4 bytes a weight). With
     ``quantize`` bits (MLX backend), every matrix it keeps quantized (input size
     a multiple of ``group_size``, the embedding too; not MLA's absorbed kv_b)
     counts its quantized bytes. Global: the same on every rank.
@@ -229,12 +344,20 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
             return quantized_nbytes(numel, quantize, group_size)
         return 4 * numel
 
+    stored = getattr(ckpt, "stored_nbytes", None)
     total = 0
     for n in stage_tensor_names(cfg, start, end, first, last):
         shape = tuple(ckpt.shape(n))
-        total += size(ckpt.numel(n), shape[-1], len(shape) == 2 and "kv_b_proj" not in n)
+        matrix = len(shape) == 2 and "kv_b_proj" not in n
+        if stored is not None and matrix and ckpt.stored_nbytes(n) < 4 * ckpt.numel(n):
+            total += stored(n)  # kept quantized as stored
+        else:
+            total += size(ckpt.numel(n), shape[-1], matrix)
     for i in range(start, end):
         if cfg.is_moe_layer(i):
             per = cfg.n_experts * cfg.hidden * cfg.moe_intermediate
-            total += 2 * size(per, cfg.hidden, True) + size(per, cfg.moe_intermediate, True)
+            held = getattr(ckpt, "experts_nbytes", None)
+            kept = held(i) if held is not None else None
+            total += kept if kept is not None else \
+                2 * size(per, cfg.hidden, True) + size(per, cfg.moe_intermediate, True)
     return int(total)

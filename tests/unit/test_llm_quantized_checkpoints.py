@@ -1,0 +1,257 @@
+"""Quantized checkpoints kept quantized: MLX affine safetensors and GGUF blocks.
+
+Oracles nobody here wrote:
+- mlx-lm itself quantizes random Hugging Face checkpoints (``quantize_model``, as
+  ``mlx_lm.convert -q``) and generates greedily on them; our numpy and MLX
+  backends must give the same tokens, at one rank and over a 2-rank pipeline;
+- ``gguf.quants.dequantize`` (llama.cpp's reference dequantizer in Python) and
+  ``mx.dequantize`` for the block mapping, bit for bit;
+- float32 inference on the dequantized weights for the logits (1e-4 of the largest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from hpcmac.errors import UsageError  # noqa: E402
+from hpcmac.llm.model.fixtures import (  # noqa: E402
+    mlx_lm_greedy,
+    mlx_lm_quantize,
+    random_checkpoint,
+)
+from hpcmac.llm.model.gguf_quant import EXACT, to_quant  # noqa: E402
+from hpcmac.llm.model.qkernels import NQWeight, qmatmul  # noqa: E402
+from hpcmac.llm.model.quant import QuantTensor, pack, unpack  # noqa: E402
+from hpcmac.llm.model.stage import Batch, load_stage  # noqa: E402
+from hpcmac.llm.model.weights import open_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPES = dict(hidden_size=128, intermediate_size=256, vocab_size=256, num_attention_heads=4,
+              num_key_value_heads=2)
+#: name -> (arch, config overrides, bits, group, mlx-lm recipe)
+CASES = {
+    "llama-q4-g64": ("llama", {}, 4, 64, None),
+    "qwen3-q8-g32": ("qwen3", dict(head_dim=32), 8, 32, None),
+    "qwen3moe-q4-g128": ("qwen3_moe", dict(head_dim=32, moe_intermediate_size=128), 4, 128,
+                         None),
+    "llama-mixed_3_6-g64": ("llama", {}, 4, 64, "mixed_3_6"),
+}
+PROMPT = [1, 5, 9, 33, 70, 2, 17]
+N_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """Each case converted once by mlx-lm: name -> folder."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            arch, over, bits, group, recipe = CASES[name]
+            base = tmp_path_factory.mktemp(name)
+            src = random_checkpoint(arch, base / "hf", seed=5, initializer_range=0.2,
+                                    **{**SHAPES, **over})
+            made[name] = mlx_lm_quantize(src, base / "q", bits, group, recipe)
+        return made[name]
+
+    return get
+
+
+def _greedy(stage, prompt, n):
+    """n greedy tokens, not stopping at EOS (as mlx-lm's generate_step)."""
+    cache = stage.new_cache(1, len(prompt) + n)
+    x = stage.forward(stage.embed(prompt), Batch([0], [len(prompt)], [0]), cache)
+    out = [int(stage.logits(x[-1:]).argmax())]
+    for pos in range(len(prompt), len(prompt) + n - 1):
+        x = stage.forward(stage.embed(out[-1:]), Batch([0], [1], [pos]), cache)
+        out.append(int(stage.logits(x).argmax()))
+    return out
+
+
+# -- the format itself ------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_mlx_layout_and_dequantize_bit_for_bit(bits, group):
+    rng = np.random.default_rng(bits * group)
+    w = rng.standard_normal((6, 256)).astype(np.float32)
+    words, scales, biases = (np.array(a) for a in mx.quantize(mx.array(w), group_size=group,
+                                                              bits=bits))
+    t = QuantTensor(words, scales, biases, bits, group)
+    ref = np.array(mx.dequantize(*(mx.array(a) for a in (words, scales, biases)),
+                                 group_size=group, bits=bits))
+    assert t.shape == (6, 256)
+    assert np.array_equal(t.dequantize().view(np.uint32), ref.view(np.uint32))
+    q = t.codes()
+    assert q.max() < 2 ** bits and np.array_equal(pack(q, bits), words)
+    assert np.array_equal(unpack(pack(q, bits), bits, 256), q)
+
+
+def _random_blocks(qtype, rows, cols, rng):
+    """Random GGUF blocks of ``qtype`` with finite float16 scales (any codes)."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    n = rows * cols // block
+    raw = rng.integers(0, 256, (n, block_bytes), dtype=np.uint8)
+    n_f16 = 2 if qtype in ("Q8_0", "Q4_0", "Q5_0") else 4  # d, or d and m/dmin
+    raw[:, :n_f16] = (rng.standard_normal((n, n_f16 // 2)) * 0.02).astype(
+        np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", EXACT)
+def test_gguf_blocks_map_onto_mlx_exactly(qtype):
+    """The reference dequantizer and MLX's dequantize of the mapped codes agree exactly
+    (as floats: for the symmetric types a code equal to the offset gives +0 here where
+    the reference may give -0 when d < 0, which no product or sum can tell apart)."""
+    rng = np.random.default_rng(len(qtype))
+    raw = _random_blocks(qtype, 8, 512, rng)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(8, 512)
+    t = to_quant(raw, qtype, (8, 512))
+    assert t.group == 32 and t.bits == {"8": 8, "4": 4, "5": 5}[qtype[1]]
+    ours = t.dequantize()
+    via_mlx = np.array(mx.dequantize(*(mx.array(a) for a in (t.words, t.scales, t.biases)),
+                                     group_size=32, bits=t.bits))
+    assert np.array_equal(ours, ref) and np.array_equal(via_mlx, ref)
+    assert np.array_equal(ours.view(np.uint32), via_mlx.view(np.uint32))
+    differs = ours.view(np.uint32) != ref.view(np.uint32)
+    assert np.all(ref[differs] == 0)
+
+
+def test_gguf_types_that_cannot_map_fall_back_to_float32():
+    assert to_quant(np.zeros(210, np.uint8), "Q6_K", (1, 256)) is None
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_numpy_kernel_equals_dequantized_product(bits, m):
+    rng = np.random.default_rng(bits + 10 * m)
+    group = {2: 32, 3: 64, 4: 32, 5: 128, 6: 64, 8: 64}[bits]
+    w = rng.standard_normal((300, 512)).astype(np.float32)
+    t = QuantTensor(*(np.array(a) for a in mx.quantize(mx.array(w), group_size=group,
+                                                       bits=bits)), bits, group)
+    x = rng.standard_normal((m, 512)).astype(np.float32)
+    ref = x.astype(np.float64) @ t.dequantize().T.astype(np.float64)
+    y = qmatmul(x, NQWeight(t))
+    assert y.dtype == np.float32 and y.shape == (m, 300)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+# -- mlx-lm checkpoints ------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_mlx_lm_checkpoint_same_tokens_as_mlx_lm(name, backend, quantized):
+    folder = quantized(name)
+    cfg = json.loads((folder / "config.json").read_text())
+    n_layers = cfg["num_hidden_layers"]
+    q = load_stage(folder, 0, n_layers, backend=backend)
+    assert q.formats and all(k.startswith("mlx q") for k in q.formats)
+    assert _greedy(q, PROMPT, N_TOKENS) == mlx_lm_greedy(folder, PROMPT, N_TOKENS)
+    f = load_stage(folder, 0, n_layers, backend="numpy", keep_quantized=False)
+    assert not f.formats
+    b = Batch([0], [len(PROMPT)], [0])
+    lq = q.logits(q.forward(q.embed(PROMPT), b, q.new_cache(1, 16)))
+    lf = f.logits(f.forward(f.embed(PROMPT), b, f.new_cache(1, 16)))
+    np.testing.assert_allclose(lq, lf, rtol=0, atol=1e-4 * np.abs(lf).max())
+    assert q.nbytes < 0.45 * f.nbytes  # held quantized, not as float32
+
+
+def test_mixed_precision_checkpoint_keeps_each_format(quantized):
+    folder = quantized("llama-mixed_3_6-g64")
+    st = load_stage(folder, 0, 3, backend="numpy")
+    assert set(st.formats) == {"mlx q3 g64", "mlx q6 g64"}
+
+
+def test_pipeline_two_ranks_same_tokens_as_mlx_lm(quantized, tmp_path):
+    """A real 2-rank pipeline (mpirun) on the MoE checkpoint with its 8-bit router."""
+    folder = quantized("qwen3moe-q4-g128")
+    out = tmp_path / "r.json"
+    env = dict(os.environ, HPCMAC_QUIET_TRANSPORT="1")
+    cmd = [str(ROOT / "tools" / "mpirun"), "2", sys.executable, "-m", "hpcmac.llm", "generate",
+           "--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPT)),
+           "--max-tokens", str(N_TOKENS), "--ignore-chat-template", "--quiet",
+           "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["ranks"] == 2
+    assert got["tokens"] == mlx_lm_greedy(folder, PROMPT, N_TOKENS)
+
+
+# -- refusals ---------------------------------------------------------------------------
+
+def _cli(args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hpcmac.llm", "generate", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_unsupported_mode_is_one_line(quantized, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(quantized("llama-q4-g64"), tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization"] = {**cfg["quantization"], "mode": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    r = _cli(["--model", str(folder), "--prompt-ids", "1,2", "--max-tokens", "2"])
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "quantization mode 'mxfp4' is not supported" in lines[0]
+    assert "model.embed_tokens.weight" in lines[0] or "layers." in lines[0]
+
+
+def test_corrupt_scales_shape_is_one_line(quantized, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = shutil.copytree(quantized("llama-q4-g64"), tmp_path / "m")
+    for f in folder.glob("*.safetensors"):
+        t = load_file(f)
+        name = "model.layers.1.mlp.down_proj.scales"
+        if name in t:
+            t[name] = t[name][:, :-1].copy()
+            save_file(t, f, metadata={"format": "mlx"})
+    with pytest.raises(UsageError, match=r"model\.layers\.1\.mlp\.down_proj\.scales/biases "
+                                         r"has shape \[128, 3\]; expected \[128, 4\]"):
+        load_stage(folder, 0, 3, backend="numpy")
+    r = _cli(["--model", str(folder), "--prompt-ids", "1,2", "--max-tokens", "2"])
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# -- SmolLM2's shipped GGUF -------------------------------------------------------------
+
+def test_smollm2_gguf_kept_quantized_exactly():
+    ckpt = open_checkpoint("smollm2")
+    seen = set()
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight", "model.layers.7.mlp.down_proj.weight"):
+        t = ckpt.get_weight(name)
+        assert isinstance(t, QuantTensor)
+        seen.add(t.source)
+        assert np.array_equal(t.dequantize(), ckpt.get(name))  # incl. Llama's Q/K un-permute
+    assert seen == {"gguf Q8_0", "gguf Q4_1"}
+
+
+def test_smollm2_same_tokens_as_float32_path():
+    q = load_stage("smollm2", 0, 30, backend="numpy")
+    f = load_stage("smollm2", 0, 30, backend="numpy", keep_quantized=False)
+    assert q.formats == {"gguf Q4_1": 210, "gguf Q8_0": 1}
+    assert q.nbytes < 0.3 * f.nbytes
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
+    b = Batch([0], [len(prompt)], [0])
+    lq = q.logits(q.forward(q.embed(prompt), b, q.new_cache(1, 16)))
+    lf = f.logits(f.forward(f.embed(prompt), b, f.new_cache(1, 16)))
+    np.testing.assert_allclose(lq, lf, rtol=0, atol=1e-4 * np.abs(lf).max())
+    assert _greedy(q, prompt, 16) == _greedy(f, prompt, 16)
