@@ -5,8 +5,12 @@
   the fraction of the large-k rate (HPL's update is a rank-NB DGEMM);
 * memory bandwidth: numpy copies of 64 MiB per thread, 1 thread and every
   core (bytes read + bytes written, as STREAM's copy counts them);
+* read bandwidth (float32 dots of 128 MiB arrays, as a decode step's
+  matrix-vector products read) and SGEMM, on one core and every core;
 * hpcmac's own panel factorisation (the HPL panel, one process) at two panel
-  heights: its fixed cost per column and its flop rate.
+  heights: its fixed cost per column and its flop rate;
+* hpcmac's decoder on two tiny random Llamas (2 and 10 layers, weights in
+  cache): its fixed cost per layer and per decode step (needs the llm extra).
 
 Each figure is the median of a few repeats, so a briefly busy machine does
 not decide it. The JSON it writes is what ``--calibration FILE`` reads.
@@ -103,6 +107,72 @@ def copy_gbs(threads: int, mib: int = 64, repeats: int = 7) -> float:
     return 2.0 * words * 8 * threads / t / 1e9
 
 
+def read_gbs(threads: int, mib: int = 128, repeats: int = 7) -> float:
+    """GB/s read by ``threads`` threads at once, each a float32 dot of two arrays far
+    larger than cache (the access of a decode step's matrix-vector products)."""
+    from threadpoolctl import threadpool_limits
+
+    words = mib * (1 << 20) // 8
+    arrs = [(np.ones(words, np.float32), np.ones(words, np.float32)) for _ in range(threads)]
+
+    def run() -> None:
+        ts = [threading.Thread(target=np.dot, args=a) for a in arrs]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        t = _median_time(run, repeats)
+    return 2.0 * words * 4 * threads / t / 1e9
+
+
+def sgemm_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
+    """Node Gflop/s of float32 C = A @ B, ``threads`` one-thread products at once."""
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(2)
+    mats = [(rng.standard_normal((n, n), dtype=np.float32),
+             rng.standard_normal((n, n), dtype=np.float32)) for _ in range(threads)]
+
+    def run() -> None:
+        ts = [threading.Thread(target=np.matmul, args=m) for m in mats]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        t = _median_time(run, repeats)
+    return threads * 2.0 * n ** 3 / t / 1e9
+
+
+def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24) -> dict[str, float]:
+    """hpcmac's decoder (numpy backend, one thread) on two tiny random Llamas whose weights
+    sit in cache: the time per decode step against the layer count gives the runtime's
+    fixed cost per layer (slope) and per step (intercept)."""
+    import tempfile
+    from pathlib import Path
+
+    from threadpoolctl import threadpool_limits
+
+    from hpcmac.bench.llm import decode_rate, write_random_llama
+    from hpcmac.llm.model.stage import load_stage
+
+    times = []
+    with tempfile.TemporaryDirectory(prefix="hpcmac-calibrate-") as tmp, \
+            threadpool_limits(limits=1, user_api="blas"):
+        for n in layers:
+            path = write_random_llama(Path(tmp) / f"l{n}", hidden=64, layers=n,
+                                      intermediate=128, vocab=256, heads=4, kv_heads=2)
+            stage = load_stage(path, 0, n, True, True)
+            rates = [decode_rate(stage, 1, steps) for _ in range(3)]
+            times.append(1.0 / statistics.median(rates))
+    (l1, l2), (t1, t2) = layers, times
+    per_layer = max(0.0, (t2 - t1) / (l2 - l1))
+    return {"layer_s": per_layer, "token_s": max(0.0, t1 - l1 * per_layer)}
+
+
 def panel_cost(nb: int = 256, heights: tuple[int, int] = (1024, 6144),
                repeats: int = 3) -> dict[str, float]:
     """hpcmac's HPL panel on one process: seconds per column and Gflop/s.
@@ -148,12 +218,21 @@ def calibrate(quick: bool = False) -> dict:
     dgemm = {b: rates[(b, 1024)] for b in busy}
     dgemm_k = {k: min(1.0, rates[(1, k)] / rates[(1, 1024)]) for k in ks}
     bw = {b: copy_gbs(b) for b in busy}
+    rd = {b: read_gbs(b) for b in busy}
+    sg = {b: sgemm_gflops(b, repeats=reps) for b in busy}
     panel = panel_cost(repeats=reps)
+    try:
+        fixed = llm_fixed_costs()
+    except ImportError:  # the llm extra is not installed: no decoder to measure
+        fixed = {}
     return {
         "name": "this node", "cores": nc, "memory_gb": round(memory_gb(), 2),
         "dgemm_gflops": {str(k): round(v, 3) for k, v in dgemm.items()},
         "dgemm_k": {str(k): round(v, 4) for k, v in dgemm_k.items()},
         "mem_bw_gbs": {str(k): round(v, 3) for k, v in bw.items()},
+        "read_bw_gbs": {str(k): round(v, 3) for k, v in rd.items()},
+        "sgemm_gflops": {str(k): round(v, 3) for k, v in sg.items()},
+        **{k: round(v, 9) for k, v in fixed.items()},
         "panel": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in panel.items()},
         "seconds": round(time.perf_counter() - t0, 2),
     }

@@ -4,7 +4,7 @@ Commands::
 
     python -m hpcmac.plan hpl  --machine m3-ultra --nodes 1,2,4 --link 2.5gbe,tb5-rdma
     python -m hpcmac.plan hpl  --hostfile cluster.json -N 200000 --nb 256 -P 2 -Q 2
-    python -m hpcmac.plan llm  MODEL --machine m3-ultra --nodes 2 --link tb5-rdma
+    python -m hpcmac.plan llm  MODEL --machine m3-ultra --nodes 1,2,4 --link tb5-rdma
     python -m hpcmac.plan calibrate --json node.json
     python -m hpcmac.plan machines
 
@@ -169,6 +169,70 @@ def cmd_hpl(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------- llm
+
+def llm_cases(args, cl: clmod.Cluster, shape) -> list:
+    """The predictions the flags ask for on one cluster: one layout, or all of them."""
+    from hpcmac.plan import llm as llmmod
+
+    nranks = cl.ranks
+    kw = {"batch": args.batch, "prompt": args.prompt, "context": args.context,
+          "act_bytes": args.act_bytes, "kv_bytes": args.kv_bytes}
+    if args.tp or args.pp:
+        tp = args.tp or max(1, nranks // args.pp)
+        pp = args.pp or max(1, nranks // tp)
+        if tp * pp > nranks:
+            raise UsageError(f"--tp {tp} --pp {pp} needs {tp * pp} ranks; the cluster has {nranks}")
+        return [llmmod.predict(cl, shape, llmmod.LlmCase(tp, pp, args.layout == "star", **kw))]
+    if args.layout == "star":
+        return [llmmod.predict(cl, shape, llmmod.LlmCase(1, nranks, True, **kw))]
+    preds = llmmod.choose(cl, shape, nranks=nranks, **kw)
+    if args.layout != "all":
+        want = {"pipeline": "pipeline", "tensor": "tensor", "hybrid": "hybrid"}.get(args.layout)
+        if want:
+            preds = [r for r in preds if r.layout == want] or preds[:1]
+    return preds
+
+
+def cmd_llm(args) -> int:
+    from hpcmac.plan.shape import load_shape
+
+    shape = load_shape(args.model)
+    if args.numpy:
+        shape = shape.with_bits(32.0, "hpcmac numpy backend (float32)")
+        args.act_bytes, args.kv_bytes = 4, 4
+    if args.bits:
+        shape = shape.with_bits(args.bits, "--bits")
+    rows: list[dict] = []
+    lines = [f"# {shape.name}: {shape.arch}, {shape.n_layers} layers, "
+             f"{shape.params() / 1e9:.3g}B parameters ({shape.active_params() / 1e9:.3g}B "
+             f"read per token), {shape.bits:.3g} bits per weight ({shape.source_bits})",
+             f"{'link':>13} {'nodes':>5} {'layout':>9} {'tp x pp':>7} {'tok/s':>8} "
+             f"{f'B={args.batch} tok/s':>11} {'TTFT s':>8} {'GB/rank':>8}  "
+             "per token ms: stream/fixed/allreduce/hops"]
+    for name, k, cl in clusters(args):
+        preds = llm_cases(args, cl, shape)
+        for i, r in enumerate(preds):
+            chosen = i == 0
+            rec = {"link": name, "nodes": k, "chosen": chosen, **r.as_dict()}
+            rows.append(rec)
+            mark = "*" if chosen else " "
+            fit = "" if r.fits else " (does not fit)"
+            lines.append(
+                f"{name:>13} {k:>5} {r.layout:>8}{mark} {f'{r.tp}x{r.pp}':>7} "
+                f"{r.decode_tok_s:>8.2f} {r.batch_tok_s:>11.2f} {r.ttft_s:>8.3g} "
+                f"{r.memory_gb:>8.3g}  {r.stream_s * 1e3:.3g}/{r.fixed_s * 1e3:.3g}/"
+                f"{r.allreduce_s * 1e3:.3g}/{r.hops_s * 1e3:.3g}{fit}"
+                + (f"  [{r.note}]" if r.note else ""))
+    lines.append("* the layout chosen: the fastest that fits for this batch")
+    _emit(args, rows, lines)
+    if args.plot:
+        best = [r for r in rows if r["layout"] in ("tensor", "pipeline", "hybrid", "star")]
+        plot(args.plot, best, "decode_tok_s" if args.batch == 1 else "batch_tok_s",
+             "predicted tok/s", shape.name)
+    return 0
+
+
 # ------------------------------------------------------------------------- calibrate
 
 def cmd_calibrate(args) -> int:
@@ -185,8 +249,13 @@ def cmd_calibrate(args) -> int:
              + ", ".join(f"{k}: {v}" for k, v in cal["mem_bw_gbs"].items()),
              f"HPL panel: {cal['panel']['col_s'] * 1e6:.1f} us per column + "
              f"{cal['panel']['gflops']:.1f} Gflop/s"]
+    lines.append("read GB/s by busy cores: "
+                 + ", ".join(f"{k}: {v}" for k, v in cal["read_bw_gbs"].items()))
+    lines.append("SGEMM Gflop/s by busy cores: "
+                 + ", ".join(f"{k}: {v}" for k, v in cal["sgemm_gflops"].items()))
     if "layer_s" in cal:
-        lines.append(f"LLM decode: {cal['layer_s'] * 1e6:.1f} us per layer per token fixed")
+        lines.append(f"hpcmac decoder: {cal['layer_s'] * 1e6:.1f} us per layer + "
+                     f"{cal['token_s'] * 1e6:.1f} us per step, fixed")
     _emit(args, cal, lines)  # type: ignore[arg-type]
     return 0
 
@@ -231,6 +300,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of the memory the matrix may fill (default 0.8)")
     _output_args(h)
     h.set_defaults(func=cmd_hpl)
+    lm = sub.add_parser("llm", help="predict decode tok/s and time to first token")
+    lm.add_argument("model", help="model folder, config.json, GGUF file (its header is "
+                    "enough) or short name (smollm2)")
+    _cluster_args(lm)
+    lm.add_argument("--layout", default="all",
+                    choices=("all", "pipeline", "tensor", "hybrid", "star"),
+                    help="all (default: every layout, the chosen one marked), or one; "
+                         "star = llama.cpp RPC's layer split through the main host")
+    lm.add_argument("--tp", type=int, default=None, help="ranks per tensor group")
+    lm.add_argument("--pp", type=int, default=None, help="pipeline stages")
+    lm.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    lm.add_argument("--prompt", type=int, default=512, help="prompt tokens (time to first token)")
+    lm.add_argument("--context", type=int, default=2048, help="tokens in the KV cache")
+    lm.add_argument("--bits", type=float, default=None,
+                    help="bits per weight in memory (default: as the checkpoint stores them)")
+    lm.add_argument("--act-bytes", type=int, default=2, help="bytes per activation sent")
+    lm.add_argument("--kv-bytes", type=int, default=2, help="bytes per KV cache element")
+    lm.add_argument("--numpy", action="store_true",
+                    help="hpcmac's numpy backend: float32 weights, activations and cache")
+    _output_args(lm)
+    lm.set_defaults(func=cmd_llm)
     c = sub.add_parser("calibrate", help="measure this node (DGEMM, memory bandwidth, panel)")
     c.add_argument("--json", metavar="FILE", help="write the measurements ('-': stdout)")
     c.add_argument("--quick", action="store_true", help="fewer repeats")

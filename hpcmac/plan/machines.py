@@ -120,8 +120,8 @@ class Rates:
     k -> fraction of that rate for a rank-k update (measured, else K_HALF's
     curve). ``mem_bw`` maps busy cores -> GB/s. ``panel_col_s`` and
     ``panel_gflops`` are the panel factorisation's per-column cost and rate.
-    ``layer_s`` is the LLM runtime's fixed cost per layer per token (kernel
-    launches, Python), 0 when unknown.
+    ``layer_s`` and ``token_s`` are the LLM runtime's fixed costs per layer and
+    per decode step (kernel launches, Python), 0 when unknown.
     """
 
     name: str
@@ -133,7 +133,10 @@ class Rates:
     panel_col_s: float = PANEL_COLUMN_S
     panel_gflops: float | None = None
     layer_s: float = 0.0
+    token_s: float = 0.0                 # the LLM runtime's fixed cost per decode step
     flops_fp32: float | None = None      # Gflop/s for prefill (matrix-matrix), FP32/FP16 path
+    read_bw: dict[int, float] = field(default_factory=dict)   # GB/s reading, by busy cores
+    sgemm: dict[int, float] = field(default_factory=dict)     # Gflop/s FP32, by busy cores
     source: str = ""
 
     def dgemm_at(self, busy: int, k: float | None = None) -> float:
@@ -152,6 +155,18 @@ class Rates:
     def bw_at(self, busy: int) -> float:
         """Node memory bandwidth in bytes/s with ``busy`` cores streaming."""
         return _interp(self.mem_bw, busy) * 1e9
+
+    def read_bw_at(self, busy: int) -> float:
+        """Bytes/s the node reads with ``busy`` cores streaming (weights in decode)."""
+        return _interp(self.read_bw or self.mem_bw, busy) * 1e9
+
+    def matrix_flops(self, busy: int) -> float:
+        """Flop/s of the node's matrix products for the LLM (GPU FP32, or measured SGEMM)."""
+        if self.sgemm:
+            return _interp(self.sgemm, busy) * 1e9
+        if self.flops_fp32:
+            return self.flops_fp32 * 1e9
+        return 2.0 * self.dgemm_at(busy) * 1e9
 
     def panel_rate(self, busy: int) -> float:
         """Panel factorisation flop/s of one rank's core(s)."""

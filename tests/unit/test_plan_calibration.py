@@ -3,8 +3,10 @@
 The test measures everything it compares, in one run: the link between two
 ranks (``python -m hpcmac.bench.comm --json``), the node (``calibrate``, once
 before and once after the runs, averaged), and ``python -m hpcmac.hpl`` on
-1 x 1 and 1 x 2. The model, given only the measured inputs, must land within
-20% of each measured rate. No number here is hard-coded. On a shared machine
+1 x 1 and 1 x 2, and single-sequence decode of ``bench.llm``'s model (a
+random float32 Llama of 623 MB) on one rank and on a 2-stage pipeline
+(``python -m hpcmac.bench.llm_pipeline``). The model, given only the measured
+inputs, must land within 20% of each measured rate. No number here is hard-coded. On a shared machine
 whose speed moves by more than 15% between the two calibrations the runs are
 measured again (three times at most, then the test is skipped, saying so):
 a prediction cannot match runs made on a different machine.
@@ -25,17 +27,22 @@ from pathlib import Path
 import pytest
 
 from hpcmac.plan import cluster as clmod
-from hpcmac.plan import hpl
+from hpcmac.plan import hpl, llm
 from hpcmac.plan.calibrate import calibrate
+from hpcmac.plan.shape import load_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 N, NB = 4000, 256
+PROMPT, NEW = 16, 16
 
 
-def mpirun(np_: int, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+def mpirun(np_: int | None, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    """``tools/mpirun np python args`` (np None: python alone, for a launcher)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), HPCMAC_MPIRUN_TIMEOUT=str(timeout),
                HPCMAC_QUIET_TRANSPORT="1")
-    cmd = [str(ROOT / "tools" / "mpirun"), str(np_), sys.executable, *args]
+    cmd = [sys.executable, *args]
+    if np_ is not None:
+        cmd = [str(ROOT / "tools" / "mpirun"), str(np_), *cmd]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 30)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -64,7 +71,12 @@ ATTEMPTS = 3
 def measured(tmp_path_factory):
     """Calibrate, measure the link, run HPL, calibrate again; again (at most 3 times) if
     the machine's speed moved by more than 15% meanwhile (other jobs on a shared host)."""
+    pytest.importorskip("safetensors")
+    from hpcmac.bench.llm import write_random_llama
+
     tmp = tmp_path_factory.mktemp("plan")
+    # bench.llm's model: a random float32 Llama, 8 layers, hidden 1024 (623 MB)
+    model = write_random_llama(tmp / "llama", 1024, 8, 2816, 32000, heads=16, kv_heads=4)
     comm = tmp / "comm.json"
     mpirun(2, "-m", "hpcmac.bench.comm", "--quick", "--transports", "mpi", "--rounds", "3",
            "--max-bandwidth", "16M", "--max-latency", "64", "--max-collective", "8",
@@ -80,12 +92,18 @@ def measured(tmp_path_factory):
             (rec,) = json.loads(out.read_text())
             assert rec["passed"]
             runs[(p, q)] = rec
+        decode = tmp / "decode.json"
+        mpirun(None, "-m", "hpcmac.bench.llm_pipeline", "--model", str(model), "--ranks", "1,2",
+               "--batches", "2", "--new", str(NEW), "--prompt-len", str(PROMPT),
+               "--batch-prompt-len", "4", "--repeats", "3", "--json", str(decode), timeout=400)
+        llm_runs = {d["ranks"]: d for d in json.loads(decode.read_text())["runs"]}
         after = calibrate(quick=True)
         moved.append(drift(before, after))
         if moved[-1] <= STEADY:
             cal = tmp / "node.json"
             cal.write_text(json.dumps(average(before, after)))
-            return {"cal": str(cal), "comm": str(comm), "hpl": runs}
+            return {"cal": str(cal), "comm": str(comm), "hpl": runs, "llm": llm_runs,
+                    "model": str(model)}
     shown = ", ".join(f"{d:.0%}" for d in moved)
     pytest.skip(f"this machine's DGEMM or memory speed moved by {shown} during each of "
                 f"{ATTEMPTS} measurements (shared and busy): nothing to compare")
@@ -99,3 +117,15 @@ def test_hpl_prediction_within_20_percent(measured, grid):
     pred = hpl.predict(cl, hpl.HplCase(N, NB, p, q))
     got = measured["hpl"][grid]["gflops"]
     assert pred.gflops == pytest.approx(got, rel=0.20), (pred, got)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_llm_pipeline_decode_within_20_percent(measured, ranks):
+    """Single-sequence decode of bench.llm's model, one rank and a 2-stage pipeline."""
+    cl = clmod.build(calibration=measured["cal"], comm=measured["comm"], slots=ranks)
+    shape = load_shape(measured["model"]).with_bits(32.0, "numpy float32")
+    case = llm.LlmCase(tp=1, pp=ranks, batch=1, prompt=PROMPT, context=PROMPT + NEW,
+                       act_bytes=4, kv_bytes=4)
+    pred = llm.predict(cl, shape, case)
+    got = measured["llm"][ranks]["results"]["single"]["decode_tok_s"]
+    assert pred.decode_tok_s == pytest.approx(got, rel=0.20), (pred, got)

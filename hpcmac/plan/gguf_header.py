@@ -1,0 +1,139 @@
+"""Read a GGUF file's header only: metadata and tensor infos, no tensor data.
+
+A GGUF file starts with its metadata (key, type, value) and a table of its
+tensors (name, dims, type, offset); the weights follow. Reading the header
+alone is enough to plan a model, and works on a file cut right after the
+header (``head -c`` of a 400 GB download). Format: ggml's ``docs/gguf.md``
+(versions 2 and 3: 64-bit counts and lengths).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from hpcmac.errors import UsageError
+
+#: ggml tensor types: (name, bytes per block, elements per block)
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 4, 1), 1: ("F16", 2, 1), 2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32),
+    6: ("Q5_0", 22, 32), 7: ("Q5_1", 24, 32), 8: ("Q8_0", 34, 32), 9: ("Q8_1", 36, 32),
+    10: ("Q2_K", 84, 256), 11: ("Q3_K", 110, 256), 12: ("Q4_K", 144, 256),
+    13: ("Q5_K", 176, 256), 14: ("Q6_K", 210, 256), 15: ("Q8_K", 292, 256),
+    16: ("IQ2_XXS", 66, 256), 17: ("IQ2_XS", 74, 256), 18: ("IQ3_XXS", 98, 256),
+    19: ("IQ1_S", 50, 256), 20: ("IQ4_NL", 18, 32), 21: ("IQ3_S", 110, 256),
+    22: ("IQ2_S", 82, 256), 23: ("IQ4_XS", 136, 256), 24: ("I8", 1, 1), 25: ("I16", 2, 1),
+    26: ("I32", 4, 1), 27: ("I64", 8, 1), 28: ("F64", 8, 1), 29: ("IQ1_M", 56, 256),
+    30: ("BF16", 2, 1), 34: ("TQ1_0", 54, 256), 35: ("TQ2_0", 66, 256),
+}
+
+# metadata value types: uint8 int8 uint16 int16 uint32 int32 float32 bool string array
+# uint64 int64 float64
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+#: arrays longer than this are skipped, not decoded (a tokenizer's 150k strings)
+_KEEP_ARRAY = 64
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        _, size, block = GGML_TYPES[self.ggml_type]
+        return self.numel // block * size
+
+
+@dataclass
+class Header:
+    path: str
+    version: int
+    fields: dict[str, Any]          # arrays longer than _KEEP_ARRAY hold their length only
+    tensors: dict[str, TensorInfo]
+
+
+class _Reader:
+    def __init__(self, fh: BinaryIO, path: str):
+        self.fh, self.path = fh, path
+
+    def take(self, n: int) -> bytes:
+        b = self.fh.read(n)
+        if len(b) != n:
+            raise UsageError(f"{self.path}: GGUF header ends early (truncated inside the "
+                             "metadata or tensor table)")
+        return b
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if n > 1 << 24:
+            raise UsageError(f"{self.path}: GGUF string of {n} bytes: not a GGUF header")
+        return self.take(n).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, n = self.unpack("<I"), self.unpack("<Q")
+            if n <= _KEEP_ARRAY:
+                return [self.value(etype) for _ in range(n)]
+            if etype in _SCALARS:  # skip fixed-size elements in one seek
+                self.fh.seek(n * struct.calcsize(_SCALARS[etype]), 1)
+            else:
+                for _ in range(n):
+                    self.value(etype)
+            return _Length(n)
+        raise UsageError(f"{self.path}: GGUF metadata value type {vtype} unknown")
+
+
+class _Length(int):
+    """An array that was skipped: only its length is known."""
+
+
+def read_header(path: str | Path) -> Header:
+    """Metadata and tensor table of a GGUF file (or of its first bytes up to the data)."""
+    p = Path(path)
+    try:
+        fh = open(p, "rb")
+    except OSError as exc:
+        raise UsageError(f"{p}: cannot read ({exc.strerror})") from None
+    with fh:
+        r = _Reader(fh, str(p))
+        if fh.read(4) != b"GGUF":
+            raise UsageError(f"{p}: not a GGUF file (no GGUF magic)")
+        version = r.unpack("<I")
+        if version not in (2, 3):
+            raise UsageError(f"{p}: GGUF version {version}; expected 2 or 3")
+        n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
+        fields: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = r.string()
+            fields[key] = r.value(r.unpack("<I"))
+        tensors = {}
+        for _ in range(n_tensors):
+            name = r.string()
+            nd = r.unpack("<I")
+            dims = tuple(r.unpack("<Q") for _ in range(nd))
+            gtype = r.unpack("<I")
+            r.unpack("<Q")  # offset into the data section
+            if gtype not in GGML_TYPES:
+                raise UsageError(f"{p}: tensor {name}: ggml type {gtype} unknown")
+            tensors[name] = TensorInfo(name, dims, gtype)
+    return Header(str(p), version, fields, tensors)

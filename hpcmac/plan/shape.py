@@ -1,0 +1,201 @@
+"""What a model costs per token: parameters per layer (all and active), bytes, KV cache.
+
+Read from a checkpoint folder's ``config.json``, a ``config.json`` alone, or a
+GGUF file's header (nothing past the tensor table is read: a file cut after
+its header works). The configuration is parsed by ``hpcmac.llm``'s own
+readers, so the planner sees exactly the model the decoder would run.
+Pure apart from reading that one file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcmac.errors import UsageError
+from hpcmac.plan.gguf_header import GGML_TYPES, Header, _Length, read_header
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Parameters of one layer: always read per token, and its routed experts."""
+
+    dense: float          # attention, norms, router, shared experts, dense MLP
+    expert: float         # one routed expert (0 for a dense layer)
+    n_experts: int = 0
+    k_active: int = 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The per-token cost of a decoder-only model (global)."""
+
+    name: str
+    arch: str
+    layers: tuple[LayerCost, ...]
+    hidden: int
+    vocab: int
+    n_heads: int
+    n_kv_heads: int
+    embed: float                    # parameters of the embedding (one row read per token)
+    head: float                     # parameters of the output head (all read per token)
+    kv_per_token_layer: int         # KV cache elements one token adds to one layer
+    bits: float                     # bits per weight in memory
+    source_bits: str = "as stored"  # where ``bits`` came from
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def params(self) -> float:
+        return sum(lc.dense + lc.expert * lc.n_experts for lc in self.layers) + self.embed \
+            + (self.head if self.head is not self.embed else 0.0)
+
+    def active_params(self) -> float:
+        """Parameters one token reads (routed experts: only the active ones)."""
+        return sum(lc.dense + lc.expert * lc.k_active for lc in self.layers) + self.head
+
+    def layer_bytes_read(self, i: int, batch: int = 1) -> float:
+        """Bytes layer ``i`` streams for one step of ``batch`` sequences (decode)."""
+        lc = self.layers[i]
+        touched = 0.0
+        if lc.n_experts:
+            # experts hit by at least one of batch * k independent picks
+            touched = lc.n_experts * (1.0 - (1.0 - lc.k_active / lc.n_experts) ** batch)
+        return (lc.dense + lc.expert * touched) * self.bits / 8
+
+    def layer_bytes_held(self, i: int) -> float:
+        lc = self.layers[i]
+        return (lc.dense + lc.expert * lc.n_experts) * self.bits / 8
+
+    def with_bits(self, bits: float, why: str) -> ModelShape:
+        from dataclasses import replace
+
+        return replace(self, bits=bits, source_bits=why)
+
+
+def layer_costs(cfg) -> tuple[LayerCost, ...]:
+    """Parameter counts of every layer of a ``hpcmac.llm`` ModelConfig."""
+    h = cfg.hidden
+    out = []
+    for i in range(cfg.n_layers):
+        if cfg.mla:
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            q = (h * cfg.q_lora_rank + cfg.q_lora_rank * cfg.n_heads * qk) if cfg.q_lora_rank \
+                else h * cfg.n_heads * qk
+            attn = q + h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) \
+                + cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) \
+                + cfg.n_heads * cfg.v_head_dim * h
+        else:
+            attn = 2 * h * cfg.n_heads * cfg.head_dim + 2 * h * cfg.n_kv_heads * cfg.head_dim
+        if cfg.is_moe_layer(i):
+            expert = 3.0 * h * cfg.moe_intermediate
+            dense = attn + h * cfg.n_experts + cfg.n_shared_experts * expert
+            out.append(LayerCost(dense, expert, cfg.n_experts, cfg.n_experts_per_tok))
+        else:
+            out.append(LayerCost(attn + 3.0 * h * cfg.intermediate, 0.0))
+    return tuple(out)
+
+
+def _kv_elements(cfg) -> int:
+    if cfg.mla:
+        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return 2 * cfg.n_kv_heads * cfg.head_dim
+
+
+def from_config(cfg, name: str, bits: float, source_bits: str) -> ModelShape:
+    emb = float(cfg.vocab * cfg.hidden)
+    return ModelShape(name=name, arch=cfg.arch, layers=layer_costs(cfg), hidden=cfg.hidden,
+                      vocab=cfg.vocab, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                      embed=emb, head=emb, kv_per_token_layer=_kv_elements(cfg), bits=bits,
+                      source_bits=source_bits)
+
+
+_DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "float8_e4m3fn": 8}
+
+
+def _hf_bits(raw: dict) -> tuple[float, str]:
+    q = raw.get("quantization") or raw.get("quantization_config") or {}
+    if isinstance(q, dict) and q.get("bits"):
+        gs = int(q.get("group_size", 64) or 64)
+        # affine groups: a 16-bit scale and a 16-bit bias per group (MLX)
+        return float(q["bits"]) + 32.0 / gs, f"quantization {q['bits']} bits, groups of {gs}"
+    if isinstance(q, dict) and q.get("quant_method") == "fp8":
+        return 8.0, "fp8"
+    dt = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    return float(_DTYPE_BITS.get(dt, 16)), f"torch_dtype {dt}"
+
+
+def from_hf_json(path: Path, name: str) -> ModelShape:
+    from hpcmac.llm.model.config import config_from_hf
+
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: not a config.json (not JSON: {exc})") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: expected a JSON object (a Hugging Face config.json)")
+    cfg = config_from_hf(raw, str(path))
+    bits, why = _hf_bits(raw)
+    return from_config(cfg, name, bits, why)
+
+
+class _Field:
+    """What ``GGUFCheckpoint.config`` reads of a gguf ReaderField."""
+
+    def __init__(self, value):
+        self.value = value
+        self.data = range(value) if isinstance(value, _Length) else value
+
+    def contents(self):
+        return self.value
+
+
+def _gguf_config(header: Header):
+    """The decoder's ModelConfig, by the decoder's own GGUF mapping, from the header alone."""
+    from types import SimpleNamespace
+
+    from hpcmac.llm.model.gguf_loader import GGUFCheckpoint
+
+    ck = object.__new__(GGUFCheckpoint)
+    ck.path = Path(header.path)
+    ck.reader = SimpleNamespace(fields={k: _Field(v) for k, v in header.fields.items()})
+    ck._tensors = header.tensors
+    ck._arch_gguf = header.fields.get("general.architecture")
+    ck._cfg = None
+    return ck.config()
+
+
+def from_gguf(path: Path, name: str) -> ModelShape:
+    header = read_header(path)
+    cfg = _gguf_config(header)
+    shape = from_config(cfg, name, 16.0, "")
+    total_bits = sum(t.nbytes * 8 for t in header.tensors.values())
+    total_n = sum(t.numel for t in header.tensors.values())
+    bits = total_bits / max(1, total_n)
+    types = sorted({t.ggml_type for t in header.tensors.values()})
+    why = "GGUF " + "/".join(GGML_TYPES[t][0] for t in types)
+    return shape.with_bits(bits, why)
+
+
+def load_shape(model: str) -> ModelShape:
+    """The shape of ``model``: a folder with config.json, a config.json, a GGUF file
+    (its header), or a short name (``smollm2``)."""
+    from hpcmac.llm.model.config import resolve_model
+
+    path = resolve_model(model)
+    name = path.name if path.name != "config.json" else path.parent.name
+    if path.is_dir():
+        cfg = path / "config.json"
+        if not cfg.exists():
+            raise UsageError(f"{path}: no config.json (give a model folder, a config.json or "
+                             "a GGUF file)")
+        return from_hf_json(cfg, name)
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic == b"GGUF":
+        return from_gguf(path, name)
+    return from_hf_json(path, name)
