@@ -6,12 +6,13 @@ before and once after the runs, averaged), and ``python -m hpcmac.hpl`` on
 1 x 1 and 1 x 2, and single-sequence decode of ``bench.llm``'s model (a
 random float32 Llama of 623 MB) on one rank and on a 2-stage pipeline
 (``python -m hpcmac.bench.llm_pipeline``). The model, given only the measured
-inputs, must land within 20% of each measured rate. No number here is hard-coded. On a shared machine
-whose speed moves by more than 15% between the two calibrations the runs are
-measured again (three times at most, then the test is skipped, saying so):
-a prediction cannot match runs made on a different machine.
+inputs, must land within 20% of each measured rate. No number here is
+hard-coded. On a shared machine whose speed moves by more than 15% between
+the two calibrations the runs are measured again (three times at most, then
+the test is skipped, saying so): a prediction cannot match runs made on a
+different machine.
 
-N = 4000 (the issue names 8000): the four runs then cost seconds, not a
+N = 4000 (the issue names 8000): the two HPL runs then cost seconds, not a
 minute, in CI; at 4000 the panel, row swaps and broadcasts are a larger share
 of the time than at 8000, so the model's overhead terms are tested harder.
 """
