@@ -63,6 +63,7 @@ class Header:
     version: int
     fields: dict[str, Any]          # arrays longer than _KEEP_ARRAY hold their length only
     tensors: dict[str, TensorInfo]
+    size: int = 0                   # bytes of the header (metadata and tensor table)
 
 
 class _Reader:
@@ -136,4 +137,5 @@ def read_header(path: str | Path) -> Header:
             if gtype not in GGML_TYPES:
                 raise UsageError(f"{p}: tensor {name}: ggml type {gtype} unknown")
             tensors[name] = TensorInfo(name, dims, gtype)
-    return Header(str(p), version, fields, tensors)
+        size = fh.tell()
+    return Header(str(p), version, fields, tensors, size)
