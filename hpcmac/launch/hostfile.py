@@ -194,8 +194,9 @@ def _rdma_row(value: Any, where: str) -> tuple[str | None, ...]:
 #: the fields each object of a hostfile may have; anything else is refused with the nearest
 #: of these (a misspelt "memroy_gb" must not silently drop "memory_gb"); a field whose
 #: name starts with "_" is a comment and is ignored
-TOP_KEYS = ("topology", "backend", "envs", "hosts", "links")
-HOST_KEYS = ("name", "ssh", "slots", "memory_gb", "ips", "rdma", "python")
+#: "link" (the cables' type) and a host's "machine" (its part) are read by hpcmac.plan
+TOP_KEYS = ("topology", "backend", "envs", "hosts", "links", "link")
+HOST_KEYS = ("name", "ssh", "slots", "memory_gb", "ips", "rdma", "python", "machine")
 LINK_KEYS = ("subnet", "ends")
 END_KEYS = ("host", "iface", "addr", "rdma")
 MLX_TOP_KEYS = ("backend", "envs", "hosts")
