@@ -8,8 +8,8 @@ random float32 Llama of 623 MB) on one rank and on a 2-stage pipeline
 (``python -m hpcmac.bench.llm_pipeline``). The model, given only the measured
 inputs, must land within 20% of each measured rate. No number here is
 hard-coded. On a shared machine whose speed moves by more than 15% between
-the two calibrations the runs are measured again (three times at most, then
-the test is skipped, saying so): a prediction cannot match runs made on a
+the two calibrations the runs are measured again (three times at most, no new
+attempt after 150 s; then the test is skipped, saying so): a prediction cannot match runs made on a
 different machine.
 
 N = 4000 (the issue names 8000): the two HPL runs then cost seconds, not a
@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,7 @@ def drift(a: dict, b: dict) -> float:
 
 STEADY = 0.15   # a comparison only means something while the machine keeps its speed
 ATTEMPTS = 3
+BUDGET_S = 150  # no new attempt after this long: the test stays bounded on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,10 @@ def measured(tmp_path_factory):
            "--max-bandwidth", "16M", "--max-latency", "64", "--max-collective", "8",
            "--json", str(comm))
     moved = []
+    t0 = time.monotonic()
     for _ in range(ATTEMPTS):
+        if moved and time.monotonic() - t0 > BUDGET_S:
+            break
         before = calibrate(quick=True)
         runs = {}
         for p, q in ((1, 1), (1, 2)):
@@ -107,9 +112,11 @@ def measured(tmp_path_factory):
                     "model": str(model)}
     shown = ", ".join(f"{d:.0%}" for d in moved)
     pytest.skip(f"this machine's DGEMM or memory speed moved by {shown} during each of "
-                f"{ATTEMPTS} measurements (shared and busy): nothing to compare")
+                f"{len(moved)} measurements (shared and busy): nothing to compare")
 
 
+# the fixture's measurements take ~1 minute on a quiet machine, at most ~4 on a busy one
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("grid", [(1, 1), (1, 2)])
 def test_hpl_prediction_within_20_percent(measured, grid):
     p, q = grid
@@ -120,6 +127,7 @@ def test_hpl_prediction_within_20_percent(measured, grid):
     assert pred.gflops == pytest.approx(got, rel=0.20), (pred, got)
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_llm_pipeline_decode_within_20_percent(measured, ranks):
     """Single-sequence decode of bench.llm's model, one rank and a 2-stage pipeline."""
