@@ -8,9 +8,9 @@ random float32 Llama of 623 MB) on one rank and on a 2-stage pipeline
 (``python -m hpcmac.bench.llm_pipeline``). The model, given only the measured
 inputs, must land within 20% of each measured rate. No number here is
 hard-coded. On a shared machine whose speed moves by more than 15% between
-the two calibrations the runs are measured again (three times at most, no new
-attempt after 150 s; then the test is skipped, saying so): a prediction cannot match runs made on a
-different machine.
+the two calibrations the runs are measured again (three times at most, no
+new attempt after 150 s; then the test is skipped, saying so): a prediction
+cannot match runs made on a different machine.
 
 N = 4000 (the issue names 8000): the two HPL runs then cost seconds, not a
 minute, in CI; at 4000 the panel, row swaps and broadcasts are a larger share
