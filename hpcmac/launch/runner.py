@@ -199,7 +199,10 @@ def _rank_env(hf: Hostfile, opts: Options) -> list[str]:
         env.append(f"HPCMAC_IBV_DEVICES={convert.ibv_devices_env(hf, np)}")
     if not hf.source.startswith("<"):
         env.append(f"HPCMAC_HOSTFILE={os.path.abspath(hf.source)}")
-    return env + list(opts.env)
+    # one entry per variable, the last word winning (--env over the hostfile's): mpirun
+    # given -x K=a -x K=b keeps the first
+    merged = {e.split("=", 1)[0]: e for e in env + list(opts.env)}
+    return list(merged.values())
 
 
 def plan(hf: Hostfile, command: list[str], opts: Options, workdir: str) -> Plan:

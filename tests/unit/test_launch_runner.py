@@ -239,3 +239,13 @@ def test_check_convert_and_discover_commands(tmp_path):
     assert chk.returncode == 0 and "3 links, full mesh" in chk.stdout
     bad = cli("discover", "a;reboot", "--ssh", str(fake))
     assert bad.returncode == 2 and "shell metacharacters" in bad.stderr
+
+
+def test_env_given_on_the_command_line_wins_over_the_hostfile_once():
+    res = cli("--hostfile", str(HOSTFILES / "mesh-2.json"), "--dry-run", "--transport", "mpi",
+              "--env", "HPCMAC_HOSTFILE=", "--env", "HPCMAC_TRANSPORT=ring", "--", "true")
+    assert res.returncode == 0, res.stderr
+    cmd = shlex.split(res.stdout.strip().splitlines()[-1])
+    xs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
+    assert [x for x in xs if x.startswith("HPCMAC_HOSTFILE")] == ["HPCMAC_HOSTFILE="]
+    assert [x for x in xs if x.startswith("HPCMAC_TRANSPORT=")] == ["HPCMAC_TRANSPORT=ring"]
