@@ -6,7 +6,11 @@ number of BLAS / llama.cpp threads:
 * the machine's read bandwidth (BLAS ``sdot`` over two arrays far larger than cache),
 * single-sequence decode tok/s, against the bound ``bandwidth / weight bytes per token``,
 * batched decode of ``--batch`` sequences (aggregate tok/s) against the single rate,
-* llama.cpp (``xllamacpp`` wheel, if installed) on the same weights as an F32 GGUF.
+* llama.cpp (``xllamacpp`` wheel, if installed) on the same weights as an F32 GGUF,
+* quantized rows (``--quant Q8_0,Q4_0``): the same model written as a GGUF of each
+  type, decoded by hpcmac with the codes kept quantized, by hpcmac on the same
+  weights dequantized to float32, and by llama.cpp on that GGUF, against the
+  bandwidth bound of the quantized bytes; and the memory held against the file.
 
 By default the model is a random float32 Llama of ~150M parameters (~490 MB read
 per token) written to a temporary folder; ``--model`` benchmarks any checkpoint.
@@ -138,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--quant", default="Q8_0,Q4_0",
+                    help="GGUF types for the quantized rows, comma-separated ('' = none; "
+                         "random model only)")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
     if args.threads < 1 or args.steps < 1 or args.batch < 1 or args.rounds < 1:
@@ -169,6 +176,19 @@ def main(argv: list[str] | None = None) -> int:
             gguf_path = write_gguf(model, work / "llama-f32.gguf", "F32")
         except ImportError:
             gguf_path = None
+    qtypes = [q for q in args.quant.split(",") if q] if args.model is None else []
+    quant = {}
+    for qt in qtypes:
+        from hpcmac.llm.model.fixtures import write_gguf
+
+        path = write_gguf(model, work / f"llama-{qt}.gguf", qt)
+        rss0 = _rss()
+        kept = load_stage(path, 0, cfg.n_layers, True, True, backend=args.backend)
+        held_rss = _rss() - rss0
+        quant[qt] = {"path": path, "kept": kept, "file_bytes": path.stat().st_size,
+                     "held_bytes": kept.nbytes, "rss_bytes": held_rss,
+                     "float": load_stage(path, 0, cfg.n_layers, True, True,
+                                         backend=args.backend, keep_quantized=False)}
     rounds = []
     with threadpool_limits(args.threads):
         for _ in range(args.rounds):
@@ -178,12 +198,24 @@ def main(argv: list[str] | None = None) -> int:
             if gguf_path is not None:
                 with _quiet_stderr():  # llama.cpp logs every load to fd 2
                     r["llamacpp"] = llamacpp_rate(gguf_path, args.threads, args.steps, cfg.vocab)
+            for qt, q in quant.items():
+                r[f"{qt}_kept"] = decode_rate(q["kept"], 1, args.steps)
+                r[f"{qt}_float"] = decode_rate(q["float"], 1, args.steps)
+                if not args.no_llamacpp:
+                    with _quiet_stderr():
+                        lc = llamacpp_rate(q["path"], args.threads, args.steps, cfg.vocab)
+                    if lc:
+                        r[f"{qt}_llamacpp"] = lc
             rounds.append(r)
     for r in rounds:  # ratios within a round: the load of a shared machine shifts between rounds
         r["single_vs_bound"] = r["single"] * per_token / r["bandwidth"]
         r["batched_vs_single"] = r["batched"] / r["single"]
         if r.get("llamacpp"):
             r["vs_llamacpp"] = r["single"] / r["llamacpp"]
+        for qt in quant:
+            r[f"{qt}_vs_float"] = r[f"{qt}_kept"] / r[f"{qt}_float"]
+            if f"{qt}_llamacpp" in r:
+                r[f"{qt}_vs_llamacpp"] = r[f"{qt}_kept"] / r[f"{qt}_llamacpp"]
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     bound = med["bandwidth"] / per_token
     print(f"hpcmac.bench.llm: {platform.processor() or platform.machine()}, {os.cpu_count()} "
@@ -201,6 +233,23 @@ def main(argv: list[str] | None = None) -> int:
                      f"hpcmac {med['single']:.1f} tok/s", f"{med['vs_llamacpp']:.2f}"))
     else:
         rows.append(("llama.cpp", "not run", "xllamacpp not installed or --model given", ""))
+    for qt, q in quant.items():
+        held = q["held_bytes"]
+        # per token: every held byte but the embedding table (only a row is read)
+        qbound = med["bandwidth"] / (held * per_token / stage.nbytes)
+        rows.append((f"{qt}: memory held", f"{held / 1e6:.0f} MB",
+                     f"file {q['file_bytes'] / 1e6:.0f} MB", f"{held / q['file_bytes']:.2f}"))
+        rows.append((f"{qt}: RSS after load", f"{q['rss_bytes'] / 1e6:.0f} MB",
+                     f"file {q['file_bytes'] / 1e6:.0f} MB",
+                     f"{q['rss_bytes'] / q['file_bytes']:.2f}"))
+        rows.append((f"{qt}: decode, kept", f"{med[qt + '_kept']:.1f} tok/s",
+                     f"bound {qbound:.1f} tok/s", f"{med[qt + '_kept'] / qbound:.2f}"))
+        rows.append((f"{qt}: vs float32 path", f"{med[qt + '_kept']:.1f} tok/s",
+                     f"float32 {med[qt + '_float']:.1f} tok/s", f"{med[qt + '_vs_float']:.2f}"))
+        if qt + "_vs_llamacpp" in med:
+            rows.append((f"{qt}: vs llama.cpp", f"{med[qt + '_kept']:.1f} tok/s",
+                         f"llama.cpp {med[qt + '_llamacpp']:.1f} tok/s",
+                         f"{med[qt + '_vs_llamacpp']:.2f}"))
     print(f"{'measure':<28}{'value':>14}  {'reference':<28}{'ratio':>6}")
     for name, val, ref, ratio in rows:
         print(f"{name:<28}{val:>14}  {ref:<28}{ratio:>6}")
@@ -209,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                "bytes_per_token": per_token, "rounds": rounds, "median": med,
                "bound_tok_s": bound, "single_vs_bound": med["single_vs_bound"],
                "batched_vs_single": med["batched_vs_single"],
-               "vs_llamacpp": med.get("vs_llamacpp")}
+               "vs_llamacpp": med.get("vs_llamacpp"),
+               "quantized": {qt: {"file_bytes": q["file_bytes"], "held_bytes": q["held_bytes"],
+                                  "rss_bytes": q["rss_bytes"]} for qt, q in quant.items()}}
         Path(args.json).write_text(json.dumps(out, indent=1))
     if tmp is not None:
         import shutil
@@ -230,6 +281,15 @@ def _quiet_stderr():
         os.dup2(saved, 2)
         os.close(null)
         os.close(saved)
+
+
+def _rss() -> int:
+    """Resident bytes of this process now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def _n_layers(model) -> int:

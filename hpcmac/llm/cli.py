@@ -301,7 +301,9 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
         show.finish(res)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(result_json(res, tok, stop, plan), f, indent=1)
+                doc = result_json(res, tok, stop, plan)
+                doc["weights"] = weights_json(stage)
+                json.dump(doc, f, indent=1)
     return 130 if res.interrupted else 0
 
 
@@ -378,8 +380,14 @@ def result_json(res: PipelineResult, tok, stop, plan: StagePlan | None) -> dict:
     return doc
 
 
+def weights_json(stage) -> dict:
+    """What rank 0's stage holds: bytes, and the quantized formats kept (source -> tensors)."""
+    return {"rank": 0, "bytes": int(stage.nbytes), "quantized": dict(getattr(stage, "formats", {})),
+            "backend": stage.backend.name}
+
+
 #: what the ``llm`` extra installs (pyproject.toml) and generate imports, by import name
-LLM_EXTRA = ("gguf", "tokenizers", "jinja2")
+LLM_EXTRA = ("gguf", "tokenizers", "jinja2", "numba")
 
 
 def require_llm_extra() -> None:

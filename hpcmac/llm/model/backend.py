@@ -304,6 +304,17 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def release_freed_memory() -> None:
+    """Hand the memory loading freed (temporaries of packing, dequantizing) back to the
+    OS: glibc's ``malloc_trim``; nothing elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def get_backend(name: str, quantize: int | None = None, group_size: int = 64):
     """A backend by name: ``numpy`` or ``mlx`` (``quantize``: bits per weight, MLX only)."""
     if name in BACKENDS:

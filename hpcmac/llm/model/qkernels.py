@@ -6,15 +6,19 @@ float32's, if its codes are turned into products in registers, never into a
 float32 matrix in memory. :func:`qmatmul` does that for few rows: per output,
 per group, ``scale * sum(q * x) + bias * sum(x)``, in one pass over the codes
 (LLVM vectorises the inner loop; no per-element Python, no numpy temporaries).
-For many rows (prefill) it dequantizes a tile of outputs at a time into a
+For more rows (prefill) it dequantizes a tile of outputs at a time into a
 small float32 buffer and hands it to BLAS, where the dequantization is paid
 once per tile and amortised over the rows.
 
 Storage (:class:`NQWeight`): 4-bit codes as MLX packs them (byte ``k`` holds
-codes ``2k`` in its low and ``2k+1`` in its high nibble), so an MLX
-checkpoint's words are used as they are; 8-bit codes one per byte; 2, 3, 5
-and 6 bits are widened to one byte per code at load (still 4x smaller than
-float32). Scales and biases are float32, one per group.
+codes ``2k`` in its low and ``2k+1`` in its high nibble); 8-bit codes one per
+byte; 2, 3, 5 and 6 bits are widened to one byte per code at load (still 4x
+smaller than float32). Within a row the bytes are reordered group-major to
+byte-major, (groups, bytes) -> (bytes, groups), so that the inner loop runs
+across groups: each group's partial sum stays in its own vector lane, and a
+row needs one horizontal reduction instead of one per group (a group of 32
+4-bit weights is a single 16-byte vector, whose reduction would cost as much
+as its products). Scales and biases are float32, one per group.
 
 Reductions run in float32 with reassociation allowed (``fastmath``): the
 result differs from float32 BLAS on the dequantized matrix by rounding only.
@@ -44,67 +48,66 @@ def _compile():
     opts = dict(cache=True, fastmath=True, nogil=True, boundscheck=False)
 
     @nb.njit(**opts)
-    def mv4(xe, xo, xs, q, s, b, y):  # q (out, in/2) uint8; xe/xo (M, in/2): even/odd x
+    def mv4(xe, xo, xs, q, s, b, y):
+        # q (out, hg, G) uint8, byte k of every group side by side; xe/xo (M, hg, G):
+        # even/odd inputs laid out the same way. The inner loop runs across the G
+        # groups of a row (vectorised), so a group's partial sum needs no horizontal
+        # reduction; one reduction per row at the end.
         M = xe.shape[0]
-        out, half = q.shape
-        G = s.shape[1]
-        hg = half // G
+        out, hg, G = q.shape
+        t = np.empty(G, np.float32)
         for o in range(out):
             for m in range(M):
+                for g in range(G):
+                    t[g] = 0.0
+                for k in range(hg):
+                    for g in range(G):
+                        c = np.int32(q[o, k, g])  # int32 first: int64 -> float32 is scalar
+                        t[g] += np.float32(c & np.int32(15)) * xe[m, k, g] + \
+                            np.float32(c >> np.int32(4)) * xo[m, k, g]
                 acc = np.float32(0.0)
                 for g in range(G):
-                    t = np.float32(0.0)
-                    base = g * hg
-                    for k in range(hg):
-                        # int32 before float: int64 -> float32 does not vectorise
-                        c = np.int32(q[o, base + k])
-                        t += np.float32(c & np.int32(15)) * xe[m, base + k] + \
-                            np.float32(c >> np.int32(4)) * xo[m, base + k]
-                    acc += s[o, g] * t + b[o, g] * xs[m, g]
+                    acc += s[o, g] * t[g] + b[o, g] * xs[m, g]
                 y[m, o] = acc
 
     @nb.njit(**opts)
-    def mv8(x, xs, q, s, b, y):  # q (out, in) uint8
+    def mv8(x, xs, q, s, b, y):  # q (out, gs, G) uint8; x (M, gs, G)
         M = x.shape[0]
-        out, n = q.shape
-        G = s.shape[1]
-        gs = n // G
+        out, gs, G = q.shape
+        t = np.empty(G, np.float32)
         for o in range(out):
             for m in range(M):
+                for g in range(G):
+                    t[g] = 0.0
+                for k in range(gs):
+                    for g in range(G):
+                        t[g] += np.float32(np.int32(q[o, k, g])) * x[m, k, g]
                 acc = np.float32(0.0)
                 for g in range(G):
-                    t = np.float32(0.0)
-                    base = g * gs
-                    for k in range(gs):
-                        t += np.float32(np.int32(q[o, base + k])) * x[m, base + k]
-                    acc += s[o, g] * t + b[o, g] * xs[m, g]
+                    acc += s[o, g] * t[g] + b[o, g] * xs[m, g]
                 y[m, o] = acc
 
     @nb.njit(**opts)
     def deq4(q, s, b, lo, hi, w):  # rows [lo, hi) -> w (hi-lo, in) float32
-        half = q.shape[1]
-        G = s.shape[1]
-        hg = half // G
+        _, hg, G = q.shape
         for o in range(lo, hi):
             for g in range(G):
                 sc = s[o, g]
                 bi = b[o, g]
-                for k in range(g * hg, (g + 1) * hg):
-                    c = np.int32(q[o, k])
-                    w[o - lo, 2 * k] = sc * np.float32(c & np.int32(15)) + bi
-                    w[o - lo, 2 * k + 1] = sc * np.float32(c >> np.int32(4)) + bi
+                for k in range(hg):
+                    c = np.int32(q[o, k, g])
+                    w[o - lo, g * 2 * hg + 2 * k] = sc * np.float32(c & np.int32(15)) + bi
+                    w[o - lo, g * 2 * hg + 2 * k + 1] = sc * np.float32(c >> np.int32(4)) + bi
 
     @nb.njit(**opts)
     def deq8(q, s, b, lo, hi, w):
-        n = q.shape[1]
-        G = s.shape[1]
-        gs = n // G
+        _, gs, G = q.shape
         for o in range(lo, hi):
             for g in range(G):
                 sc = s[o, g]
                 bi = b[o, g]
-                for k in range(g * gs, (g + 1) * gs):
-                    w[o - lo, k] = sc * np.float32(np.int32(q[o, k])) + bi
+                for k in range(gs):
+                    w[o - lo, g * gs + k] = sc * np.float32(np.int32(q[o, k, g])) + bi
 
     _kernels = dict(mv4=mv4, mv8=mv8, deq4=deq4, deq8=deq8)
     return _kernels
@@ -120,12 +123,13 @@ class NQWeight:
             raise ValueError("NQWeight: expected a 2-D weight")
         self.n, self.k = t.shape
         self.bits, self.group, self.source = t.bits, t.group, t.source
-        if t.bits == 4:
-            self.q = np.ascontiguousarray(t.words).view(np.uint8)
-        elif t.bits == 8:
-            self.q = np.ascontiguousarray(t.words).view(np.uint8)
+        if t.bits in (4, 8):
+            q = np.ascontiguousarray(t.words).view(np.uint8)
         else:  # 2, 3, 5, 6 bits: one byte per code
-            self.q = np.ascontiguousarray(unpack(t.words, t.bits, self.k))
+            q = unpack(t.words, t.bits, self.k)
+        per_group = q.shape[1] // (self.k // t.group)  # bytes of one group
+        # (out, G, bytes) -> (out, bytes, G): byte k of every group side by side
+        self.q = np.ascontiguousarray(q.reshape(self.n, -1, per_group).transpose(0, 2, 1))
         self.scales = np.ascontiguousarray(t.scales, dtype=np.float32)
         self.biases = np.ascontiguousarray(t.biases, dtype=np.float32)
 
@@ -160,12 +164,15 @@ def qmatmul(x: np.ndarray, w: NQWeight) -> np.ndarray:
     kern = _compile()
     y = np.empty((m, w.n), np.float32)
     if m <= GEMM_ROWS:
-        xs = np.ascontiguousarray(x.reshape(m, -1, w.group).sum(axis=-1, dtype=np.float32))
-        if w.packed4:
-            kern["mv4"](np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2]),
+        xg = x.reshape(m, -1, w.group)  # (M, G, group)
+        xs = np.ascontiguousarray(xg.sum(axis=-1, dtype=np.float32))
+        if w.packed4:  # (M, G, group/2) even and odd inputs -> (M, group/2, G)
+            kern["mv4"](np.ascontiguousarray(xg[:, :, 0::2].transpose(0, 2, 1)),
+                        np.ascontiguousarray(xg[:, :, 1::2].transpose(0, 2, 1)),
                         xs, w.q, w.scales, w.biases, y)
         else:
-            kern["mv8"](x, xs, w.q, w.scales, w.biases, y)
+            kern["mv8"](np.ascontiguousarray(xg.transpose(0, 2, 1)), xs, w.q, w.scales,
+                        w.biases, y)
         return y
     buf = np.empty((min(TILE, w.n), w.k), np.float32)
     for lo in range(0, w.n, TILE):

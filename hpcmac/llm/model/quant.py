@@ -130,6 +130,9 @@ class QuantTensor:
 
     def __getitem__(self, key) -> QuantTensor:
         """Leading-axis selection (rows, or experts of a stack); never cuts the input axis."""
+        if isinstance(key, tuple):
+            raise TypeError("QuantTensor: index the leading axis only; use .cols(lo, hi) "
+                            "for input columns (on group boundaries)")
         return QuantTensor(self.words[key], self.scales[key], self.biases[key],
                            self.bits, self.group, self.source)
 

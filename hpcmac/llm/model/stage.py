@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.backend import QWeight, get_backend
+from hpcmac.llm.model.backend import QWeight, get_backend, release_freed_memory
 from hpcmac.llm.model.cache import KVCache
 from hpcmac.llm.model.config import ModelConfig
 from hpcmac.llm.model.layers import attention, latent_attention, mlp, moe
@@ -304,4 +304,5 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
             extra["head"] = ld.w("lm_head.weight", (cfg.vocab, cfg.hidden))
     stage = Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes)
     stage.formats = dict(ld.formats)
+    release_freed_memory()
     return stage
