@@ -199,7 +199,8 @@ def cmd_llm(args) -> int:
 
     shape = load_shape(args.model)
     if args.numpy:
-        shape = shape.with_bits(32.0, "hpcmac numpy backend (float32)")
+        if shape.bits >= 16:  # float checkpoints are widened; quantized ones stay quantized
+            shape = shape.with_bits(32.0, "hpcmac numpy backend (float32)")
         args.act_bytes, args.kv_bytes = 4, 4
     if args.bits:
         shape = shape.with_bits(args.bits, "--bits")
@@ -318,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--act-bytes", type=int, default=2, help="bytes per activation sent")
     lm.add_argument("--kv-bytes", type=int, default=2, help="bytes per KV cache element")
     lm.add_argument("--numpy", action="store_true",
-                    help="hpcmac's numpy backend: float32 weights, activations and cache")
+                    help="hpcmac's numpy backend: float weights widened to float32 "
+                         "(quantized ones stay quantized), float32 activations and cache")
     _output_args(lm)
     lm.set_defaults(func=cmd_llm)
     c = sub.add_parser("calibrate", help="measure this node (DGEMM, memory bandwidth, panel)")
