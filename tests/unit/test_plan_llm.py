@@ -258,3 +258,13 @@ def test_bad_input_is_one_line_and_exit_2(models, tmp_path, args, expect):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert expect in lines[0]
+
+
+def test_bits_as_stored_in_config(tmp_path):
+    """MLX-quantized folders: bits + a 16-bit scale and bias per group; else torch_dtype."""
+    q = write(tmp_path, "q4", {**QWEN3_235B, "quantization": {"group_size": 64, "bits": 4}})
+    assert load_shape(q).bits == 4.5
+    f = write(tmp_path, "f32", {**QWEN3_235B, "torch_dtype": "float32"})
+    assert load_shape(f).bits == 32
+    # a config.json given directly works as well as its folder
+    assert load_shape(str(Path(f) / "config.json")).params() == load_shape(f).params()
