@@ -148,9 +148,15 @@ def sgemm_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
 
 
 def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24) -> dict[str, float]:
-    """hpcmac's decoder (numpy backend, one thread) on two tiny random Llamas whose weights
-    sit in cache: the time per decode step against the layer count gives the runtime's
-    fixed cost per layer (slope) and per step (intercept)."""
+    """hpcmac's decoder (numpy backend, one thread) on random Llamas.
+
+    Two tiny ones whose weights sit in cache: the time per decode step against
+    the layer count gives the runtime's fixed cost per layer (slope) and per step
+    (intercept). One of ~100 MB (2 layers, hidden 1024): what is left of its
+    step once the fixed costs are taken off is the weights streamed, so bytes
+    read over that time is the bandwidth the decoder's matrix-vector products
+    reach (``decode_bw_gbs``), below a plain read's.
+    """
     import tempfile
     from pathlib import Path
 
@@ -159,18 +165,27 @@ def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24) -> dict[
     from hpcmac.bench.llm import decode_rate, write_random_llama
     from hpcmac.llm.model.stage import load_stage
 
+    def step_s(stage) -> float:
+        return 1.0 / statistics.median(decode_rate(stage, 1, steps) for _ in range(3))
+
     times = []
     with tempfile.TemporaryDirectory(prefix="hpcmac-calibrate-") as tmp, \
             threadpool_limits(limits=1, user_api="blas"):
         for n in layers:
             path = write_random_llama(Path(tmp) / f"l{n}", hidden=64, layers=n,
                                       intermediate=128, vocab=256, heads=4, kv_heads=2)
-            stage = load_stage(path, 0, n, True, True)
-            rates = [decode_rate(stage, 1, steps) for _ in range(3)]
-            times.append(1.0 / statistics.median(rates))
+            times.append(step_s(load_stage(path, 0, n, True, True)))
+        hidden, vocab = 1024, 2048
+        path = write_random_llama(Path(tmp) / "big", hidden=hidden, layers=2,
+                                  intermediate=2816, vocab=vocab, heads=16, kv_heads=4)
+        big = load_stage(path, 0, 2, True, True)
+        t_big = step_s(big)
+        read = big.nbytes - vocab * hidden * 4  # the embedding: one row per token
     (l1, l2), (t1, t2) = layers, times
     per_layer = max(0.0, (t2 - t1) / (l2 - l1))
-    return {"layer_s": per_layer, "token_s": max(0.0, t1 - l1 * per_layer)}
+    per_step = max(0.0, t1 - l1 * per_layer)
+    streamed = max(t_big - per_step - 2 * per_layer, 1e-9)
+    return {"layer_s": per_layer, "token_s": per_step, "decode_bw_gbs": read / streamed / 1e9}
 
 
 def panel_cost(nb: int = 256, heights: tuple[int, int] = (1024, 6144),
@@ -233,6 +248,7 @@ def calibrate(quick: bool = False) -> dict:
         "read_bw_gbs": {str(k): round(v, 3) for k, v in rd.items()},
         "sgemm_gflops": {str(k): round(v, 3) for k, v in sg.items()},
         **{k: round(v, 9) for k, v in fixed.items()},
+        **({"stream_eff": round(min(1.0, fixed["decode_bw_gbs"] / rd[1]), 4)} if fixed else {}),
         "panel": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in panel.items()},
         "seconds": round(time.perf_counter() - t0, 2),
     }

@@ -256,7 +256,8 @@ def cmd_calibrate(args) -> int:
                  + ", ".join(f"{k}: {v}" for k, v in cal["sgemm_gflops"].items()))
     if "layer_s" in cal:
         lines.append(f"hpcmac decoder: {cal['layer_s'] * 1e6:.1f} us per layer + "
-                     f"{cal['token_s'] * 1e6:.1f} us per step, fixed")
+                     f"{cal['token_s'] * 1e6:.1f} us per step, fixed; weights streamed at "
+                     f"{cal['decode_bw_gbs']:.1f} GB/s ({cal['stream_eff']:.0%} of a plain read)")
     _emit(args, cal, lines)  # type: ignore[arg-type]
     return 0
 

@@ -96,7 +96,7 @@ def _calibrated(rates: Rates, cal: dict[str, Any], where: str) -> Rates:
         kw["panel_col_s"] = float(panel.get("col_s", rates.panel_col_s))
         if panel.get("gflops"):
             kw["panel_gflops"] = float(panel["gflops"])
-    for key in ("layer_s", "token_s"):
+    for key in ("layer_s", "token_s", "stream_eff"):
         if key in cal:
             kw[key] = float(cal[key])
     for key, name in (("read_bw_gbs", "read_bw"), ("sgemm_gflops", "sgemm")):

@@ -134,6 +134,7 @@ class Rates:
     panel_gflops: float | None = None
     layer_s: float = 0.0
     token_s: float = 0.0                 # the LLM runtime's fixed cost per decode step
+    stream_eff: float = 1.0              # decode's matrix-vector bandwidth / a plain read's
     flops_fp32: float | None = None      # Gflop/s for prefill (matrix-matrix), FP32/FP16 path
     read_bw: dict[int, float] = field(default_factory=dict)   # GB/s reading, by busy cores
     sgemm: dict[int, float] = field(default_factory=dict)     # Gflop/s FP32, by busy cores
@@ -158,7 +159,7 @@ class Rates:
 
     def read_bw_at(self, busy: int) -> float:
         """Bytes/s the node reads with ``busy`` cores streaming (weights in decode)."""
-        return _interp(self.read_bw or self.mem_bw, busy) * 1e9
+        return _interp(self.read_bw or self.mem_bw, busy) * 1e9 * self.stream_eff
 
     def matrix_flops(self, busy: int) -> float:
         """Flop/s of the node's matrix products for the LLM (GPU FP32, or measured SGEMM)."""
