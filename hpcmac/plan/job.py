@@ -1,0 +1,106 @@
+"""Predictions for a running job: the cluster it runs on, every layout it could take.
+
+Used by ``python -m hpcmac.llm generate`` to choose its default layout and to
+record the prediction next to what it measures. The job knows its ranks' hosts
+and transport; the node's figures come from a calibration file
+(``HPCMAC_PLAN_CALIBRATION``, written by ``python -m hpcmac.plan calibrate
+--json FILE``) or from the hostfile's ``machine`` fields, the link from the
+hostfile's ``link``, a measured ``HPCMAC_PLAN_COMM`` report, or the transport
+(``rdma``: Thunderbolt 5 RDMA). Without node figures there is no prediction,
+and the reason says how to give them. Pure apart from reading those files.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from hpcmac.errors import UsageError
+from hpcmac.plan import cluster as clmod
+from hpcmac.plan import llm as llmmod
+from hpcmac.plan import machines as mc
+from hpcmac.plan.shape import ModelShape, load_shape
+
+CALIBRATION_ENV, COMM_ENV = "HPCMAC_PLAN_CALIBRATION", "HPCMAC_PLAN_COMM"
+
+
+def job_cluster(hosts: list[str], hostfile: str | None = None,
+                transport: str = "") -> tuple[clmod.Cluster | None, str]:
+    """(cluster, "") for ranks on ``hosts`` (rank order), or (None, why not)."""
+    names: list[str] = []
+    for h in hosts:
+        if not names or names[-1] != h:
+            if h in names:
+                return None, "ranks of one host are not consecutive"
+            names.append(h)
+    slots = [hosts.count(n) for n in names]
+    cal = os.environ.get(CALIBRATION_ENV) or None
+    comm = os.environ.get(COMM_ENV) or None
+    link = None
+    rates: list[mc.Rates] = []
+    try:
+        hf_hosts: dict = {}
+        if hostfile:
+            raw = clmod.read_json(hostfile, "hostfile")
+            if isinstance(raw, dict):
+                link = raw.get("link")
+                for h in raw.get("hosts") or []:
+                    if isinstance(h, dict):
+                        for key in (h.get("name"), h.get("ssh")):
+                            if key:
+                                hf_hosts[key] = h
+        for n in names:
+            h = hf_hosts.get(n, {})
+            if cal:
+                r = clmod.calibration_rates(cal)
+            elif h.get("machine"):
+                r = mc.rates_of(mc.machine(h["machine"]), h.get("memory_gb"))
+            else:
+                return None, (f"no figures for host {n}: set {CALIBRATION_ENV}=FILE (from "
+                              "python -m hpcmac.plan calibrate --json FILE) or give the host a "
+                              "'machine' in the hostfile")
+            if h.get("memory_gb"):
+                r = replace(r, memory_gb=float(h["memory_gb"]))
+            rates.append(r)
+        if link is None and len(names) > 1:
+            if comm is None and transport != "rdma":
+                return None, ("hosts joined by an unknown link: give the hostfile a 'link' "
+                              f"or set {COMM_ENV}=FILE (python -m hpcmac.bench.comm --json)")
+            link = "tb5-rdma" if transport == "rdma" else None
+        lk = mc.link(link) if link else clmod.SHARED_MEMORY
+        cl = clmod.Cluster(tuple(clmod.Node(n, r, s) for n, r, s in zip(names, rates, slots)),
+                           lk, blas_threads=1 if max(slots) > 1 else None)
+        if comm:
+            measured, across = clmod.comm_link(comm)
+            cl = replace(cl, link=measured) if across > 1 else replace(cl, local=measured)
+    except (UsageError, KeyError) as exc:
+        return None, str(exc.args[0] if exc.args else exc)
+    return cl, ""
+
+
+def runtime_shape(model: str, backend: str = "numpy", quantize: int | None = None,
+                  group_size: int = 64) -> tuple[ModelShape, int]:
+    """The model as hpcmac's runtime holds it, and the bytes of an activation element."""
+    shape = load_shape(model)
+    if quantize:
+        return shape.with_bits(quantize + 32.0 / group_size, f"--quantize {quantize}"), 2
+    if backend == "numpy":
+        if shape.bits >= 16:
+            shape = shape.with_bits(32.0, "numpy backend (float32)")
+        return shape, 4
+    return shape, 2
+
+
+def predict_layouts(model: str, hosts: list[str], *, hostfile: str | None = None,
+                    transport: str = "", sequences: int = 1, prompt: int = 128,
+                    context: int = 2048, backend: str = "numpy", quantize: int | None = None,
+                    group_size: int = 64) -> tuple[list[llmmod.LlmPrediction], str]:
+    """Every layout of ``len(hosts)`` ranks, fastest first for ``sequences`` (those that
+    fit first), or ([], why there is none)."""
+    cl, why = job_cluster(hosts, hostfile, transport)
+    if cl is None:
+        return [], why
+    shape, act = runtime_shape(model, backend, quantize, group_size)
+    out = [p for p in llmmod.choose(cl, shape, sequences, prompt, context, len(hosts), act, act)
+           if p.tp <= shape.n_heads]
+    return out, ""
