@@ -74,8 +74,12 @@ def venv_mpirun() -> str:
     return found
 
 
-def run_hpcmac(n: int, nb: int, p: int, q: int, timeout: float) -> dict:
-    """One hpcmac HPL run in a fresh MPI job; its --json record plus the wall time."""
+def run_hpcmac(n: int, nb: int, p: int, q: int, timeout: float, module: str = "hpcmac.hpl",
+               extra: tuple[str, ...] = ()) -> dict:
+    """One hpcmac HPL run in a fresh MPI job; its --json record plus the wall time.
+
+    ``module`` ``hpcmac.hpl_mxp`` runs HPL-MxP instead (``extra``: its flags).
+    """
     np_ = p * q
     with tempfile.TemporaryDirectory(prefix="hpcmac-bench-hpl-") as tmp:
         dat = Path(tmp, "HPL.dat")
@@ -85,14 +89,14 @@ def run_hpcmac(n: int, nb: int, p: int, q: int, timeout: float) -> dict:
                          HPCMAC_QUIET_TRANSPORT="1")
         cmd = [venv_mpirun(), "-np", str(np_), *_oversubscribe(np_), "--bind-to", "none",
                "-x", "OMP_NUM_THREADS", "-x", "OPENBLAS_NUM_THREADS",
-               sys.executable, "-m", "hpcmac.hpl", "--dat", str(dat), "--json", str(out),
-               "--progress", "off", "--blas-threads", "1"]
+               sys.executable, "-m", module, "--dat", str(dat), "--json", str(out),
+               "--progress", "off", "--blas-threads", "1", *extra]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
                               cwd=tmp)
         wall = time.perf_counter() - t0
         if proc.returncode not in (0, 1) or not out.exists():
-            raise RuntimeError(f"hpcmac HPL failed (exit {proc.returncode}):\n"
+            raise RuntimeError(f"{module} failed (exit {proc.returncode}):\n"
                                f"{proc.stderr[-3000:]}")
         rec = json.loads(out.read_text())[0]
     rec["job_wall_s"] = wall
@@ -151,15 +155,16 @@ def run_netlib(hpcc: tuple[str, str], n: int, nb: int, p: int, q: int, timeout: 
     return rec
 
 
-def dgemm_gflops(n: int, threads: int, repeat: int = 3) -> float:
-    """Median Gflops of numpy's n x n matmul with ``threads`` BLAS threads."""
+def dgemm_gflops(n: int, threads: int, repeat: int = 3, dtype: str = "float64") -> float:
+    """Median Gflops of numpy's n x n matmul with ``threads`` BLAS threads (``dtype``
+    float32: SGEMM)."""
     import numpy as np
     from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n))
-    b = rng.standard_normal((n, n))
-    c = np.empty((n, n))
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    c = np.empty((n, n), dtype=dtype)
     rates = []
     with threadpool_limits(limits=threads, user_api="blas"):
         np.matmul(a, b, out=c)  # warm up
@@ -191,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-netlib", action="store_true", help="skip netlib HPL (hpcc)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per HPL run")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    p.add_argument("--mxp", action="store_true", help="HPL-MxP (python -m hpcmac.hpl_mxp, "
+                   "float32 LU + FP64 GMRES) beside FP64 hpcmac.hpl instead of netlib: same N, "
+                   "NB and grid, alternating in the same rounds (hpcmac.bench.hpl_mxp)")
     return p
 
 
@@ -202,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.N < 1 or args.nb < 1 or args.repeat < 1:
         raise UsageError("-N, --nb and --repeat must be >= 1")
+    if args.mxp:
+        from hpcmac.bench.hpl_mxp import compare
+
+        return compare(args)
     hpcc = None if args.no_netlib else find_hpcc()
     if not args.no_netlib and hpcc is None:
         raise UsageError("netlib HPL not found: apt-get install hpcc libopenblas0-serial "

@@ -3,7 +3,8 @@
 For each grid P x Q, N, NB and variant of the HPL.dat (in xhpl's order):
 
 1. generate HPL-MxP's matrix in float64 and b (:mod:`hpcmac.hpl_mxp.matgen`),
-   its copy in float32 for the factorisation, and ``||A||_oo`` (untimed, as
+   the float32 copy of ``[A | b]`` for the factorisation (as in HPL, b is
+   factored with A, which gives ``L^-1 b``), and ``||A||_oo`` (untimed, as
    generation);
 2. barrier; time the LU without pivoting of the float32 copy (hpcmac.linalg's
    LU with the variant's PFACT, RFACT, BCAST, DEPTH, SWAP; on the MLX backend
@@ -34,6 +35,7 @@ from hpcmac.hpl.progress import Progress
 from hpcmac.hpl.report import footer, gflops, results_header
 from hpcmac.hpl_mxp import kernels, matgen, refine
 from hpcmac.hpl_mxp.report import MxPResult, header, result_lines
+from hpcmac.linalg.distmatrix import DistMatrix
 from hpcmac.linalg.lu import LUOptions, lu_factor_dist
 
 EPS = refine.EPS
@@ -59,7 +61,7 @@ def run_one(grid: Grid, n: int, nb: int, variant: Variant, options: LUOptions,
             progress: Callable[[int, int], None] | None = None) -> MxPResult:
     """Collective over ``grid.all`` (in-grid ranks only): one timed, checked HPL-MxP run."""
     a, b = matgen.generate(n, nb, grid, mxp.diag)
-    lu = a.astype(np.float32)
+    lu = _low_copy(a, b)
     norm_a = refine.norm_inf(a)
     gemm = kernels.mlx_gemm(mxp.precision) if mxp.backend == "mlx" else None
     grid.all.barrier()
@@ -101,6 +103,19 @@ def run_one(grid: Grid, n: int, nb: int, variant: Variant, options: LUOptions,
     # never PASSED unless the refinement converged to the threshold
     res.passed = bool(res.converged and chk.residual < threshold)
     return res
+
+
+def _low_copy(a: DistMatrix, b: np.ndarray) -> DistMatrix:
+    """Local: ``[A | b]`` in float32 (N x N+1, ``a``'s layout): factored together, as in HPL,
+    so that the factorisation also yields ``L^-1 b``."""
+    n = a.gshape[0]
+    lu = DistMatrix.empty((n, n + 1), a.grid, a.mb, a.nb, np.float32)
+    if lu.local.size:
+        ln = a.local.shape[1]
+        lu.local[:, :ln] = a.local
+        if lu.local.shape[1] > ln:  # this process column holds b
+            lu.local[:, ln] = b[lu.rows]
+    return lu
 
 
 class Driver:

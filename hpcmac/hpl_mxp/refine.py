@@ -55,14 +55,30 @@ def matvec(a: DistMatrix, x: np.ndarray) -> np.ndarray:
     return y
 
 
-def lu_apply(lu: DistMatrix, v: np.ndarray) -> np.ndarray:
+def lu_apply(lu: DistMatrix, v: np.ndarray, lower: bool = True) -> np.ndarray:
     """Collective over ``lu.grid``: ``U^-1 L^-1 v`` with the factors of ``lu`` (no pivoting),
-    computed in the factors' precision; returns float64 (N,), replicated."""
+    computed in the factors' precision; returns float64 (N,), replicated.
+    ``lower=False``: ``v`` is already ``L^-1 b``, only U is solved."""
     n = lu.gshape[0]
     x = v.astype(lu.dtype).reshape(n, 1)
-    block_trsv(lu, x, n, lower=True, unit=True, trans=False)
+    if lower:
+        block_trsv(lu, x, n, lower=True, unit=True, trans=False)
     block_trsv(lu, x, n, lower=False, unit=False, trans=False)
     return x[:, 0].astype(np.float64)
+
+
+def factored_rhs(lu: DistMatrix) -> np.ndarray:
+    """Collective over ``lu.grid``: column N of the factored N x (N+1) ``[A | b]`` (which
+    then holds ``L^-1 b``, as in HPL), replicated, float64."""
+    n, g = lu.gshape[0], lu.grid
+    y = np.zeros(n)
+    cols = lu.cols
+    here = np.flatnonzero(cols == n)
+    if here.size:
+        y[lu.rows] = lu.local[:, here[0]]
+    if g.nprow * g.npcol > 1:
+        g.all.allreduce(y, op="sum", out=y)
+    return y
 
 
 @dataclass
@@ -115,7 +131,9 @@ def refine(a: DistMatrix, lu: DistMatrix, b: np.ndarray, *, threshold: float = 1
     Parameters
     ----------
     a : the original N x N float64 matrix (global, unchanged).
-    lu : its LU without pivoting in low precision (same grid and blocks).
+    lu : its LU without pivoting in low precision (same grid and blocks); N x N, or
+        N x (N+1) when b was factored with A (column N then holds ``L^-1 b``, which
+        spares the first forward solve).
     b : (N,) float64, replicated.
     threshold : pass when HPL's scaled residual is below it.
     maxit : at most this many GMRES iterations in all (>= 0).
@@ -128,7 +146,10 @@ def refine(a: DistMatrix, lu: DistMatrix, b: np.ndarray, *, threshold: float = 1
     """
     norm_a = norm_inf(a) if norm_a is None else norm_a
     n = a.gshape[0]
-    x = lu_apply(lu, b)
+    if lu.gshape[1] == n + 1:
+        x = lu_apply(lu, factored_rhs(lu), lower=False)
+    else:
+        x = lu_apply(lu, b)
     out = Refinement(x, None, False)  # type: ignore[arg-type]
     while True:
         chk, r = scaled_residual(a, b, x, norm_a)
