@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "llm": ("hpcmac.llm.__main__", "LLM decoding, pipeline-parallel across ranks"),
     "launch": ("hpcmac.launch.__main__", "launch over a Thunderbolt mesh via mpirun or mlx.launch"),
     "bench": ("hpcmac.bench.__main__", "benchmarks against references measured in the same run"),
+    "plan": ("hpcmac.plan.cli", "predict HPL and LLM decoding on a cluster before building it"),
 }
 
 
