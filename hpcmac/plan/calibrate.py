@@ -33,6 +33,21 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def last_cache_bytes() -> int:
+    """Bytes of the largest CPU cache (Linux sysfs; 0 when unknown)."""
+    from pathlib import Path
+
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best
+
+
 def memory_gb() -> float:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
@@ -92,7 +107,7 @@ def dgemm_rates(configs: list[tuple[int, int]], n: int = 2048,
 
 def copy_gbs(threads: int, mib: int = 64, repeats: int = 7) -> float:
     """GB/s of numpy copies, ``threads`` threads at once (numpy releases the GIL)."""
-    words = mib * (1 << 20) // 8
+    words = max(mib << 20, last_cache_bytes()) // 8  # far larger than the caches
     src = [np.ones(words) for _ in range(threads)]
     dst = [np.empty(words) for _ in range(threads)]
 
@@ -112,7 +127,7 @@ def read_gbs(threads: int, mib: int = 128, repeats: int = 7) -> float:
     larger than cache (the access of a decode step's matrix-vector products)."""
     from threadpoolctl import threadpool_limits
 
-    words = mib * (1 << 20) // 8
+    words = max(mib << 20, last_cache_bytes()) // 8
     arrs = [(np.ones(words, np.float32), np.ones(words, np.float32)) for _ in range(threads)]
 
     def run() -> None:
@@ -152,10 +167,10 @@ def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24) -> dict[
 
     Two tiny ones whose weights sit in cache: the time per decode step against
     the layer count gives the runtime's fixed cost per layer (slope) and per step
-    (intercept). One of ~100 MB (2 layers, hidden 1024): what is left of its
-    step once the fixed costs are taken off is the weights streamed, so bytes
-    read over that time is the bandwidth the decoder's matrix-vector products
-    reach (``decode_bw_gbs``), below a plain read's.
+    (intercept). One of hidden 1024 and 45 MB per layer, at least 190 MB and
+    twice the largest cache: what is left of its step once the fixed costs are
+    taken off is the weights streamed, so bytes read over that time is the
+    bandwidth the decoder's matrix-vector products reach (``decode_bw_gbs``).
     """
     import tempfile
     from pathlib import Path
@@ -176,15 +191,16 @@ def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24) -> dict[
                                       intermediate=128, vocab=256, heads=4, kv_heads=2)
             times.append(step_s(load_stage(path, 0, n, True, True)))
         hidden, vocab = 1024, 2048
-        path = write_random_llama(Path(tmp) / "big", hidden=hidden, layers=2,
+        n_big = max(4, -(-2 * last_cache_bytes() // (45 << 20)))
+        path = write_random_llama(Path(tmp) / "big", hidden=hidden, layers=n_big,
                                   intermediate=2816, vocab=vocab, heads=16, kv_heads=4)
-        big = load_stage(path, 0, 2, True, True)
+        big = load_stage(path, 0, n_big, True, True)
         t_big = step_s(big)
         read = big.nbytes - vocab * hidden * 4  # the embedding: one row per token
     (l1, l2), (t1, t2) = layers, times
     per_layer = max(0.0, (t2 - t1) / (l2 - l1))
     per_step = max(0.0, t1 - l1 * per_layer)
-    streamed = max(t_big - per_step - 2 * per_layer, 1e-9)
+    streamed = max(t_big - per_step - n_big * per_layer, 1e-9)
     return {"layer_s": per_layer, "token_s": per_step, "decode_bw_gbs": read / streamed / 1e9}
 
 
