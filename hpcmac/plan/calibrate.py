@@ -127,7 +127,7 @@ def read_gbs(threads: int, mib: int = 128, repeats: int = 7) -> float:
     larger than cache (the access of a decode step's matrix-vector products)."""
     from threadpoolctl import threadpool_limits
 
-    words = max(mib << 20, last_cache_bytes()) // 8
+    words = max(mib << 20, 4 * last_cache_bytes()) // 8  # 2 arrays of 4-byte words
     arrs = [(np.ones(words, np.float32), np.ones(words, np.float32)) for _ in range(threads)]
 
     def run() -> None:
