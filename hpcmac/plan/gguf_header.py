@@ -34,6 +34,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 #: arrays longer than this are skipped, not decoded (a tokenizer's 150k strings)
 _KEEP_ARRAY = 64
 
@@ -67,24 +68,61 @@ class Header:
 
 
 class _Reader:
+    """Reads the header from a buffer that grows from the file as parsing needs it."""
+
+    CHUNK = 4 << 20
+
     def __init__(self, fh: BinaryIO, path: str):
         self.fh, self.path = fh, path
+        self.buf, self.off = b"", 0
+
+    def _need(self, n: int) -> None:
+        while self.off + n > len(self.buf):
+            more = self.fh.read(max(self.CHUNK, len(self.buf)))
+            if not more:
+                raise UsageError(f"{self.path}: GGUF header ends early (truncated inside the "
+                                 "metadata or tensor table)")
+            self.buf = self.buf[self.off:] + more
+            self.off = 0
 
     def take(self, n: int) -> bytes:
-        b = self.fh.read(n)
-        if len(b) != n:
-            raise UsageError(f"{self.path}: GGUF header ends early (truncated inside the "
-                             "metadata or tensor table)")
+        self._need(n)
+        b = self.buf[self.off:self.off + n]
+        self.off += n
         return b
 
     def unpack(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+        size = struct.calcsize(fmt)
+        self._need(size)
+        v = struct.unpack_from(fmt, self.buf, self.off)[0]
+        self.off += size
+        return v
 
     def string(self) -> str:
         n = self.unpack("<Q")
         if n > 1 << 24:
             raise UsageError(f"{self.path}: GGUF string of {n} bytes: not a GGUF header")
         return self.take(n).decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        """Skip ``count`` strings (a tokenizer's vocabulary) without decoding them."""
+        u64 = _U64.unpack_from
+        left = count
+        while left:
+            buf, off, end = self.buf, self.off, len(self.buf)
+            while left and off + 8 <= end:
+                n = u64(buf, off)[0]
+                if off + 8 + n > end:
+                    break
+                off += 8 + n
+                left -= 1
+            self.off = off
+            if left:
+                self._need(8)
+                n = u64(self.buf, self.off)[0]
+                if n > 1 << 24:
+                    raise UsageError(f"{self.path}: GGUF string of {n} bytes: not a GGUF header")
+                self._need(8 + n)
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
@@ -95,13 +133,18 @@ class _Reader:
             etype, n = self.unpack("<I"), self.unpack("<Q")
             if n <= _KEEP_ARRAY:
                 return [self.value(etype) for _ in range(n)]
-            if etype in _SCALARS:  # skip fixed-size elements in one seek
-                self.fh.seek(n * struct.calcsize(_SCALARS[etype]), 1)
+            if etype in _SCALARS:  # fixed-size elements: skip them at once
+                self.take(n * struct.calcsize(_SCALARS[etype]))
+            elif etype == _STRING:
+                self.skip_strings(n)
             else:
                 for _ in range(n):
                     self.value(etype)
             return _Length(n)
         raise UsageError(f"{self.path}: GGUF metadata value type {vtype} unknown")
+
+    def tell(self) -> int:
+        return self.fh.tell() - (len(self.buf) - self.off)
 
 
 class _Length(int):
@@ -119,6 +162,7 @@ def read_header(path: str | Path) -> Header:
         r = _Reader(fh, str(p))
         if fh.read(4) != b"GGUF":
             raise UsageError(f"{p}: not a GGUF file (no GGUF magic)")
+        r.buf, r.off = b"", 0
         version = r.unpack("<I")
         if version not in (2, 3):
             raise UsageError(f"{p}: GGUF version {version}; expected 2 or 3")
@@ -137,5 +181,5 @@ def read_header(path: str | Path) -> Header:
             if gtype not in GGML_TYPES:
                 raise UsageError(f"{p}: tensor {name}: ggml type {gtype} unknown")
             tensors[name] = TensorInfo(name, dims, gtype)
-        size = fh.tell()
+        size = r.tell()
     return Header(str(p), version, fields, tensors, size)
