@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-Q", type=int_arg, help="process columns (alone: P = ranks // Q)")
     p.add_argument("--json", metavar="FILE", help="also write one JSON record per run: tv, n, "
                    "nb, p, q, time_s, gflops, residual, passed, norm_a_inf, norm_x_inf, "
-                   "norm_b_inf (a JSON list, rewritten after each run)")
+                   "norm_b_inf, then time_generate_s, time_check_s, peak_rss_mb (per grid "
+                   "rank), peak_rss_phase_mb, matrix_mb (a JSON list, rewritten after each "
+                   "run)")
+    p.add_argument("--phases", action="store_true",
+                   help="also print each run's generation, solve and check times and the "
+                   "peak resident memory per rank in HPL.out (always in --json)")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="rank 0 shows columns factored, elapsed and ETA on stderr: "
                    "auto = when stderr is a terminal (default)")
@@ -200,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             show_progress=want_progress(args.progress),
             notes=sys.stderr,
             on_result=on_result,
+            show_phases=args.phases,
         )
         failed = d.run()
         if json_path and world.rank == 0 and not d.results:

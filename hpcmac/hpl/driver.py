@@ -6,9 +6,14 @@ beyond P*Q sit idle), each N, NB and algorithm variant:
 1. generate netlib's [A | b] (each rank its own blocks, :mod:`hpcmac.hpl.matgen`);
 2. barrier, time ``hpl_solve`` on every rank; the run's time is the slowest rank's;
 3. Gflops = (2/3 N^3 + 3/2 N^2) / time / 1e9;
-4. regenerate A and b, and compute netlib's scaled residual
+4. free the factors, regenerate A and b block by block (never stored whole,
+   :mod:`hpcmac.hpl.residual`) and compute netlib's scaled residual
    ``||Ax-b||_oo / (eps * (||A||_oo * ||x||_oo + ||b||_oo) * N)`` with
    eps = 2**-53; PASSED when below the threshold.
+
+Each phase (generate, solve, check) is timed and its peak resident memory
+taken on every rank (:mod:`hpcmac.hpl.memory`): ``RunResult.phases``. So no
+step holds more than the local piece of [A | b] plus O(N * NB) per rank.
 
 Collective calls say so; everything else is local.
 """
@@ -23,7 +28,7 @@ import numpy as np
 
 from hpcmac.comm.base import Group
 from hpcmac.comm.grid import Grid
-from hpcmac.hpl import matgen
+from hpcmac.hpl import matgen, memory
 from hpcmac.hpl.config import HPLConfig, Variant
 from hpcmac.hpl.progress import Progress
 from hpcmac.hpl.report import (
@@ -31,9 +36,11 @@ from hpcmac.hpl.report import (
     footer,
     gflops,
     header,
+    phase_lines,
     result_lines,
     results_header,
 )
+from hpcmac.hpl.residual import check_regenerated, check_solution  # noqa: F401 (API)
 from hpcmac.linalg.distmatrix import DistMatrix
 
 #: netlib's eps: HPL_pdlamch(HPL_MACH_EPS), the unit round-off of float64
@@ -47,60 +54,45 @@ def _max(group: Group, value: float) -> float:
     return float(group.allreduce(np.array([value], dtype=np.float64), op="max")[0])
 
 
-def check_solution(a: DistMatrix, x: np.ndarray) -> dict[str, float]:
-    """Collective over ``a.grid``: netlib's norms of A, x, b and ``||Ax - b||_oo``.
-
-    Parameters
-    ----------
-    a : DistMatrix, N x (N+1)
-        The *original* [A | b] (regenerated, not the factored one).
-    x : (N,) float64, the solution, replicated (the same on every grid rank).
-
-    Returns
-    -------
-    dict with norm_a_inf, norm_a_1, norm_x_inf, norm_x_1, norm_b_inf, resid0;
-    the same on every rank of the grid.
-    """
-    grid = a.grid
-    n = a.gshape[0]
-    cols = a.cols
-    in_a = cols < n
-    a_loc = a.local[:, in_a]  # (lm, local columns of A)
-    b_loc = a.local[:, cols == n]  # (lm, 1) on b's process column, (lm, 0) elsewhere
-    lm = a.local.shape[0]
-    x = np.asarray(x, dtype=np.float64)
-    out = {"norm_x_inf": float(np.abs(x).max()) if n else 0.0,
-           "norm_x_1": float(np.abs(x).sum())}
-
-    # ||A||_oo: row sums over the process row, then the max down the process column
-    rows_abs = np.abs(a_loc).sum(axis=1)  # (lm,)
-    if lm:
-        grid.row.allreduce(rows_abs, op="sum", out=rows_abs)
-    out["norm_a_inf"] = _max(grid.all, float(rows_abs.max()) if lm else 0.0)
-    # ||A||_1: column sums down the process column, then the max along the row
-    cols_abs = np.abs(a_loc).sum(axis=0)  # (local columns of A,)
-    if cols_abs.size:
-        grid.col.allreduce(cols_abs, op="sum", out=cols_abs)
-    out["norm_a_1"] = _max(grid.all, float(cols_abs.max()) if cols_abs.size else 0.0)
-    out["norm_b_inf"] = _max(grid.all, float(np.abs(b_loc).max()) if b_loc.size else 0.0)
-
-    # r = A x - b: local partial products summed along the process row
-    r = a_loc @ x[cols[in_a]] if a_loc.size else np.zeros(lm)  # (lm,)
-    if b_loc.size:
-        r = r - b_loc[:, 0]
-    r = np.ascontiguousarray(r, dtype=np.float64)
-    if lm:
-        grid.row.allreduce(r, op="sum", out=r)
-    out["resid0"] = _max(grid.all, float(np.abs(r).max()) if lm else 0.0)
-    return out
-
-
 def scaled_residual(norms: dict[str, float], n: int) -> float:
     """Netlib's ``||Ax-b||_oo / (eps * (||A||_oo * ||x||_oo + ||b||_oo) * N)`` (0 for N = 0)."""
     if n <= 0:
         return 0.0
     denom = EPS * (norms["norm_a_inf"] * norms["norm_x_inf"] + norms["norm_b_inf"]) * n
     return norms["resid0"] / denom if denom > 0 else float("inf")
+
+
+class _Phases:
+    """Local wall time and peak RSS of each phase of one run (not collective)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.peak: dict[str, int] = {}
+
+    def start(self) -> None:
+        memory.reset_peak()
+        self._t0 = time.perf_counter()
+
+    def stop(self, name: str) -> float:
+        self.seconds[name] = time.perf_counter() - self._t0
+        self.peak[name] = memory.peak_rss_bytes()
+        return self.seconds[name]
+
+    def gather(self, group: Group, local_bytes: int) -> dict:
+        """Collective over ``group``: slowest rank's times, peaks per rank and per phase."""
+        names = list(self.peak)
+        rows = group.allgather_obj(([self.seconds[k] for k in names],
+                                    [self.peak[k] for k in names], local_bytes))
+        mb = 1024.0 * 1024.0
+        return dict(
+            time_generate_s=max(r[0][names.index("generate")] for r in rows),
+            time_check_s=max(r[0][names.index("check")] for r in rows)
+            if "check" in names else None,
+            peak_rss_mb=[round(max(r[1]) / mb, 1) for r in rows],
+            peak_rss_phase_mb={k: round(max(r[1][i] for r in rows) / mb, 1)
+                               for i, k in enumerate(names)},
+            matrix_mb=[round(r[2] / mb, 1) for r in rows],
+        )
 
 
 def run_one(
@@ -120,18 +112,22 @@ def run_one(
     rank that shows progress, None elsewhere); ``after_panel`` is a test hook
     passed to ``solve``.
     """
+    phases = _Phases()
+    phases.start()
     a = matgen.generate(n, nb, grid)
+    phases.stop("generate")
+    local_bytes = a.local.nbytes
     grid.all.barrier()
     start = time.time()
-    t0 = time.perf_counter()
+    phases.start()
     if n > 0:
         x = solve(a, options, progress=progress, after_panel=after_panel)
     else:
         x = np.zeros(0)
-    elapsed = time.perf_counter() - t0
+    elapsed = phases.stop("solve")
     end = time.time()
     wall = _max(grid.all, elapsed)
-    del a  # the factors: free them before regenerating
+    del a  # the factors: the check regenerates A block by block, so free them first
 
     res = RunResult(
         tv=variant.tv, n=n, nb=nb, p=grid.nprow, q=grid.npcol, time_s=wall,
@@ -141,13 +137,16 @@ def run_one(
     x = np.asarray(x, dtype=np.float64).reshape(-1)
     if x.shape != (n,):
         raise RuntimeError(f"solver returned x of shape {x.shape}, expected ({n},)")
-    norms = check_solution(matgen.generate(n, nb, grid), x)
+    phases.start()
+    norms = check_regenerated(n, nb, grid, x)
+    phases.stop("check")
     for key, value in norms.items():
         setattr(res, key, value)
     if threshold > 0.0:
         res.residual = scaled_residual(norms, n)
         # NaN must fail: netlib's `resid1 < thrsh` is false for NaN
         res.passed = bool(res.residual < threshold)
+    res.phases = phases.gather(grid.all, local_bytes)
     return res
 
 
@@ -162,7 +161,8 @@ def local_ranks(world: Group) -> int:
 class Driver:
     """Runs every combination of an HPLConfig on a world group (collective: every rank).
 
-    ``out`` is the HPL.out stream on world rank 0 (None elsewhere). ``solve`` and
+    ``out`` is the HPL.out stream on world rank 0 (None elsewhere); ``show_phases``
+    adds each run's phase times and peak memory per rank to it. ``solve`` and
     ``make_options`` default to ``hpcmac.linalg.lu``'s ``hpl_solve`` and ``LUOptions``.
     """
 
@@ -177,6 +177,7 @@ class Driver:
         notes: TextIO | None = None,
         on_result: Callable[[list[RunResult]], None] | None = None,
         after_panel: Callable[[int, DistMatrix], None] | None = None,
+        show_phases: bool = False,
     ):
         if solve is None or make_options is None:
             from hpcmac.linalg.lu import LUOptions, hpl_solve
@@ -189,6 +190,7 @@ class Driver:
         self.notes = notes
         self.on_result = on_result
         self.after_panel = after_panel
+        self.show_phases = show_phases
         self.results: list[RunResult] = []
         self.kpass = self.kfail = self.kskip = 0
 
@@ -247,5 +249,7 @@ class Driver:
             self.kpass += 1
         self.results.append(res)
         self._write(result_lines(res, self.cfg.threshold))
+        if self.show_phases:
+            self._write(phase_lines(res))
         if self.on_result is not None and self.world.rank == 0:
             self.on_result(self.results)

@@ -39,13 +39,20 @@ class RunResult:
     resid0: float = 0.0  # ||Ax - b||_oo
     start: float = 0.0  # wall-clock epoch seconds, for the start/end lines
     end: float = 0.0
+    # the driver's phase measurements (time_generate_s, time_check_s, peak_rss_mb per
+    # grid rank, peak_rss_phase_mb per phase, matrix_mb per grid rank); None: not measured
+    phases: dict | None = None
 
     def record(self) -> dict:
-        """The --json record: the fields the issue lists, in that order."""
+        """The --json record: the fields the issue lists, in that order, then the
+        phase times and memory peaks when measured."""
         keys = ("tv", "n", "nb", "p", "q", "time_s", "gflops", "residual", "passed",
                 "norm_a_inf", "norm_x_inf", "norm_b_inf")
         d = asdict(self)
-        return {k: d[k] for k in keys}
+        out = {k: d[k] for k in keys}
+        if self.phases:
+            out.update(self.phases)
+        return out
 
 
 def gflops(n: int, seconds: float) -> float:
@@ -162,6 +169,27 @@ def result_lines(res: RunResult, threshold: float) -> str:
             ]
             out += [f"{label}{value:18.6f}" for label, value in dots]
     return "\n".join(out) + "\n" if out else ""
+
+
+def phase_lines(res: RunResult) -> str:
+    """The optional per-phase lines (``--phases``), in the dotted style of netlib's
+    detailed timing: the slowest rank's time per phase and the peak memory per rank."""
+    ph = res.phases
+    if not ph:
+        return ""
+    dots = "Max aggregated wall time {:<9} . . . . . . . . . . : {:12.2f}"
+    out = [dots.format("generate", ph["time_generate_s"]),
+           dots.format("pdgesv", res.time_s)]
+    if ph.get("time_check_s") is not None:
+        out.append(dots.format("check", ph["time_check_s"]))
+    peaks = ph["peak_rss_mb"]
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    out.append("Peak resident memory per rank (MB) . . . . . . . : "
+               + " ".join(f"{v:.1f}" for v in peaks))
+    out.append(f"  max {peaks[worst]:.1f} MB on grid rank {worst}, whose piece of [A|b] is "
+               f"{ph['matrix_mb'][worst]:.1f} MB; by phase: "
+               + ", ".join(f"{k} {v:.1f}" for k, v in ph["peak_rss_phase_mb"].items()))
+    return "\n".join(out) + "\n"
 
 
 def footer(kpass: int, kfail: int, kskip: int, threshold: float) -> str:
