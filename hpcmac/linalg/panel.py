@@ -44,8 +44,11 @@ class PanelFactor:
         self.w, self.ptr, self.ld, self.jb, self.j = w, wptr, ld, jb, j
         self.m = w.shape[0]
         self.pivoter = pivoter
-        self.pfact = {"left": self._pfact_left, "crout": self._pfact_crout,
-                      "right": self._pfact_right}[pfact]
+        # the plain function, not a bound method: a bound method stored on self is a
+        # reference cycle, which would keep W (a view of the broadcast buffer) alive until
+        # the cyclic GC runs, i.e. dozens of panel buffers at once
+        self.pfact = {"left": PanelFactor._pfact_left, "crout": PanelFactor._pfact_crout,
+                      "right": PanelFactor._pfact_right}[pfact]
         self.rfact = rfact
         self.nbmin, self.ndiv = max(1, nbmin), max(2, ndiv)
         self.ipiv = np.empty(jb, dtype=np.int64)
@@ -80,7 +83,7 @@ class PanelFactor:
 
     def _rfact(self, c: int, n: int) -> None:
         if n <= self.nbmin or n // self.nbmin < 2:
-            self.pfact(c, n)
+            self.pfact(self, c, n)
             return
         a, ld, m, b = self._a, self.ld, self.m, self.blas
         end = c + n

@@ -26,10 +26,10 @@ pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is Linux's"),
 ]
 
-# each rank's piece ~60 MB: 0.3x of it (18 MB) must hold the LU's panels (O(N * NB)) and
-# what MPI and the allocator keep (~10 MB measured at 2x2); N grows with the ranks,
-# so the test takes a few seconds at np 1 and ~10 s at np 4 on 2 cores
-PIECE_N, NB = 2750, 64
+# each rank's piece ~32 MB: 0.3x of it (~10 MB) must hold the LU's panels and buffers
+# (O(N * NB): ~4 MB measured at 2x2) and what MPI and the allocator add; N grows with the
+# ranks (the piece stays the same), a few seconds at np 1, 2 and 4
+PIECE_N, NB = 2000, 64
 
 
 def _vm_size() -> int:
