@@ -1,12 +1,14 @@
 """Distributed symmetric eigensolver: ``eigh``, as ``scipy.linalg.eigh`` (ScaLAPACK's pdsyevr path).
 
 1. reduce A to tridiagonal form, distributed (``tridiag.py``): A = Q T Q^T;
-2. solve the tridiagonal problem by MRRR (LAPACK's stemr through
-   ``scipy.linalg.eigh_tridiagonal``): every rank computes the eigenvalues,
-   and each process column only the eigenvectors of its own columns
-   (``select="i"`` on each of its column blocks; MRRR's eigenvectors of
-   separate index ranges are orthogonal without communication, the property
-   ScaLAPACK's pdsyevr relies on);
+2. solve the tridiagonal problem: every rank computes the eigenvalues; the
+   first rank of each process column computes the eigenvectors of that
+   column's eigenvalues only, by MRRR (LAPACK's stemr, ``select="i"`` on each
+   run of its columns; eigenvectors of well-separated index ranges are
+   orthogonal without communication, the property ScaLAPACK's pdsyevr relies
+   on; a cluster of close eigenvalues is always computed whole, in one call
+   every column makes alike), and broadcasts them down its column. On one
+   process column, one call computes them all (the fastest LAPACK driver);
 3. back-transform X = Q Z on the grid: the reflectors of each column block
    form a block reflector ``I - V T V^T`` (LAPACK's larft), V and T travel
    along the process rows, and ``Z -= V (T (V^T Z))`` with one allreduce of
@@ -60,13 +62,11 @@ def eigh(a: DistMatrix, b=None, *, lower: bool = True, eigvals_only: bool = Fals
         _check_finite(a, "a")
     work = _symmetric_copy(a, lower)
     d, e, tau = tridiagonalize(work)
-    if n <= 1:
-        w = d.astype(work.dtype)
-    else:
-        w = eigvalsh_tridiagonal(d, e, select="i", select_range=(lo, hi))
+    wall = d.astype(work.dtype) if n <= 1 else eigvalsh_tridiagonal(d, e)   # ascending
+    w = wall[lo:hi + 1]
     if eigvals_only:
         return w
-    z = _tridiagonal_vectors(d, e, lo, hi, work)
+    z = _tridiagonal_vectors(d, e, wall, lo, hi, work)
     _back_transform(work, tau, z)
     if (z.mb, z.nb) != (a.mb, a.nb):
         z = z.redistribute(a.grid, a.mb, a.nb)
@@ -128,29 +128,47 @@ def _calls(g0: int, g1: int, cid: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-def _tridiagonal_vectors(d, e, lo: int, hi: int, like: DistMatrix) -> DistMatrix:
-    """Not collective: eigenvectors lo..hi of tridiag(e, d, e) as an (n, hi - lo + 1)
-    DistMatrix in ``like``'s blocks; each rank computes its own columns only."""
+def _tridiagonal_vectors(d, e, wall, lo: int, hi: int, like: DistMatrix) -> DistMatrix:
+    """Collective over the grid: eigenvectors lo..hi of tridiag(e, d, e) as an
+    (n, hi - lo + 1) DistMatrix in ``like``'s blocks.
+
+    The first rank of each process column computes the vectors of that
+    column's eigenvalues only (all rows) and broadcasts them down the column,
+    so every rank of a column holds rows of the same vectors; ``wall`` are all
+    eigenvalues, ascending (for the clusters).
+    """
     n = d.size
-    z = DistMatrix.zeros((n, hi - lo + 1), like.grid, like.nb, like.nb, like.dtype)
-    if n == 1:
-        z.local[...] = 1.0
-        return z
+    grid = like.grid
+    z = DistMatrix.zeros((n, hi - lo + 1), grid, like.nb, like.nb, like.dtype)
     cols, rows = z.cols, z.rows
-    if cols.size == 0 or rows.size == 0:
+    if cols.size == 0:
         return z
-    cid = clusters(eigvalsh_tridiagonal(d, e))
-    starts = np.flatnonzero(np.diff(cols, prepend=cols[0] - 2) != 1)   # contiguous runs
-    for s, t in zip(starts, list(starts[1:]) + [cols.size]):
-        g0, g1 = lo + int(cols[s]), lo + int(cols[t - 1])
+    mine = np.zeros((n, cols.size), dtype=like.dtype, order="F")   # Z[:, my columns]
+    if grid.myrow == 0:
+        if n == 1:
+            mine[...] = 1.0
+        elif cols.size == n:      # one process column: every vector, the fastest driver
+            mine[...] = eigh_tridiagonal(d, e)[1]
+        else:
+            _vectors_of(d, e, clusters(wall), lo + cols, mine)
+    if grid.nprow > 1:
+        grid.col.bcast(mine, 0)
+    z.local[...] = mine[rows]
+    return z
+
+
+def _vectors_of(d, e, cid: np.ndarray, want: np.ndarray, out: np.ndarray) -> None:
+    """Not collective: eigenvectors ``want`` (ascending global indices) into ``out``'s
+    columns, by MRRR on each contiguous run (clusters computed whole, see ``_calls``)."""
+    starts = np.flatnonzero(np.diff(want, prepend=want[0] - 2) != 1)   # contiguous runs
+    for s, t in zip(starts, list(starts[1:]) + [want.size]):
+        g0, g1 = int(want[s]), int(want[t - 1])
         for c0, c1 in _calls(g0, g1, cid):
             _, vec = eigh_tridiagonal(d, e, select="i", select_range=(c0, c1),
                                       lapack_driver="stemr")
             a0, a1 = max(c0, g0), min(c1, g1)                # the part this run needs
             dst = s + (a0 - g0)
-            z.local[:, dst:dst + a1 - a0 + 1] = vec[np.ix_(rows, np.arange(a0 - c0,
-                                                                            a1 - c0 + 1))]
-    return z
+            out[:, dst:dst + a1 - a0 + 1] = vec[:, a0 - c0:a1 - c0 + 1]
 
 
 def _back_transform(x: DistMatrix, tau: np.ndarray, z: DistMatrix) -> None:
