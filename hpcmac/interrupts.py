@@ -58,16 +58,22 @@ def _handler(signum, _frame) -> None:
 
 
 def end(signum: int) -> None:
-    """Print the line, run the cleanups, drop the MPI segment, exit 128 + ``signum``."""
+    """Print ``interrupted, rank R``, clean up, exit 128 + ``signum`` (see :func:`die`)."""
+    from hpcmac.errors import world_rank
+
+    die(f"interrupted, rank {world_rank()}", 128 + signum)
+
+
+def die(line: str, code: int) -> None:
+    """From any thread: print ``line``, run the cleanups, drop this process's MPI
+    segment and ``os._exit(code)`` (no MPI_Finalize). The first caller wins."""
     with _lock:
         if _state["exiting"]:
             return
         _state["exiting"] = True
         cleanups = list(reversed(_cleanups))
-    from hpcmac.errors import world_rank
-
     try:  # straight to the descriptor: the main thread may hold sys.stderr's lock
-        os.write(2, f"interrupted, rank {world_rank()}\n".encode())
+        os.write(2, f"{line}\n".encode())
     except OSError:
         pass
     for fn in cleanups:
@@ -79,7 +85,7 @@ def end(signum: int) -> None:
         from hpcmac.comm.cleanup import drop_segment
 
         drop_segment()
-    os._exit(128 + signum)
+    os._exit(code)
 
 
 def _watch(sock: socket.socket, handled: tuple[int, ...]) -> None:

@@ -76,6 +76,9 @@ def finalize() -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
+    from hpcmac.comm import heartbeat
+
+    heartbeat.stop()  # goodbye first: MPI_Finalize may wait long, silencing the heartbeat
     segments = own_segments()
     singleton = _singleton_dirs(segments)
     import signal

@@ -91,6 +91,10 @@ def init(transport: str | None = None, strict: bool | None = None,
         _holding = False
     _configure_blas(group)
     _cached[key] = group
+    if group.size > 1 and group.transport != "local":
+        from hpcmac.comm import heartbeat
+
+        heartbeat.start(group)  # collective: a silent peer ends the job (comm.heartbeat)
     return group
 
 

@@ -32,7 +32,7 @@ def _alive(pid: int) -> bool:
 
 def _sweep_stale() -> None:
     """Remove what an earlier session killed hard (no finalizer ran) left behind:
-    namespaces ``hm<pid>-*``/``hb<pid>-*`` and Slurm dirs ``hpcmac-slurm-<pid>-*``
+    namespaces ``hm<pid>-*``/``hb<pid>-*``/``hd<pid>-*`` and Slurm dirs ``hpcmac-slurm-<pid>-*``
     whose creating process is gone."""
     import re
     import shutil
@@ -41,8 +41,8 @@ def _sweep_stale() -> None:
     import tempfile
 
     netns = Path("/run/netns")
-    for p in netns.glob("h[mb]*-*") if netns.is_dir() else []:
-        m = re.match(r"^h[mb](\d+)-", p.name)
+    for p in netns.glob("h[mbd]*-*") if netns.is_dir() else []:
+        m = re.match(r"^h[mbd](\d+)-", p.name)
         if m and not _alive(int(m.group(1))):
             pids = subprocess.run(["ip", "netns", "pids", p.name], capture_output=True,
                                   text=True).stdout.split()
@@ -69,12 +69,12 @@ def mesh_capability() -> str:
     return why
 
 
-def _mesh(prefix: str, routes: bool, why: str):
+def _mesh(prefix: str, routes: bool, why: str, tcp_retries2: int = 3):
     if why:
         pytest.skip(f"no namespace mesh on this machine: {why}")
     m = Mesh(MESH_HOSTFILE, prefix)
     try:
-        m.create(routes=routes)
+        m.create(routes=routes, tcp_retries2=tcp_retries2)
         yield m
     finally:
         m.destroy()
@@ -84,6 +84,13 @@ def _mesh(prefix: str, routes: bool, why: str):
 def mesh(mesh_capability):
     """The 4-host mesh of hostfiles/mesh-4.json, routes in place (module scope)."""
     yield from _mesh(f"hm{os.getpid()}-", True, mesh_capability)
+
+
+@pytest.fixture(scope="module")
+def default_tcp_mesh(mesh_capability):
+    """The mesh with Linux's default TCP retries (tcp_retries2=15: ~15 min before a
+    silent connection errors), so only hpcmac's own timeouts can end a fault fast."""
+    yield from _mesh(f"hd{os.getpid()}-", True, mesh_capability, tcp_retries2=15)
 
 
 @pytest.fixture

@@ -22,9 +22,9 @@ PY = sys.executable
 JOB = ["-m", "hpcmac.launch.selftest", "--mib", "1", "--seconds", "90"]
 
 
-def start(mesh):
+def start(mesh, env=()):
     argv = ["timeout", "-k", "5", "110", PY, "-m", "hpcmac.launch", "--hostfile", mesh.path,
-            "--agent", AGENT, "--timeout", "100", "--", PY, *JOB]
+            "--agent", AGENT, "--timeout", "100", *[f"--env={e}" for e in env], "--", PY, *JOB]
     p = subprocess.Popen(mesh.argv(mesh.hf.names[0], argv), env=mesh.env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # wait until every rank is up and exchanging (rank 0 has printed the host list)
@@ -73,6 +73,8 @@ def inject(mesh, kind):
         iface = lk.end_of(b).iface
         mesh.run(b, ["iptables", "-A", "INPUT", "-i", iface, "-j", "DROP"])
         mesh.run(b, ["iptables", "-A", "OUTPUT", "-o", iface, "-j", "DROP"])
+    elif kind == "sigstop":
+        os.kill(rank_pid(mesh, b), signal.SIGSTOP)
     else:
         os.kill(rank_pid(mesh, b), signal.SIGKILL)
     return {mesh.hostname[a].split(".")[0], mesh.hostname[b].split(".")[0]}
@@ -100,6 +102,31 @@ def test_fault_ends_the_job_with_an_error_naming_the_host(healed, kind, limit):
         assert any(h in out for h in named), out[-2000:]
     left = mesh.wait_idle(10)
     assert left == [], f"left behind: {left}"
+
+
+@pytest.mark.parametrize("kind", ["iptables-drop", "sigstop"])
+def test_silent_peer_ends_the_job_under_default_tcp_settings(default_tcp_mesh, kind):
+    """No kernel help (tcp_retries2=15): the heartbeat (hpcmac.comm.heartbeat) ends a
+    blackholed link or a stopped rank after HPCMAC_HEARTBEAT_TIMEOUT, naming both hosts,
+    with nothing left on any host. (Measured with the default 30 s: 31.8 s.)"""
+    mesh = default_tcp_mesh
+    if kind == "iptables-drop" and subprocess.run(["sh", "-c", "command -v iptables"],
+                                                  capture_output=True).returncode:
+        pytest.skip("iptables is not installed (tools/system-deps installs it as root)")
+    try:
+        p = start(mesh, env=["HPCMAC_HEARTBEAT_TIMEOUT=8"])
+        named = inject(mesh, kind)
+        elapsed, out = finish(p, 30)
+        print(f"{kind}: job ended {elapsed:.1f} s after the fault, exit {p.returncode}")
+        assert p.returncode != 0, out[-2000:]
+        assert 8 <= elapsed < 30, f"{kind}: job took {elapsed:.1f} s to end"
+        beat = [ln for ln in out.splitlines() if "no heartbeat from rank" in ln]
+        assert beat and all(any(h in ln for h in named) for ln in beat), out[-2000:]
+        left = mesh.wait_idle(10)
+        assert left == [], f"left behind: {left}"
+    finally:
+        mesh.kill_all()
+        mesh.heal()
 
 
 def _cmd(pid):
