@@ -117,6 +117,17 @@ def run_bytes(n: int, nb: int, p: int, q: int, restart: int) -> int:
     return hplconfig.run_bytes(n, nb, p, q) * 3 // 2 + 16 * (restart + 1) * n
 
 
+def largest_n(nb: int, p: int, q: int, restart: int, nbytes: int) -> int:
+    """The largest N with :func:`run_bytes` <= ``nbytes`` (0 when even N = 1 does not fit)."""
+    lo, hi = 0, 1
+    while run_bytes(hi, nb, p, q, restart) <= nbytes:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if run_bytes(mid, nb, p, q, restart) <= nbytes else (lo, mid)
+    return lo
+
+
 def check_memory(world, cfg: hplconfig.HPLConfig, restart: int, ranks_here: int) -> None:
     """Collective: UsageError on every rank when a run cannot fit the smallest rank's
     share of its host's memory (checked before any matrix is made)."""
@@ -135,7 +146,8 @@ def check_memory(world, cfg: hplconfig.HPLConfig, restart: int, ranks_here: int)
                     raise UsageError(
                         f"{where}: Ns: N={n} needs {gib(need)} per rank for HPL-MxP on the "
                         f"{p}x{q} grid (NB={nb}; A in float64 and float32), expected at most "
-                        f"the {gib(per_rank)} available per rank")
+                        f"the {gib(per_rank)} available per rank (largest N that fits: "
+                        f"{largest_n(nb, p, q, restart, per_rank)})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,7 +201,9 @@ def _fgmres_cycle(a: DistMatrix, lu: DistMatrix, x: np.ndarray, r: np.ndarray, m
         H[k + 1, k] = 0.0
         g[k + 1] = -sn[k] * g[k]
         g[k] = cs[k] * g[k]
-        est = float(a.grid.all.allreduce(np.array([abs(g[k + 1])]), op="max")[0])
+        # the numbers that decide, agreed: every rank leaves the loop at the same step
+        est, hn = (float(v) for v in a.grid.all.allreduce(np.array([abs(g[k + 1]), hn]),
+                                                          op="max"))
         if est <= tol or hn == 0.0 or not np.isfinite(est):
             break
         V[k + 1] = w / hn

@@ -37,6 +37,7 @@ def run_mxp(args, cwd, np_=2, timeout=90):
     (["--diag", "-1"], None, "--diag: expected a number >= 0, found -1.0"),
     (["--maxit", "1_0"], None, "python -m hpcmac.hpl_mxp: argument --maxit: expected an "
      "integer (ASCII digits), found '1_0'"),
+    (["-N", "2000000", "-P", "1", "-Q", "2"], None, "-N: Ns: N=2000000 needs "),
     ([], FITS.replace("16.0         threshold", "0.0 threshold"),
      "bad.dat:13: threshold: expected a number > 0 for HPL-MxP"),
     ([], FITS.replace("29 30 34 35  Ns", "29 x 34 35"),
@@ -50,6 +51,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, dat, expect):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert len(lines) == 1 and lines[0].startswith(f"error: {expect}"), lines
+    if "needs" in expect:  # says what would fit
+        assert "available per rank (largest N that fits: " in lines[0], lines
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
