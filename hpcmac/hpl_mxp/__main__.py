@@ -19,13 +19,13 @@ from hpcmac.io.inputs import float_arg, int_arg
 DESCRIPTION = f"""\
 HPL-MxP (formerly HPL-AI): solve netlib HPL's system to FP64 accuracy from a
 low-precision factorisation. The matrix is HPL's random matrix with each
-diagonal entry set to the sum of the magnitudes of its row (diagonally
-dominant, as the HPL-MxP rules require); it is factored WITHOUT pivoting in
-low precision by hpcmac.linalg's block-cyclic LU (netlib HPL's panel,
-broadcast and update phases, the variants HPL.dat names), then flexible GMRES
-in float64, preconditioned by that LU, refines the solution until HPL's scaled
-residual is below the threshold. The rate is HPL's (2/3 N^3 + 3/2 N^2) flops
-over the whole time: factorisation plus refinement.
+diagonal entry set to the sum of the magnitudes of the other entries of its
+row (diagonally dominant, as the HPL-MxP rules require); it is factored
+WITHOUT pivoting in low precision by hpcmac.linalg's block-cyclic LU (netlib
+HPL's panel, broadcast and update phases, the variants HPL.dat names), then
+flexible GMRES in float64, preconditioned by that LU, refines the solution
+until HPL's scaled residual is below the threshold. The rate is HPL's
+(2/3 N^3 + 3/2 N^2) flops over the whole time: factorisation plus refinement.
 
 Input (the first that applies), as python -m hpcmac.hpl:
   --dat FILE        this HPL.dat (netlib's 31-line format; python -m hpcmac.hpl --help)
