@@ -9,6 +9,7 @@ BENCHES = {
     "comm": "latency, bandwidth and collectives per transport vs raw mpi4py",
     "hpl": "hpcmac HPL vs netlib HPL and the DGEMM ceiling",
     "linalg": "SUMMA matmul and Cholesky vs numpy/scipy",
+    "solvers": "eigh, lstsq, inv vs scipy on one core (run it under mpirun)",
     "llm": "decode tok/s vs the memory-bandwidth bound and llama.cpp",
     "llm_pipeline": "pipeline decode at 1/2/4 ranks: TTFT, prefill, decode, bytes per link, busy",
 }
