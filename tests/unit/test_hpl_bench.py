@@ -70,3 +70,22 @@ def test_grid_argument():
     assert bench._grid("1x2") == (1, 2)
     with pytest.raises(argparse.ArgumentTypeError):
         bench._grid("2by2")
+
+
+def test_mxp_beside_fp64_in_the_same_rounds(tmp_path, capsys):
+    """--mxp runs real MPI jobs of both programs (tiny N) and reports the ratio per grid."""
+    import json
+
+    out = tmp_path / "b.json"
+    code = bench.main(["--mxp", "-N", "400", "--nb", "32", "--grids", "1x1", "--repeat", "2",
+                       "--dgemm-n", "200", "--json", str(out), "--timeout", "120"])
+    assert code == 0, capsys.readouterr()
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["grid"] == "1x1" and row["passed"] and len(row["mxp_runs"]) == 2
+    fp64, mxp = row["fp64_runs"], row["mxp_runs"]
+    assert all(r["tv"] == "WR11C2R4" and r["n"] == 400 for r in fp64 + mxp)
+    assert all(r["precision"] == "float32" and r["iterations"] >= 1 for r in mxp)
+    ratios = sorted(m["gflops"] / f["gflops"] for f, m in zip(fp64, mxp))
+    assert row["ratio"] == pytest.approx(sum(ratios) / 2)  # median of the two rounds
+    assert 0 < row["refine_share"] < 1
+    assert "HPL-MxP" in capsys.readouterr().out
