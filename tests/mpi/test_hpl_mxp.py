@@ -24,8 +24,8 @@ NOPIV = LUOptions(pivoting=False)
 
 
 def grids(size):
-    """1 x size and size x 1 (one grid at np 1)."""
-    return sorted({(1, size), (size, 1)})
+    """1 x size, size x 1 and, at np 4, 2 x 2 (one grid at np 1)."""
+    return sorted({(1, size), (size, 1)} | ({(2, 2)} if size == 4 else set()))
 
 
 @pytest.mark.parametrize("n,nb", [(1000, 64), (333, 32)])
