@@ -36,7 +36,7 @@ $(VENV)/.test-stamp: pyproject.toml $(VENV)/.run-stamp
 venv: $(VENV)/.run-stamp
 
 run: $(VENV)/.run-stamp
-	$(MPIRUN) 4 $(BIN)/python -m hpcmac.hpl
+	$(BIN)/hpcmac-mpirun 4 $(BIN)/python -m hpcmac.hpl
 
 test: $(VENV)/.test-stamp
 	@$(MAKE) --no-print-directory test-unit test-mpi test-cluster
