@@ -5,10 +5,11 @@ Each marked block runs in ``bash -e`` in a fresh directory that mirrors the chec
 (symlinks to its top-level entries, ``.venv`` to this interpreter's environment), with a
 clean environment (no launcher variables) and the venv activated, as the docs say to run
 them. A block passes when it exits 0 and prints no traceback (unactivated launches are
-tested in test_mpirun.py and test_launch_local.py). Blocks that need hardware or services this machine lacks (Macs,
-Slurm, sudo) are simply not marked. ``<!-- docs-test: run timeout=N -->`` sets the block's
-limit in seconds (default 600: the blocks are the docs' real commands, minutes in all
-on two cores, so this file is the suite's one deliberately slow test).
+tested in test_mpirun.py and test_launch_local.py). Blocks that need hardware or
+services this machine lacks (Macs, Slurm, sudo) are simply not marked.
+``<!-- docs-test: run timeout=N -->`` sets the block's limit in seconds (default 600:
+the blocks are the docs' real commands, minutes in all on two cores, so this file is
+the suite's one deliberately slow test).
 """
 
 from __future__ import annotations
