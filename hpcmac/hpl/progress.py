@@ -61,6 +61,12 @@ class Progress:
     """Callable ``progress(cols_done, n)`` for ``hpl_solve``; redraws one stderr line.
 
     Local: make one on the rank that shows progress and pass None elsewhere.
+
+    The ETA is the time the remaining flops take at the rate measured so far:
+    from the first call (the end of the first panel) on, so that whatever ran
+    before the factorisation (matrix generation) does not count as a slow
+    start. After the last column the line says the run goes on with the
+    solve and the residual check, and :meth:`close` says when that ended.
     """
 
     def __init__(self, label: str, stream: TextIO | None = None,
@@ -74,30 +80,54 @@ class Progress:
         self.t0 = time.perf_counter()
         self._last = -1.0
         self._shown = False
+        self._ref: tuple[float, float] | None = None  # (time, work fraction) at the first call
+        self._check_from: float | None = None  # when the factorisation ended
 
     def __call__(self, done: int, n: int) -> None:
         now = time.perf_counter()
+        frac = work_fraction(done, n)
+        if self._ref is None:
+            self._ref = (now, frac)
         if done < n and now - self._last < self.min_interval:
             return
         self._last = now
         elapsed = now - self.t0
-        frac = work_fraction(done, n)
-        eta = elapsed * (1.0 - frac) / frac if frac > 0 else float("nan")
+        eta = eta_seconds(self._ref, now, frac)
         eta_s = f"{eta:7.1f}s" if eta == eta else "      ?"
         line = (f"{self.label}: {done:>{len(str(n))}d}/{n} columns ({100.0 * frac:5.1f}% of flops)"
                 f"  elapsed {elapsed:7.1f}s  ETA {eta_s}")
+        if done >= n:
+            line += "; solving and checking the residual"
+            self._check_from = now
         if self.redraw:
             self.stream.write("\r" + line)
             self._shown = True
             if done >= n:
-                self.close()
+                self._end_line()
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
 
-    def close(self) -> None:
-        """End the progress line (once)."""
+    def _end_line(self) -> None:
         if self._shown:
             self.stream.write("\n")
             self.stream.flush()
             self._shown = False
+
+    def close(self) -> None:
+        """End the progress line, and say how long the solve and the check took (once)."""
+        self._end_line()
+        if self._check_from is not None:
+            took = time.perf_counter() - self._check_from
+            self.stream.write(f"{self.label}: solve and residual check took {took:.1f}s\n")
+            self.stream.flush()
+            self._check_from = None
+
+
+def eta_seconds(ref: tuple[float, float], now: float, frac: float) -> float:
+    """Seconds left at the flop rate measured since ``ref`` = (time, work fraction); NaN
+    before there is a rate to go by."""
+    t_ref, f_ref = ref
+    if frac <= f_ref or now <= t_ref:
+        return float("nan")
+    return (now - t_ref) * (1.0 - frac) / (frac - f_ref)
