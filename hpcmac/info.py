@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
+import sys
+import time
 
 from hpcmac.errors import ArgumentParser, run_cli
 
@@ -61,19 +64,35 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
+    ready = _process_age()
+    had_numpy = "numpy" in sys.modules
+    t0 = time.perf_counter()
     import numpy
-    import scipy
 
+    t_numpy = None if had_numpy else time.perf_counter() - t0
     os.environ.setdefault("HPCMAC_QUIET_TRANSPORT", "1")
     from hpcmac import __version__, comm
+    from hpcmac.comm import mpi_start
 
+    t0 = time.perf_counter()
     world = comm.init(args.transport, args.transport_strict)
-    from mpi4py import MPI
+    t_init = time.perf_counter() - t0
+    MPI = mpi_start.load()
+    t0 = time.perf_counter()
+    import scipy.linalg
 
+    t_scipy = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    mlx_line = _mlx()
+    t_mlx = time.perf_counter() - t0
+    times = dict(ready=ready, numpy=t_numpy, init=t_init,
+                 mpi=mpi_start.STARTUP.get("mpi_import_s", 0.0), scipy=t_scipy, mlx=t_mlx)
     hosts = world.allgather_obj(socket.gethostname())
     seen = world.allgather_obj([(n, ok) for n, ok, _ in transports(world)])
+    all_times = world.allgather_obj(times)
     if world.rank != 0:
         return 0
+    scipy = sys.modules["scipy"]
     py = f"python {platform.python_version()}, {platform.platform()}"
     print(f"hpcmac       {__version__}  ({py})")
     print(f"MPI          {MPI.Get_library_version().splitlines()[0].strip()}")
@@ -95,8 +114,52 @@ def main(argv: list[str] | None = None) -> int:
         print(f"BLAS         {line}")
     print(f"numpy        {numpy.__version__}")
     print(f"scipy        {scipy.__version__}")
-    print(f"mlx          {_mlx()}")
+    print(f"mlx          {mlx_line}")
+    ompi = {k: os.environ[k] for k in ("OMPI_MCA_btl", "OMPI_MCA_mtl", "OMPI_MCA_pml")
+            if k in os.environ}
+    for line in startup_lines(all_times, ompi, bool(mpi_start.STARTUP.get("ompi_defaults"))):
+        print(line)
     return 0
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux /proc), None elsewhere."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def startup_lines(all_times: list[dict], ompi: dict, ours: bool) -> list[str]:
+    """Where a rank's start-up seconds go, slowest rank per item (pure).
+
+    ``ompi``: the Open MPI variables in effect; ``ours``: hpcmac set them (else the
+    environment or the launcher did).
+    """
+    def worst(key: str) -> float | None:
+        vals = [t[key] for t in all_times if t[key] is not None]
+        return max(vals) if vals else None
+
+    lines = []
+    if worst("ready") is not None:
+        lines.append(f"start-up     {worst('ready'):.2f} s from process start to `info` running "
+                     "(interpreter, hpcmac, numpy, argument parsing)")
+    numpy_part = (f"import numpy {worst('numpy'):.3f} s, " if worst("numpy") is not None
+                  else "")
+    lines.append(f"start-up     {numpy_part}comm.init {worst('init'):.3f} s, mpi4py + MPI_Init "
+                 f"{worst('mpi'):.3f} s")
+    settings = " ".join(f"{k}={v}" for k, v in ompi.items())
+    who = ("set by hpcmac: no RDMA device here; HPCMAC_OMPI_DEFAULTS=0 keeps Open MPI's own"
+           if ours else "from the environment or the launcher")
+    lines.append("start-up     Open MPI settings: "
+                 + (f"{settings} ({who})" if settings else "Open MPI's own"))
+    lines.append(f"start-up     not needed by HPL: import scipy.linalg {worst('scipy'):.3f} s, "
+                 f"mlx {worst('mlx'):.3f} s (slowest rank for each)")
+    return lines
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ def is_available(name: str) -> tuple[bool, str]:
     """
     if name not in NAMES:
         return False, f"{name}: not an MLX transport (expected one of {', '.join(NAMES)})"
+    if name == "rdma" and sys.platform.startswith("linux"):
+        # no Linux build of mlx has JACCL: say so without importing mlx (start-up time)
+        return False, rdma_env.rdma_reason(sys.platform, False, None, None, None)
     try:
         mx = _mx()
     except Exception as exc:  # ImportError, or a broken install raising anything

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcmac.comm import mpi_start
 from hpcmac.comm.base import Group, Request, check_op
 
 _BOOL = np.dtype(np.bool_)
@@ -14,7 +15,7 @@ _BOOL = np.dtype(np.bool_)
 def is_available() -> tuple[bool, str]:
     """(usable, reason) without initialising anything beyond importing mpi4py."""
     try:
-        from mpi4py import MPI  # noqa: F401
+        mpi_start.load()
     except Exception as exc:  # pragma: no cover - import failures vary
         return False, f"mpi: mpi4py does not import ({exc})"
     return True, ""
@@ -68,8 +69,7 @@ class MPIGroup(Group):
     transport = "mpi"
 
     def __init__(self, comm=None):
-        from mpi4py import MPI
-
+        MPI = mpi_start.load()
         _clean_at_exit()
         self._MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm

@@ -14,21 +14,43 @@ No submodule is named like a function (``hpcmac.linalg.cholesky`` is the
 function; the Cholesky code lives in ``chol.py``).
 """
 
-from scipy.linalg import LinAlgError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from numpy.linalg import LinAlgError  # scipy.linalg.LinAlgError is this class
 
 from hpcmac.comm.grid import Grid
-from hpcmac.linalg.chol import cho_factor, cho_solve, cholesky
-from hpcmac.linalg.dense import lu_factor, lu_solve, solve
-from hpcmac.linalg.diagonal import diag, trace
-from hpcmac.linalg.distmatrix import DistMatrix
-from hpcmac.linalg.inverse import det, inv, slogdet
-from hpcmac.linalg.krylov import KrylovResult, cg, gmres, jacobi
-from hpcmac.linalg.leastsq import lstsq
-from hpcmac.linalg.norms import norm
-from hpcmac.linalg.summa import matmul
-from hpcmac.linalg.symeig import eigh
-from hpcmac.linalg.trisolve import solve_triangular
-from hpcmac.linalg.vectors import BlockVector
+
+# name -> submodule: imported on first use, so that `import hpcmac.linalg.lu` (HPL) does not
+# pay for scipy.linalg and every solver at start-up (PEP 562)
+_LAZY = {
+    "cho_factor": "chol", "cho_solve": "chol", "cholesky": "chol",
+    "lu_factor": "dense", "lu_solve": "dense", "solve": "dense",
+    "diag": "diagonal", "trace": "diagonal",
+    "DistMatrix": "distmatrix",
+    "det": "inverse", "inv": "inverse", "slogdet": "inverse",
+    "KrylovResult": "krylov", "cg": "krylov", "gmres": "krylov", "jacobi": "krylov",
+    "lstsq": "leastsq", "norm": "norms", "matmul": "summa", "eigh": "symeig",
+    "solve_triangular": "trisolve", "BlockVector": "vectors",
+}
+
+if TYPE_CHECKING:
+    from hpcmac.linalg.distmatrix import DistMatrix
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpcmac.linalg' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hpcmac.linalg.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 def transpose(a: DistMatrix, conj: bool = False) -> DistMatrix:

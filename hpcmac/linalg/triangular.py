@@ -16,9 +16,34 @@ reduction and one broadcast per block, none at all on one process.
 from __future__ import annotations
 
 import numpy as np
-from scipy.linalg import solve_triangular
 
-from hpcmac.linalg import layout
+from hpcmac.linalg import _blas, layout
+
+
+def _solve_block(A: np.ndarray, lr: int, lc: int, kb: int, rhs: np.ndarray, out: np.ndarray,
+                 lower: bool, unit: bool, trans: bool) -> None:
+    """``out = op(T)^-1 rhs`` for the kb x kb diagonal block ``T = A[lr:, lc:]`` (local).
+
+    BLAS trsm by address when the dtypes allow (no scipy.linalg import at start-up);
+    scipy's solve_triangular otherwise, and for an exactly zero diagonal, which it
+    reports as singular.
+    """
+    block = A[lr:lr + kb, lc:lc + kb]
+    fast = (A.dtype == rhs.dtype == out.dtype and A.dtype in (np.float64, np.float32)
+            and A.flags.f_contiguous and out.flags.f_contiguous
+            and (unit or np.all(np.diagonal(block) != 0)))
+    if fast:
+        out[...] = rhs
+        b = _blas.for_dtype(A.dtype)
+        lda = max(1, A.shape[0])
+        b.trsm("L", "L" if lower else "U", "T" if trans else "N", "U" if unit else "N",
+               kb, out.shape[1], 1.0, _blas.addr(A) + b.itemsize * (lr + lc * lda), lda,
+               _blas.addr(out), kb)
+        return
+    from scipy.linalg import solve_triangular
+
+    out[...] = solve_triangular(block, rhs, trans=1 if trans else 0, lower=lower,
+                                unit_diagonal=unit, check_finite=False)
 
 
 def block_trsv(a, x: np.ndarray, n: int, lower: bool, unit: bool, trans: bool) -> np.ndarray:
@@ -72,12 +97,10 @@ def block_trsv(a, x: np.ndarray, n: int, lower: bool, unit: bool, trans: bool) -
             keeper, line, root = myrow == prow, g.row, pcol
         if not keeper:
             continue
-        xk = np.empty((kb, nrhs), dtype=x.dtype)
+        xk = np.empty((kb, nrhs), dtype=x.dtype, order="F")
         if myrow == prow and mycol == pcol:
             lr, lc = int(layout.g2l(k0, nb, p)), int(layout.g2l(k0, nb, q))
-            xk[...] = solve_triangular(A[lr:lr + kb, lc:lc + kb], x[k0:k0 + kb] - s,
-                                       trans=1 if trans else 0, lower=lower,
-                                       unit_diagonal=unit, check_finite=False)
+            _solve_block(A, lr, lc, kb, x[k0:k0 + kb] - s, xk, lower, unit, trans)
         if line.size > 1:
             line.bcast(xk, root)
         x[k0:k0 + kb] = xk
