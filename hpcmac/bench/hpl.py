@@ -196,6 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-netlib", action="store_true", help="skip netlib HPL (hpcc)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per HPL run")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    p.add_argument("--whole-job", action="store_true",
+                   help="the whole job (wall time from mpirun to exit, start-up, peak RSS per "
+                   "rank) against netlib's xhpl in alternating rounds: N=8000 1x1, "
+                   "N=16000 1x2, start-up N=1000 2x2 (see hpcmac.bench.hpl_whole)")
+    p.add_argument("--xhpl", metavar="PATH", help="netlib HPL 2.3's xhpl for --whole-job "
+                   "(default: $HPCMAC_XHPL)")
+    p.add_argument("--xhpl-mpirun", metavar="PATH", default="/usr/bin/mpirun.openmpi",
+                   help="the mpirun of the MPI xhpl was built with (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="--whole-job rounds (default 3)")
+    p.add_argument("--cases", type=int, nargs="+", metavar="N",
+                   help="--whole-job: only the cases with these N (8000, 16000, 1000)")
     p.add_argument("--mxp", action="store_true", help="HPL-MxP (python -m hpcmac.hpl_mxp, "
                    "float32 LU + FP64 GMRES) beside FP64 hpcmac.hpl instead of netlib: same N, "
                    "NB and grid, alternating in the same rounds (hpcmac.bench.hpl_mxp)")
@@ -214,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         from hpcmac.bench.hpl_mxp import compare
 
         return compare(args)
+    if args.whole_job:
+        if args.rounds < 1:
+            raise UsageError("--rounds must be >= 1")
+        from hpcmac.bench.hpl_whole import compare as whole
+
+        return whole(args)
     hpcc = None if args.no_netlib else find_hpcc()
     if not args.no_netlib and hpcc is None:
         raise UsageError("netlib HPL not found: apt-get install hpcc libopenblas0-serial "
