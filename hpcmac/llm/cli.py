@@ -11,14 +11,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from hpcmac.errors import ArgumentParser, UsageError
 from hpcmac.llm.model.sampling import SamplingParams
-from hpcmac.llm.parallel.pipeline import PipelineResult, Request, SeqResult, run_pipeline
-from hpcmac.llm.parallel.plan import StagePlan, agree, plan_stages
+from hpcmac.llm.parallel.layout import LayoutPlan, check_layout_flags, choose_layout, plan_layout
+from hpcmac.llm.parallel.pipeline import PipelineResult, Request, SeqResult
+from hpcmac.llm.parallel.plan import agree
+from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
 
 # -- arguments ------------------------------------------------------------------------
 
@@ -69,8 +72,15 @@ def add_generate_args(g: argparse.ArgumentParser) -> None:
                    help="BLAS threads (default: the BLAS library's choice)")
     g.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
     g.add_argument("--quiet", action="store_true", help="do not stream the text")
-    p = g.add_argument_group("pipeline (several ranks)")
-    p.add_argument("--split", help="layers per rank, e.g. 10,10,6,4 (default: by memory)")
+    p = g.add_argument_group("several ranks (pipeline and tensor parallel)")
+    p.add_argument("--tp", type=int, default=None, metavar="T",
+                   help="ranks per tensor-parallel group (default: all ranks for one "
+                        "sequence on one host or RDMA, else 1)")
+    p.add_argument("--pp", type=int, default=None, metavar="P",
+                   help="pipeline stages (T x P = ranks)")
+    p.add_argument("--tp-split", default=None, metavar="SHARES",
+                   help="shares of the tensor ranks, e.g. 2,1,1 (default: by memory)")
+    p.add_argument("--split", help="layers per stage, e.g. 10,10,6,4 (default: by memory)")
     p.add_argument("--transport", choices=("auto", "mpi", "rdma", "ring", "local"),
                    help="comm backend (default: HPCMAC_TRANSPORT or auto)")
     p.add_argument("--hostfile", help="JSON hostfile whose memory_gb sets the split "
@@ -101,6 +111,7 @@ def check_arguments(args: argparse.Namespace) -> SamplingParams:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 0")
     if args.timeout < 0:
         raise UsageError(f"--timeout {args.timeout}: expected >= 0 (0: no watchdog)")
+    check_layout_flags(args.tp, args.pp, args.tp_split)
     return sampling
 
 
@@ -265,16 +276,36 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     shape = (len(reqs), max(len(r.prompt) + r.max_tokens for r in reqs))
     slots = min(args.max_batch or min(shape[0], 64), shape[0])
     hostfile = args.hostfile or os.environ.get("HPCMAC_HOSTFILE") or None
-    plan = plan_stages(group, args.model, cfg, args.split, hostfile, slots * shape[1],
+    hosts = group.allgather_obj(socket.gethostname())
+    fast = len(set(hosts)) == 1 or getattr(group, "transport", "") == "rdma"
+    layout = agree(group, lambda: choose_layout(
+        group.size, cfg, tp=args.tp, pp=args.pp, tp_split=args.tp_split, split=args.split,
+        sequences=len(reqs), fast_links=fast))
+    plan = plan_layout(group, args.model, cfg, layout, args.split, hostfile, slots * shape[1],
                        args.quantize, args.q_group_size)
-    spec = plan.stages[group.rank]
+    groups = make_groups(group, layout.tp, plan.hosts)
+    spec = plan.stages[groups.stage]
+    shard = plan.shards[groups.stage][groups.tp_rank]
+    tg = None
+    if layout.tp > 1:
+        members = [groups.stage * layout.tp + t for t in range(layout.tp)]
+        tg = TensorGroup(groups.tensor, [plan.hosts[r] for r in members], args.timeout,
+                         ranks=members)
+        tg.set_vocab_slices([sh.vocab[1] - sh.vocab[0] for sh in plan.shards[groups.stage]])
     stage = agree(group, lambda: load_stage(args.model, spec.start, spec.end, first=spec.first,
                                             last=spec.last, backend=args.backend,
                                             quantize=args.quantize,
-                                            group_size=args.q_group_size))
+                                            group_size=args.q_group_size, shard=shard,
+                                            reduce=tg.allreduce if tg else None))
     if group.rank == 0 and group.size > 1:
-        print(f"pipeline: {group.size} stages, layers {[s.n_layers for s in plan.stages]} "
-              f"(split by {plan.how})", file=sys.stderr, flush=True)
+        if layout.tp == 1:
+            print(f"pipeline: {group.size} stages, layers {[s.n_layers for s in plan.stages]} "
+                  f"(split by {plan.how})", file=sys.stderr, flush=True)
+        else:
+            heads = [sh.n_heads for sh in plan.shards[0]]
+            print(f"layout: {layout.describe()} ({layout.why}); layers "
+                  f"{[s.n_layers for s in plan.stages]}, heads per tensor rank "
+                  f"{'/'.join(map(str, heads))}", file=sys.stderr, flush=True)
     show = _Printer(tok, stop, out, len(reqs), args.quiet) if group.rank == 0 else None
     stop_check = None
     if group.rank == 0 and stop.stops:
@@ -287,12 +318,12 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
 
         threads = threadpool_limits(args.threads)
     try:
-        res = run_pipeline(
-            group, stage, spec, cfg.hidden, reqs if group.rank == 0 else None,
+        res = run_tensor_pipeline(
+            groups, tg, stage, spec, cfg.hidden, reqs if group.rank == 0 else None,
             micro_batches=args.micro_batches or None, max_batch=slots,
             prefill_chunk=args.prefill_chunk or None, max_len=shape[1],
             on_token=show.token if show else None, stop_check=stop_check,
-            timeout=args.timeout, hosts=plan.hosts,
+            timeout=args.timeout,
         )
     finally:
         if threads is not None:
@@ -353,7 +384,7 @@ def summary_line(res: PipelineResult) -> str:
             f"aggregate; stage busy {busy}")
 
 
-def result_json(res: PipelineResult, tok, stop, plan: StagePlan | None) -> dict:
+def result_json(res: PipelineResult, tok, stop, plan: LayoutPlan | None) -> dict:
     """Part 1's JSON fields (of the first sequence) plus every sequence and the pipeline."""
     seqs = []
     for s in res.seqs:
@@ -377,6 +408,9 @@ def result_json(res: PipelineResult, tok, stop, plan: StagePlan | None) -> dict:
     if plan is not None:
         doc["split"] = {"how": plan.how, "layers": [s.n_layers for s in plan.stages],
                         "need_bytes": plan.need, "budget_bytes": plan.budgets}
+        doc["layout"] = plan.json()
+    if res.tensor:
+        doc["tensor"] = res.tensor
     return doc
 
 

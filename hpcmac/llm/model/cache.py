@@ -33,6 +33,14 @@ class KVCache:
             self.k = [backend.zeros(shape) for _ in range(n)]
             self.v = [backend.zeros(shape) for _ in range(n)]
 
+    @staticmethod
+    def token_bytes(cfg: ModelConfig) -> int:
+        """Bytes one token takes in one layer of a cache for ``cfg`` (a rank's local
+        config under tensor parallelism: its KV heads)."""
+        if cfg.mla:  # the latent and the shared rotary key
+            return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        return 4 * 2 * cfg.n_kv_heads * cfg.head_dim
+
     @property
     def nbytes(self) -> int:
         """Bytes held by this cache (all layers, all slots)."""

@@ -27,12 +27,17 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     T = x.shape[0]
     H, KV, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     g = H // KV
+    # a tensor-parallel rank holding part of a KV group: its Hq query heads sit in
+    # H = KV * g slots (empty slots are zero queries whose outputs are dropped)
+    Hq = len(w["o_take"]) if "o_take" in w else H
     qkv = be.linear(x, w["wqkv"])
     if "bqkv" in w:
         qkv = qkv + w["bqkv"]
-    q = qkv[:, :H * d].reshape(T, H, d)
-    k = qkv[:, H * d:(H + KV) * d].reshape(T, KV, d)
-    v = qkv[:, (H + KV) * d:].reshape(T, KV, d)
+    q = qkv[:, :Hq * d].reshape(T, Hq, d)
+    k = qkv[:, Hq * d:(Hq + KV) * d].reshape(T, KV, d)
+    v = qkv[:, (Hq + KV) * d:].reshape(T, KV, d)
+    if "q_pad" in w:
+        q = xp.concatenate([q, be.zeros((T, 1, d))], axis=1)[:, w["q_pad"]]  # (T, H, d)
     if cfg.qk_norm:
         q = be.rms_norm(q, w["q_norm"], cfg.norm_eps)
         k = be.rms_norm(k, w["k_norm"], cfg.norm_eps)
@@ -42,6 +47,8 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
         o = _decode_attention(be, q, k, v, seqs, ck, cv, g)
     else:
         o = _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g)
+    if "o_take" in w:
+        o = o.reshape(T, H, d)[:, w["o_take"]].reshape(T, Hq * d)
     o = be.linear(o, w["wo"])
     if "bo" in w:
         o = o + w["bo"]

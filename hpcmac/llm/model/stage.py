@@ -13,11 +13,13 @@ slot, how many new tokens it has and the position of the first one.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from hpcmac.errors import UsageError
+from hpcmac.llm.model import spec
 from hpcmac.llm.model.backend import QWeight, get_backend, release_freed_memory
 from hpcmac.llm.model.cache import KVCache
 from hpcmac.llm.model.config import ModelConfig
@@ -25,6 +27,7 @@ from hpcmac.llm.model.layers import attention, latent_attention, mlp, moe
 from hpcmac.llm.model.qkernels import NQWeight
 from hpcmac.llm.model.quant import QuantTensor, as_float, concat_rows
 from hpcmac.llm.model.rope import cos_sin, rope_frequencies, softmax_scale
+from hpcmac.llm.model.spec import Shard, TensorSpec
 from hpcmac.llm.model.weights import open_checkpoint
 
 
@@ -70,31 +73,63 @@ class Stage:
     """Layers ``[start, end)`` of a model, ready to run (see module docstring)."""
 
     def __init__(self, config: ModelConfig, start: int, end: int, first: bool, last: bool,
-                 backend, layers: list[dict], extra: dict, nbytes: int):
+                 backend, layers: list[dict], extra: dict, nbytes: int,
+                 shard: Shard | None = None,
+                 reduce: Callable[[np.ndarray], np.ndarray] | None = None):
         self.config, self.start, self.end = config, start, end
         self.first, self.last = first, last
         self.backend = backend
         self.layers = layers
         self.extra = extra
         self.nbytes = nbytes
+        self.shard = shard or spec.full_shard(config)
+        self.reduce = reduce if self.shard.size > 1 else None
+        self.local = _local_config(config, self.shard)
         self._inv_freq, self._att = rope_frequencies(config)
         self._scale = softmax_scale(config)
 
+    @property
+    def vocab(self) -> tuple[int, int]:
+        """The vocabulary rows ``[lo, hi)`` whose logits :meth:`logits` returns."""
+        return self.shard.vocab
+
     def new_cache(self, max_slots: int, max_len: int) -> KVCache:
-        """An empty KV cache of this stage's layers."""
-        return KVCache(self.config, self.start, self.end, max_slots, max_len, self.backend)
+        """An empty KV cache of this stage's layers (this rank's KV heads)."""
+        return KVCache(self.local, self.start, self.end, max_slots, max_len, self.backend)
+
+    def _sum(self, a):
+        """The tensor group's sum of a partial result (itself on one rank)."""
+        if self.reduce is None:
+            return a
+        be = self.backend
+        return be.asarray(self.reduce(np.ascontiguousarray(be.to_numpy(a), dtype=np.float32)))
 
     def embed(self, tokens) -> np.ndarray:
-        """(T_total,) int token ids -> (T_total, hidden) float32 [first stage]."""
+        """(T_total,) int token ids -> (T_total, hidden) float32 [first stage].
+
+        Under tensor parallelism each rank looks up the ids in its vocabulary
+        rows and the group sums (collective over the tensor group).
+        """
         if "embed" not in self.extra:
             raise RuntimeError("embed() called on a stage without the embedding")
         tok = np.asarray(tokens, dtype=np.int64)
         if tok.size and (tok.min() < 0 or tok.max() >= self.config.vocab):
             raise UsageError(f"token id {int(tok.max() if tok.max() >= 0 else tok.min())} "
                              f"is outside the vocabulary [0, {self.config.vocab})")
+        v0, v1 = self.vocab
+        if self.reduce is not None:
+            loc = tok - v0
+            mine = np.nonzero((loc >= 0) & (tok < v1))[0]
+            out = np.zeros((tok.size, self.config.hidden), dtype=np.float32)
+            if mine.size:
+                out[mine] = self._rows(loc[mine])
+            return self.reduce(out)
+        return self._rows(tok)
+
+    def _rows(self, idx: np.ndarray) -> np.ndarray:
         if "embed_q" in self.extra:  # kept quantized: dequantize the rows looked up
-            return self.backend.rows(self.extra["embed_q"], tok)
-        return np.ascontiguousarray(self.extra["embed_np"][tok])
+            return self.backend.rows(self.extra["embed_q"], idx)
+        return np.ascontiguousarray(self.extra["embed_np"][idx])
 
     def forward(self, h, batch: Batch, cache: KVCache) -> np.ndarray:
         """Run this stage's layers on packed ``h`` (T_total, hidden); appends to ``cache``."""
@@ -112,21 +147,25 @@ class Stage:
         cos, sin = be.asarray(cos[:, None, :]), be.asarray(sin[:, None, :])
         x = be.asarray(h)
         seqs = batch.seqs()
-        cfg = self.config
+        cfg = self.local  # this rank's heads (all of them on one rank)
         attn = latent_attention if cfg.mla else attention
         for j, w in enumerate(self.layers):
             a = attn(be, cfg, w, be.rms_norm(x, w["ln1"], cfg.norm_eps), seqs,
                      cache.k[j], cache.v[j], cos, sin, self._scale)
-            x = x + a
+            x = x + self._sum(a)
             y = be.rms_norm(x, w["ln2"], cfg.norm_eps)
-            x = x + (moe(be, cfg, w, y) if "router" in w else mlp(be, w, y))
+            x = x + self._sum(moe(be, cfg, w, y) if "router" in w else mlp(be, w, y))
         be.eval(x, *cache.k, *cache.v)
         for slot, _, n, pos in seqs:
             cache.lengths[slot] = pos + n
         return be.to_numpy(x)
 
     def logits(self, h) -> np.ndarray:
-        """(n, hidden) -> (n, vocab) float32: final norm and head [last stage]."""
+        """(n, hidden) -> (n, vocab) float32: final norm and head [last stage].
+
+        Under tensor parallelism: the logits of this rank's vocabulary rows
+        (:attr:`vocab`), (n, hi - lo); the caller combines the ranks' parts.
+        """
         if "norm" not in self.extra:
             raise RuntimeError("logits() called on a stage without the head")
         be = self.backend
@@ -136,35 +175,63 @@ class Stage:
         return be.to_numpy(out)
 
 
+def _local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
+    """The config the layers and the cache see on this rank: its heads and KV heads
+    (query heads padded to whole KV groups, see :func:`spec.padded_heads`)."""
+    if shard.size == 1:
+        return cfg
+    if cfg.mla:
+        return replace(cfg, n_heads=shard.n_heads)
+    pad = spec.padded_heads(cfg, shard)
+    return replace(cfg, n_heads=shard.n_heads if pad is None else pad[0],
+                   n_kv_heads=shard.n_kv_heads)
+
+
 # -- loading ------------------------------------------------------------------
 
 class _Loader:
-    """Reads canonical tensors from a checkpoint and checks their shapes."""
+    """Reads a stage's tensors by their :mod:`~hpcmac.llm.model.spec`: checks each
+    shape, keeps this rank's slice and counts its bytes."""
 
-    def __init__(self, ckpt, backend, keep_quantized: bool = True):
-        self.ckpt, self.be = ckpt, backend
+    def __init__(self, ckpt, backend, cfg: ModelConfig, shard: Shard,
+                 keep_quantized: bool = True):
+        self.ckpt, self.be, self.cfg, self.shard = ckpt, backend, cfg, shard
         self.keep = keep_quantized and hasattr(ckpt, "get_weight")
         self.nbytes = 0
+        self.specs: dict[str, TensorSpec] = {}
         #: what was kept quantized: source ("gguf Q4_1", "mlx q4 g64") -> tensors
         self.formats: dict[str, int] = {}
 
-    def _check(self, name: str, shape: tuple) -> None:
-        found = tuple(self.ckpt.shape(name))
-        if found != tuple(shape):
-            raise UsageError(f"{self.ckpt.path}: tensor {name} has shape {list(found)}; "
-                             f"expected {list(shape)}")
+    def layer(self, i: int) -> None:
+        self.specs = {t.name: t for t in spec.layer_tensors(self.cfg, i)}
 
-    def np(self, name: str, shape: tuple) -> np.ndarray:
-        """A tensor as float32 (dequantized if stored quantized)."""
-        self._check(name, shape)
-        w = self.ckpt.get(name)
-        self.nbytes += w.nbytes
+    def _read(self, name: str, sp: TensorSpec, keep: bool):
+        if spec.is_expert_stack(sp):
+            layer = int(name.split(".")[2])
+            which = name.rsplit(".", 1)[1]
+            w = self.ckpt.experts(layer, which, keep_quant=keep) if keep else \
+                self.ckpt.experts(layer, which)
+            if tuple(w.shape) != sp.shape:
+                raise UsageError(f"{self.ckpt.path}: experts '{which}' of layer {layer} have "
+                                 f"shape {list(w.shape)}; expected {list(sp.shape)}")
+            return w
+        found = tuple(self.ckpt.shape(name))
+        if found != sp.shape:
+            raise UsageError(f"{self.ckpt.path}: tensor {name} has shape {list(found)}; "
+                             f"expected {list(sp.shape)}")
+        return self.ckpt.get_weight(name) if keep else self.ckpt.get(name)
+
+    def np(self, name: str, sp: TensorSpec | None = None) -> np.ndarray:
+        """The tensor ``name`` (this rank's slice) as float32 (dequantized if stored so)."""
+        w = as_float(spec.take(self._read(name, sp or self.specs[name], False),
+                               sp or self.specs[name], self.cfg, self.shard))
+        self._count(w)
         return w
 
-    def raw(self, name: str, shape: tuple):
-        """A matrix as stored: a QuantTensor kept quantized, else float32."""
-        self._check(name, shape)
-        w = self.ckpt.get_weight(name) if self.keep else self.ckpt.get(name)
+    def raw(self, name: str, sp: TensorSpec | None = None):
+        """A matrix (this rank's slice) as stored: a QuantTensor kept quantized, else float32."""
+        sp = sp or self.specs[name]
+        w = spec.take(self._read(name, sp, self.keep), sp, self.cfg, self.shard)
         self._count(w)
         return w
 
@@ -173,94 +240,88 @@ class _Loader:
         if isinstance(w, QuantTensor):
             self.formats[w.source] = self.formats.get(w.source, 0) + 1
 
-    def __call__(self, name: str, shape: tuple):
+    def __call__(self, name: str, sp: TensorSpec | None = None):
         """A vector or a norm weight, as a backend array."""
-        return self.be.asarray(self.np(name, shape))
+        return self.be.asarray(self.np(name, sp))
 
-    def w(self, name: str, shape: tuple):
+    def w(self, name: str, sp: TensorSpec | None = None):
         """A matrix used by ``backend.linear`` (stored the backend's way)."""
-        return self.be.weight(self.raw(name, shape))
+        return self.be.weight(self.raw(name, sp))
 
-    def experts(self, layer: int, which: str, shape: tuple):
-        w = self.ckpt.experts(layer, which, keep_quant=self.keep)
-        if tuple(w.shape) != tuple(shape):
-            raise UsageError(f"{self.ckpt.path}: experts '{which}' of layer {layer} have shape "
-                             f"{list(w.shape)}; expected {list(shape)}")
-        self._count(w)
-        return w
+    def has_part(self, name: str) -> bool:
+        """False for a bias that another rank of the tensor group holds."""
+        return spec.part(self.specs[name], self.cfg, self.shard) != (0, 0)
 
 
 def _load_layer(ld: _Loader, cfg: ModelConfig, i: int) -> dict:
-    """Weights of global layer ``i`` in the backend's arrays, projections fused."""
+    """Weights of global layer ``i`` in the backend's arrays, projections fused
+    (this rank's part of each under tensor parallelism)."""
     be = ld.be
-    D = cfg.hidden
+    ld.layer(i)
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    w: dict = {"ln1": ld(p + "input_layernorm.weight", (D,)),
-               "ln2": ld(p + "post_attention_layernorm.weight", (D,))}
-    H = cfg.n_heads
+    w: dict = {"ln1": ld(p + "input_layernorm.weight"),
+               "ln2": ld(p + "post_attention_layernorm.weight")}
     if cfg.mla:
-        nope, rd, r, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, \
-            cfg.v_head_dim
+        nope, vd, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
-            w["wq_a"] = ld.w(a + "q_a_proj.weight", (cfg.q_lora_rank, D))
-            w["q_a_norm"] = ld(a + "q_a_layernorm.weight", (cfg.q_lora_rank,))
-            w["wq_b"] = ld.w(a + "q_b_proj.weight", (H * (nope + rd), cfg.q_lora_rank))
+            w["wq_a"] = ld.w(a + "q_a_proj.weight")
+            w["q_a_norm"] = ld(a + "q_a_layernorm.weight")
+            w["wq_b"] = ld.w(a + "q_b_proj.weight")
         else:
-            w["wq"] = ld.w(a + "q_proj.weight", (H * (nope + rd), D))
-        w["wkv_a"] = ld.w(a + "kv_a_proj_with_mqa.weight", (r + rd, D))
-        w["kv_a_norm"] = ld(a + "kv_a_layernorm.weight", (r,))
-        kvb = ld.np(a + "kv_b_proj.weight", (H * (nope + vd), r)).reshape(H, nope + vd, r)
+            w["wq"] = ld.w(a + "q_proj.weight")
+        w["wkv_a"] = ld.w(a + "kv_a_proj_with_mqa.weight")
+        w["kv_a_norm"] = ld(a + "kv_a_layernorm.weight")
+        kvb = ld.np(a + "kv_b_proj.weight").reshape(-1, nope + vd, r)
         w["w_uk"] = be.asarray(kvb[:, :nope, :])  # (H, nope, r)
         w["w_uv_t"] = be.asarray(kvb[:, nope:, :].transpose(0, 2, 1))  # (H, r, vd)
-        w["wo"] = ld.w(a + "o_proj.weight", (D, H * vd))
+        w["wo"] = ld.w(a + "o_proj.weight")
     else:
-        KV, d = cfg.n_kv_heads, cfg.head_dim
-        qkv = [ld.raw(a + "q_proj.weight", (H * d, D)),
-               ld.raw(a + "k_proj.weight", (KV * d, D)), ld.raw(a + "v_proj.weight", (KV * d, D))]
+        qkv = [ld.raw(a + f"{x}_proj.weight") for x in "qkv"]
         w["wqkv"] = be.weight(concat_rows(qkv))
         if cfg.attention_bias:
-            w["bqkv"] = be.asarray(np.concatenate(
-                [ld.np(a + "q_proj.bias", (H * d,)), ld.np(a + "k_proj.bias", (KV * d,)),
-                 ld.np(a + "v_proj.bias", (KV * d,))]))
-        w["wo"] = ld.w(a + "o_proj.weight", (D, H * d))
-        if cfg.o_bias:
-            w["bo"] = ld(a + "o_proj.bias", (D,))
+            w["bqkv"] = be.asarray(np.concatenate([ld.np(a + f"{x}_proj.bias") for x in "qkv"]))
+        w["wo"] = ld.w(a + "o_proj.weight")
+        if cfg.o_bias and ld.has_part(a + "o_proj.bias"):
+            w["bo"] = ld(a + "o_proj.bias")
         if cfg.qk_norm:
-            w["q_norm"] = ld(a + "q_norm.weight", (d,))
-            w["k_norm"] = ld(a + "k_norm.weight", (d,))
+            w["q_norm"] = ld(a + "q_norm.weight")
+            w["k_norm"] = ld(a + "k_norm.weight")
+        pad = spec.padded_heads(cfg, ld.shard)
+        if pad is not None:  # part of a KV group: heads padded to whole groups
+            w["q_pad"], w["o_take"] = be.index(pad[1]), be.index(pad[2])
     m = p + "mlp."
     if cfg.is_moe_layer(i):
-        E, I = cfg.n_experts, cfg.moe_intermediate
-        w["router"] = ld.w(m + "gate.weight", (E, D))
+        w["router"] = ld.w(m + "gate.weight")
         if cfg.arch == "deepseek_v3":
-            w["router_bias"] = ld.np(m + "gate.e_score_correction_bias", (E,))
-        gate = ld.experts(i, "gate", (E, I, D))
-        up = ld.experts(i, "up", (E, I, D))
+            w["router_bias"] = ld.np(m + "gate.e_score_correction_bias")
+        gate = ld.raw(m + "experts.gate")
+        up = ld.raw(m + "experts.up")
         w["e_gu"] = be.weight(concat_rows([gate, up], axis=1))  # (E, 2I, D)
         del gate, up
-        w["e_down"] = be.weight(ld.experts(i, "down", (E, D, I)))
+        w["e_down"] = be.weight(ld.raw(m + "experts.down"))
         if cfg.n_shared_experts:
-            S = I * cfg.n_shared_experts
             s = m + "shared_experts."
             w["s_w_gu"] = be.weight(concat_rows(
-                [ld.raw(s + "gate_proj.weight", (S, D)), ld.raw(s + "up_proj.weight", (S, D))]))
-            w["s_w_down"] = ld.w(s + "down_proj.weight", (D, S))
+                [ld.raw(s + "gate_proj.weight"), ld.raw(s + "up_proj.weight")]))
+            w["s_w_down"] = ld.w(s + "down_proj.weight")
     else:
-        I = cfg.intermediate
         w["w_gu"] = be.weight(concat_rows(
-            [ld.raw(m + "gate_proj.weight", (I, D)), ld.raw(m + "up_proj.weight", (I, D))]))
-        w["w_down"] = ld.w(m + "down_proj.weight", (D, I))
+            [ld.raw(m + "gate_proj.weight"), ld.raw(m + "up_proj.weight")]))
+        w["w_down"] = ld.w(m + "down_proj.weight")
         if cfg.mlp_bias:
             w["b_gu"] = be.asarray(np.concatenate(
-                [ld.np(m + "gate_proj.bias", (I,)), ld.np(m + "up_proj.bias", (I,))]))
-            w["b_down"] = ld(m + "down_proj.bias", (D,))
+                [ld.np(m + "gate_proj.bias"), ld.np(m + "up_proj.bias")]))
+            if ld.has_part(m + "down_proj.bias"):
+                w["b_down"] = ld(m + "down_proj.bias")
     return w
 
 
 def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: bool = True,
                last: bool = True, backend: str = "numpy", quantize: int | None = None,
-               group_size: int = 64, keep_quantized: bool = True) -> Stage:
+               group_size: int = 64, shard: Shard | None = None,
+               reduce: Callable[[np.ndarray], np.ndarray] | None = None,
+               keep_quantized: bool = True) -> Stage:
     """Load layers ``[start, end)`` (global indices) of a model folder or GGUF file.
 
     Parameters
@@ -273,6 +334,11 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     backend : ``numpy`` or ``mlx``.
     quantize, group_size : keep the matrices quantized to ``quantize`` bits
         per weight, one scale and bias per ``group_size`` inputs (MLX only).
+    shard : this rank's part under tensor parallelism
+        (:func:`hpcmac.llm.model.spec.make_shards`); None: all of it.
+    reduce : with a shard of a tensor group: sums a float32 numpy array over
+        the group and returns the sum (the same on every rank of the group);
+        the stage calls it twice per layer and once per embedding.
     keep_quantized : keep weights the checkpoint stores quantized (MLX affine
         safetensors, the exact GGUF types) as they are (default); False
         dequantizes every weight to float32 (the reference the tests compare with).
@@ -283,10 +349,13 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     if not (0 <= start <= end <= cfg.n_layers):
         raise UsageError(f"layer range [{start}, {end}) is outside the model's "
                          f"{cfg.n_layers} layers")
-    ld = _Loader(ckpt, be, keep_quantized)
+    shard = shard or spec.full_shard(cfg)
+    if shard.size > 1 and reduce is None:
+        raise ValueError("load_stage: a shard of a tensor group needs reduce")
+    ld = _Loader(ckpt, be, cfg, shard, keep_quantized)
     extra: dict = {}
     if first or (last and cfg.tie_embeddings):
-        emb = ld.raw("model.embed_tokens.weight", (cfg.vocab, cfg.hidden))
+        emb = ld.raw("model.embed_tokens.weight", spec.embed_spec(cfg))
         packed = be.weight(emb) if quantize or isinstance(emb, QuantTensor) else None
         if first:
             extra["embed"] = True
@@ -299,10 +368,11 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
             extra["head"] = packed if packed is not None else be.weight(emb)
     layers = [_load_layer(ld, cfg, i) for i in range(start, end)]
     if last:
-        extra["norm"] = ld("model.norm.weight", (cfg.hidden,))
-        if not cfg.tie_embeddings:
-            extra["head"] = ld.w("lm_head.weight", (cfg.vocab, cfg.hidden))
-    stage = Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes)
+        norm, *head = spec.head_tensors(cfg)
+        extra["norm"] = ld("model.norm.weight", norm)
+        if head:
+            extra["head"] = ld.w("lm_head.weight", head[0])
+    stage = Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes, shard, reduce)
     stage.formats = dict(ld.formats)
     release_freed_memory()
     return stage

@@ -273,57 +273,8 @@ def open_checkpoint(path_or_name: str | os.PathLike):
     return SafetensorsCheckpoint(path)
 
 
-def layer_tensor_names(cfg: ModelConfig, i: int) -> list[str]:
-    """Canonical names of the non-expert tensors of layer ``i`` (those that must exist)."""
-    p = f"model.layers.{i}."
-    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    a = p + "self_attn."
-    if cfg.mla:
-        if cfg.q_lora_rank:
-            names += [a + "q_a_proj.weight", a + "q_a_layernorm.weight", a + "q_b_proj.weight"]
-        else:
-            names += [a + "q_proj.weight"]
-        names += [a + "kv_a_proj_with_mqa.weight", a + "kv_a_layernorm.weight",
-                  a + "kv_b_proj.weight", a + "o_proj.weight"]
-    else:
-        names += [a + f"{x}_proj.weight" for x in "qkvo"]
-        if cfg.attention_bias:
-            names += [a + f"{x}_proj.bias" for x in "qkv"]
-        if cfg.o_bias:
-            names += [a + "o_proj.bias"]
-        if cfg.qk_norm:
-            names += [a + "q_norm.weight", a + "k_norm.weight"]
-    m = p + "mlp."
-    if cfg.is_moe_layer(i):
-        names += [m + "gate.weight"]
-        if cfg.arch == "deepseek_v3":
-            names += [m + "gate.e_score_correction_bias"]
-        if cfg.n_shared_experts:
-            names += [m + f"shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
-    else:
-        names += [m + f"{x}_proj.weight" for x in ("gate", "up", "down")]
-        if cfg.mlp_bias:
-            names += [m + f"{x}_proj.bias" for x in ("gate", "up", "down")]
-    return names
-
-
-def stage_tensor_names(cfg: ModelConfig, start: int, end: int, first: bool,
-                       last: bool) -> list[str]:
-    """Canonical names of the (non-expert) tensors a stage loads."""
-    names: list[str] = []
-    if first or (last and cfg.tie_embeddings):
-        names.append("model.embed_tokens.weight")
-    for i in range(start, end):
-        names += layer_tensor_names(cfg, i)
-    if last:
-        names.append("model.norm.weight")
-        if not cfg.tie_embeddings:
-            names.append("lm_head.weight")
-    return names
-
-
 def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
-                 quantize: int | None = None, group_size: int = 64) -> int:
+                 quantize: int | None = None, group_size: int = 64, shard=None) -> int:
     """Bytes of weights a stage will hold, from file headers only (nothing is read).
 
     ``path_or_ckpt``: a model path or short name, or a checkpoint already opened
@@ -332,32 +283,40 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
     types are dequantized to float32 at load (4 bytes a weight). With
     ``quantize`` bits (MLX backend), every matrix it keeps quantized (input size
     a multiple of ``group_size``, the embedding too; not MLA's absorbed kv_b)
-    counts its quantized bytes. Global: the same on every rank.
+    counts its quantized bytes. ``shard``: this rank's part under tensor
+    parallelism (:class:`hpcmac.llm.model.spec.Shard`; its share of each
+    tensor). Every tensor's shape is checked against the model's description
+    (:mod:`hpcmac.llm.model.spec`), as the loader does. Global: the same on
+    every rank.
     """
-    from hpcmac.llm.model.backend import quantized_nbytes
+    from hpcmac.llm.model import spec
 
     ckpt = path_or_ckpt if hasattr(path_or_ckpt, "numel") else open_checkpoint(path_or_ckpt)
     cfg = ckpt.config()
-
-    def size(numel: int, inputs: int, matrix: bool) -> int:
-        if quantize and matrix and inputs % group_size == 0:
-            return quantized_nbytes(numel, quantize, group_size)
-        return 4 * numel
-
+    shard = shard or spec.full_shard(cfg)
     stored = getattr(ckpt, "stored_nbytes", None)
+    held = getattr(ckpt, "experts_nbytes", None)
     total = 0
-    for n in stage_tensor_names(cfg, start, end, first, last):
-        shape = tuple(ckpt.shape(n))
-        matrix = len(shape) == 2 and "kv_b_proj" not in n
-        if stored is not None and matrix and ckpt.stored_nbytes(n) < 4 * ckpt.numel(n):
-            total += stored(n)  # kept quantized as stored
+    for t in spec.stage_tensors(cfg, start, end, first, last):
+        shape = spec.local_shape(t, cfg, shard)
+        numel = int(np.prod(shape, dtype=np.int64))
+        frac = numel / max(1, int(np.prod(t.shape, dtype=np.int64)))
+        if spec.is_expert_stack(t):
+            kept = held(int(t.name.split(".")[2])) if held is not None else None
+            if kept is not None:  # the three stacks together (counted once), each cut alike
+                total += int(kept * frac) if t.name.endswith(".gate") else 0
+                continue
         else:
-            total += size(ckpt.numel(n), shape[-1], matrix)
-    for i in range(start, end):
-        if cfg.is_moe_layer(i):
-            per = cfg.n_experts * cfg.hidden * cfg.moe_intermediate
-            held = getattr(ckpt, "experts_nbytes", None)
-            kept = held(i) if held is not None else None
-            total += kept if kept is not None else \
-                2 * size(per, cfg.hidden, True) + size(per, cfg.moe_intermediate, True)
+            found = tuple(ckpt.shape(t.name))
+            if found != t.shape:
+                raise UsageError(f"{ckpt.path}: tensor {t.name} has shape {list(found)}; "
+                                 f"expected {list(t.shape)}")
+            if stored is not None and t.kind == "matrix" and \
+                    stored(t.name) < 4 * ckpt.numel(t.name):
+                total += int(stored(t.name) * frac)  # kept quantized as stored
+                continue
+        if quantize and t.kind == "matrix" and shape[-1] % group_size == 0:
+            total += quantized_nbytes(numel, quantize, group_size)
+        else:
+            total += 4 * numel
     return int(total)

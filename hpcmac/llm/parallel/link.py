@@ -87,8 +87,11 @@ class Watchdog:
     MAX_SLEEP_S = 5e-4
 
     def __init__(self, group: Group, hosts: Sequence[str], timeout: float,
-                 max_sleep: float | None = None, spin: float | None = None):
+                 max_sleep: float | None = None, spin: float | None = None,
+                 ranks: Sequence[int] | None = None):
         self.group, self.hosts, self.timeout = group, list(hosts), timeout
+        # the job's rank number of each group rank, for messages (a sub-group's ranks)
+        self.ranks = list(ranks) if ranks is not None else list(range(len(self.hosts)))
         env_sleep = _seconds_from_env("HPCMAC_PIPELINE_MAX_SLEEP")
         self.max_sleep = (max_sleep if max_sleep is not None else
                           env_sleep if env_sleep is not None else self.MAX_SLEEP_S)
@@ -118,7 +121,8 @@ class Watchdog:
                 self._fail(peer, what, limit)
 
     def _name(self, r: int) -> str:
-        return f"rank {r} on {self.hosts[r]}" if 0 <= r < len(self.hosts) else "a peer"
+        return (f"rank {self.ranks[r]} on {self.hosts[r]}" if 0 <= r < len(self.hosts)
+                else "a peer")
 
     def _fail(self, peer: int, what: str, limit: float) -> None:
         me = self._name(self.group.rank)

@@ -48,6 +48,7 @@ from hpcmac.llm.model.sampling import Sampler, SamplingParams
 from hpcmac.llm.parallel.link import Link, Watchdog
 from hpcmac.llm.parallel.plan import StageSpec
 from hpcmac.llm.parallel.results import PipelineResult, RankStats, SeqResult
+from hpcmac.llm.parallel.tensor import GATHER, MAXLOC
 
 FWD, CTRL, STOP = 1, 2, 3
 TAG_FWD, TAG_RET = 71, 72
@@ -98,6 +99,11 @@ class _SeqSampler:
         self.seen.append(tok)
         return tok
 
+    def take(self, tok: int) -> int:
+        """A token chosen elsewhere (a greedy max-loc over a tensor group)."""
+        self.seen.append(tok)
+        return tok
+
 
 # -- the run ------------------------------------------------------------------------
 
@@ -118,8 +124,9 @@ class _StageState:
     """One rank's stage, its cache and counters."""
 
     def __init__(self, group: Group, stage, spec: StageSpec, hidden: int, plan: _Plan,
-                 watchdog: Watchdog, host: str):
+                 watchdog: Watchdog, host: str, tensor=None):
         self.group, self.stage, self.spec, self.hidden, self.plan = group, stage, spec, hidden, plan
+        self.tensor = tensor  # this stage's TensorGroup (tensor.py), None: one rank a stage
         self.cache = stage.new_cache(plan.max_slots, plan.max_len)
         self.link = Link(group, watchdog)
         self.stats = RankStats(group.rank, host, (spec.start, spec.end))
@@ -129,6 +136,8 @@ class _StageState:
         self.used_slots: set[int] = set()
 
     def apply_ctrl(self, ctrl: dict) -> None:
+        if self.tensor is not None:
+            self.tensor.send_ctrl(ctrl)
         for idx, slot in ctrl.get("free", ()):
             if slot in self.used_slots:
                 self.cache.free(slot)
@@ -154,24 +163,45 @@ class _StageState:
         lengths = [int(n) for n in meta[:, 2]]
         batch = Batch(slots=slots, lengths=lengths, positions=[int(p) for p in meta[:, 3]])
         self.used_slots.update(slots)
+        idxs = [int(i) for i in meta[meta[:, 4] != 0, 0]]
+        mode = self._head_mode(idxs)
+        if self.tensor is not None:
+            self.tensor.send_step(meta, x, mode)
         h = self.stage.embed(x) if self.spec.first else x
         h = self.stage.forward(h, batch, self.cache)
         toks = None
         if self.spec.last:
             ends = np.cumsum(lengths) - 1
             rows = ends[meta[:, 4] != 0]
-            idxs = [int(i) for i in meta[meta[:, 4] != 0, 0]]
             toks = np.empty(len(rows), dtype=np.int64)
             if len(rows):
                 logits = np.asarray(self.stage.logits(h[rows]), dtype=np.float32)
-                for k, idx in enumerate(idxs):
-                    toks[k] = self.samplers[idx].sample(logits[k])
-                    if self.plan.keep_logits:
-                        self.logits[idx].append(logits[k].copy())
+                if self.tensor is not None:
+                    logits = self.tensor.head(logits, self.stage.vocab[0], mode)
+                if mode == MAXLOC:  # greedy ids from the tensor group's max-loc
+                    for k, idx in enumerate(idxs):
+                        toks[k] = self.samplers[idx].take(int(logits[k]))
+                else:
+                    for k, idx in enumerate(idxs):
+                        toks[k] = self.samplers[idx].sample(logits[k])
+                        if self.plan.keep_logits:
+                            self.logits[idx].append(logits[k].copy())
         self.stats.busy_s += time.perf_counter() - t0
         self.stats.cpu_s += time.process_time() - c0
         self.stats.micro_batches += 1
         return h, toks
+
+
+    def _head_mode(self, idxs: list[int]) -> int:
+        """MAXLOC when a tensor-parallel head needs only each row's best id: every
+        sampled sequence greedy without a repetition penalty, no logits kept."""
+        if self.tensor is None or not self.spec.last or self.plan.keep_logits:
+            return GATHER
+        for i in idxs:
+            p = self.samplers[i].sampler.params
+            if p.temperature != 0.0 or p.repetition_penalty != 1.0:
+                return GATHER
+        return MAXLOC
 
 
 def _phase(meta: np.ndarray) -> str:
@@ -443,6 +473,8 @@ def run_pipeline(
     stop_check: Callable[[int, list[int]], bool] | None = None,
     timeout: float = 60.0,
     hosts: Sequence[str] | None = None,
+    tensor=None,
+    ranks: Sequence[int] | None = None,
 ) -> PipelineResult:
     """Collective: generate ``requests`` through the pipeline of ``group.size`` stages.
 
@@ -463,6 +495,11 @@ def run_pipeline(
         arrives, and ``(seq index, generated tokens) -> stop?``.
     timeout : seconds a rank may wait on a peer before ending the job (local).
     hosts : host name of each rank, for messages (global; gathered when None).
+    tensor : this stage's :class:`~hpcmac.llm.parallel.tensor.TensorGroup` when
+        each stage is a tensor group (this rank is its leader; the followers run
+        :func:`~hpcmac.llm.parallel.tensor.follow`); see
+        :func:`~hpcmac.llm.parallel.tensor.run_tensor_pipeline`.
+    ranks : the job's rank of each rank of ``group``, for messages (default: the same).
 
     Returns the same :class:`PipelineResult` on every rank.
     """
@@ -484,8 +521,10 @@ def run_pipeline(
             keep_logits=keep_logits,
         )
     plan = group.bcast_obj(plan, 0)
-    watchdog = Watchdog(group, hosts, timeout)
-    st = _StageState(group, stage, spec, hidden, plan, watchdog, hosts[group.rank])
+    if tensor is not None and tensor.size > 1:
+        tensor.group.bcast_obj((plan.max_slots, plan.max_len), 0)
+    watchdog = Watchdog(group, hosts, timeout, ranks=ranks)
+    st = _StageState(group, stage, spec, hidden, plan, watchdog, hosts[group.rank], tensor)
     if p > 1:
         st.stats.sent_to = st.next if st.next >= 0 else -1
     group.barrier()
@@ -514,6 +553,8 @@ def run_pipeline(
         ]
     else:
         _serve(st, t_start)
+    if tensor is not None:
+        tensor.send_stop()
     for (dest, phase), nb in st.link.bytes.items():
         is_ret = dest == 0 and group.rank == p - 1 and p > 1
         target = st.stats.ret_sent if is_ret else st.stats.sent

@@ -379,13 +379,6 @@ def agree(group, fn: Callable[[], Any], ranks: str = "all") -> Any:
 # -- planning ----------------------------------------------------------------------------
 
 
-def kv_bytes_per_token_layer(cfg) -> int:
-    """Bytes of KV cache one token takes in one layer (float32)."""
-    if getattr(cfg, "mla", False):
-        return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    return 4 * 2 * cfg.n_kv_heads * cfg.head_dim
-
-
 def weight_bytes(model: str, quantize: int | None = None,
                  group_size: int = 64) -> tuple[list[int], int, int]:
     """Bytes of each layer, of the embedding and of the norm + head, as loaded (headers only).
@@ -436,7 +429,9 @@ def plan_stages(group, model: str, cfg, split: str | None, hostfile: str | None,
     if hostfile:
         hf = agree(group, lambda: read_hostfile(hostfile), ranks="root")
     budgets = rank_budgets(hosts, [a for _, a in mem], hf)
-    kv = kv_bytes_per_token_layer(cfg) * kv_tokens
+    from hpcmac.llm.model.cache import KVCache
+
+    kv = KVCache.token_bytes(cfg) * kv_tokens
     per_layer = [b + kv for b in layer_b]
     if split:
         counts = parse_split(split, cfg.n_layers, p)

@@ -60,6 +60,7 @@ class PipelineResult:
     wall_s: float
     decode_tokens: int  # tokens fed during decode (one per sequence per step)
     interrupted: bool = False
+    tensor: list[dict] = field(default_factory=list)  # each rank's all-reduce counters
 
     @property
     def prompt_tokens(self) -> int:

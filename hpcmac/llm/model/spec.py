@@ -1,0 +1,306 @@
+"""Each architecture's tensors, described once, and each rank's share of them.
+
+:func:`layer_tensors` lists a layer's tensors: canonical name, shape, class
+(``matrix``: a weight that ``backend.linear`` multiplies, quantizable;
+``vector``: norms and biases; ``array``: kept in float32, MLA's absorbed
+``kv_b``) and how tensor parallelism splits it (the axis and the unit: query
+heads, KV heads, MLP columns, ...). The loader reads and
+slices by it, the planner counts bytes by it, :func:`make_shards` says which
+part each rank holds. Pure: no file is read here.
+
+Tensor parallelism (Megatron's split, as mlx-lm's ``AllToShardedLinear`` /
+``ShardedToAllLinear``): Q/K/V rows and the output projection's columns by
+heads, the MLP's gate/up rows and down columns by intermediate columns (every
+routed and shared expert alike), the embedding and the head by vocabulary
+rows. Norms, the router and MLA's latent projections are replicated. A KV
+head shared by query heads of two ranks is held by both. Biases added after
+a reduction (``o_proj``, ``down_proj``) are held by rank 0 only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcmac.errors import UsageError
+from hpcmac.llm.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a layer (global: the same on every rank)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "matrix", "vector" or "array"
+    split: str | None = None  # the unit it splits by (see SPLITS); None: replicated
+    axis: int = 0  # the axis that splits
+
+
+#: the units a tensor splits by (see :func:`part`)
+SPLITS = ("q", "kv", "heads_in", "mla_q", "mla_kvb", "mla_o", "ffn", "expert_ffn",
+          "shared_ffn", "vocab", "rank0")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What one rank of a tensor group holds (local; global ranges ``[lo, hi)``)."""
+
+    rank: int
+    size: int
+    heads: tuple[int, int]  # query heads
+    kv_heads: tuple[int, int]  # KV heads its query heads read (shared ones replicated)
+    ffn: tuple[int, int]  # dense MLP intermediate columns
+    expert_ffn: tuple[int, int]  # each routed expert's intermediate columns
+    shared_ffn: tuple[int, int]  # the shared experts' intermediate columns (DeepSeek-V3)
+    vocab: tuple[int, int]  # embedding and head rows
+
+    @property
+    def n_heads(self) -> int:
+        return self.heads[1] - self.heads[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    def layout(self) -> dict:
+        """The JSON form: counts per rank."""
+        return {"heads": self.n_heads, "kv_heads": self.n_kv_heads,
+                "ffn": self.ffn[1] - self.ffn[0], "vocab": self.vocab[1] - self.vocab[0]}
+
+
+def split_counts(n: int, shares: Sequence[float]) -> list[int]:
+    """``n`` units in parts proportional to ``shares`` (largest remainder; ties to lower ranks).
+
+    64 heads over shares 1, 1, 1 give 22, 21, 21; over 2, 1, 1 give 32, 16, 16.
+    """
+    total = float(sum(shares))
+    exact = [n * s / total for s in shares]
+    base = [int(np.floor(e)) for e in exact]
+    order = sorted(range(len(shares)), key=lambda r: (-(exact[r] - base[r]), r))
+    for r in order[: n - sum(base)]:
+        base[r] += 1
+    return base
+
+
+def _ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
+    out, lo = [], 0
+    for c in counts:
+        out.append((lo, lo + c))
+        lo += c
+    return out
+
+
+def make_shards(cfg: ModelConfig, shares: Sequence[float]) -> list[Shard]:
+    """Every rank's :class:`Shard` for tensor parallelism over ``len(shares)`` ranks.
+
+    Raises UsageError when some rank would hold no query head or no MLP column.
+    """
+    t = len(shares)
+    if t == 1:
+        return [full_shard(cfg)]
+    what = [("attention heads", cfg.n_heads), ("vocabulary rows", cfg.vocab)]
+    what.append(("MLP columns", cfg.intermediate))
+    if cfg.n_experts:
+        what.append(("expert columns", cfg.moe_intermediate))
+    for label, n in what:
+        counts = split_counts(n, shares)
+        if min(counts) < 1:
+            raise UsageError(f"tensor {t} with shares {','.join(f'{s:g}' for s in shares)}: "
+                             f"the model has {n} {label}, so rank {counts.index(0)} would "
+                             f"hold none (use fewer tensor ranks or more even shares)")
+    heads = _ranges(split_counts(cfg.n_heads, shares))
+    g = cfg.n_heads // cfg.n_kv_heads if not cfg.mla else 1
+    shards = []
+    for r, (h0, h1) in enumerate(heads):
+        kv = (0, 0) if cfg.mla else (h0 // g, (h1 - 1) // g + 1)
+        shards.append(Shard(
+            rank=r, size=t, heads=(h0, h1), kv_heads=kv,
+            ffn=_ranges(split_counts(cfg.intermediate, shares))[r],
+            expert_ffn=_ranges(split_counts(cfg.moe_intermediate, shares))[r],
+            shared_ffn=_ranges(split_counts(cfg.moe_intermediate * cfg.n_shared_experts,
+                                            shares))[r],
+            vocab=_ranges(split_counts(cfg.vocab, shares))[r]))
+    return shards
+
+
+def full_shard(cfg: ModelConfig) -> Shard:
+    """The whole model on one rank."""
+    return Shard(0, 1, (0, cfg.n_heads), (0, 0 if cfg.mla else cfg.n_kv_heads),
+                 (0, cfg.intermediate), (0, cfg.moe_intermediate),
+                 (0, cfg.moe_intermediate * cfg.n_shared_experts), (0, cfg.vocab))
+
+
+def part(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> tuple[int, int] | None:
+    """The element range ``[lo, hi)`` along ``spec.axis`` this shard holds; None: all of it.
+
+    ``(0, 0)``: nothing (a bias held by rank 0 only, on another rank).
+    """
+    if spec.split is None or shard.size == 1:
+        return None
+    d = cfg.head_dim
+    unit, (lo, hi) = {
+        "q": (d, shard.heads), "kv": (d, shard.kv_heads), "heads_in": (d, shard.heads),
+        "mla_q": (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, shard.heads),
+        "mla_kvb": (cfg.qk_nope_head_dim + cfg.v_head_dim, shard.heads),
+        "mla_o": (cfg.v_head_dim, shard.heads),
+        "ffn": (1, shard.ffn), "expert_ffn": (1, shard.expert_ffn),
+        "shared_ffn": (1, shard.shared_ffn), "vocab": (1, shard.vocab),
+        "rank0": (1, (0, 0) if shard.rank else (0, spec.shape[spec.axis])),
+    }[spec.split]
+    return unit * lo, unit * hi
+
+
+def take(a, spec: TensorSpec, cfg: ModelConfig, shard: Shard):
+    """This shard's slice of tensor ``a`` (the whole ``spec`` tensor: float32, or a
+    :class:`~hpcmac.llm.model.quant.QuantTensor` kept quantized).
+
+    A quantized weight cut along its input axis stays quantized when the cut
+    falls on its groups, else it is dequantized first.
+    """
+    from hpcmac.llm.model.quant import QuantTensor
+
+    rng = part(spec, cfg, shard)
+    if rng is None:
+        return a
+    lo, hi = rng
+    if isinstance(a, QuantTensor):
+        if spec.axis == a.ndim - 1:
+            if lo % a.group == 0 and hi % a.group == 0:
+                return a.cols(lo, hi)
+            a = a.dequantize()
+        else:
+            key = (slice(None),) * spec.axis + (slice(lo, hi),)
+            return QuantTensor(*(np.ascontiguousarray(getattr(a, f)[key])
+                                 for f in ("words", "scales", "biases")),
+                               a.bits, a.group, a.source)
+    key = [slice(None)] * a.ndim
+    key[spec.axis] = slice(lo, hi)
+    return np.ascontiguousarray(a[tuple(key)])
+
+
+def local_shape(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> tuple[int, ...]:
+    """The shape of this shard's slice of ``spec``."""
+    rng = part(spec, cfg, shard)
+    if rng is None:
+        return spec.shape
+    shape = list(spec.shape)
+    shape[spec.axis] = rng[1] - rng[0]
+    return tuple(shape)
+
+
+def padded_heads(cfg: ModelConfig, shard: Shard) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """Query heads laid out as whole KV groups, when this shard holds part of a group.
+
+    Returns (padded head count, ``q_pad`` (padded,) indices into the local heads
+    with ``n_heads`` for an empty slot, ``o_take`` (n_heads,) slots of the real
+    heads); None when the local heads are whole groups already.
+    """
+    if cfg.mla or shard.size == 1:
+        return None
+    g = cfg.n_heads // cfg.n_kv_heads
+    (h0, h1), (k0, _) = shard.heads, shard.kv_heads
+    n_pad = shard.n_kv_heads * g
+    if n_pad == h1 - h0:
+        return None
+    heads = k0 * g + np.arange(n_pad)
+    real = (heads >= h0) & (heads < h1)
+    q_pad = np.where(real, heads - h0, h1 - h0).astype(np.int64)
+    o_take = np.nonzero(real)[0].astype(np.int64)
+    return n_pad, q_pad, o_take
+
+
+def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+    """The tensors of global layer ``i`` (routed experts as one (E, out, in) stack each)."""
+    D, H = cfg.hidden, cfg.n_heads
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    out = [TensorSpec(p + "input_layernorm.weight", (D,), "vector"),
+           TensorSpec(p + "post_attention_layernorm.weight", (D,), "vector")]
+    if cfg.mla:
+        nope, rd, r, vd = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                           cfg.v_head_dim)
+        if cfg.q_lora_rank:
+            out += [TensorSpec(a + "q_a_proj.weight", (cfg.q_lora_rank, D), "matrix"),
+                    TensorSpec(a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "vector"),
+                    TensorSpec(a + "q_b_proj.weight", (H * (nope + rd), cfg.q_lora_rank),
+                               "matrix", "mla_q")]
+        else:
+            out.append(TensorSpec(a + "q_proj.weight", (H * (nope + rd), D), "matrix", "mla_q"))
+        out += [TensorSpec(a + "kv_a_proj_with_mqa.weight", (r + rd, D), "matrix"),
+                TensorSpec(a + "kv_a_layernorm.weight", (r,), "vector"),
+                # absorbed into per-head (nope, r) and (r, vd) blocks: never quantized
+                TensorSpec(a + "kv_b_proj.weight", (H * (nope + vd), r), "array", "mla_kvb"),
+                TensorSpec(a + "o_proj.weight", (D, H * vd), "matrix", "mla_o", 1)]
+    else:
+        KV, d = cfg.n_kv_heads, cfg.head_dim
+        out += [TensorSpec(a + "q_proj.weight", (H * d, D), "matrix", "q"),
+                TensorSpec(a + "k_proj.weight", (KV * d, D), "matrix", "kv"),
+                TensorSpec(a + "v_proj.weight", (KV * d, D), "matrix", "kv")]
+        if cfg.attention_bias:
+            out += [TensorSpec(a + "q_proj.bias", (H * d,), "vector", "q"),
+                    TensorSpec(a + "k_proj.bias", (KV * d,), "vector", "kv"),
+                    TensorSpec(a + "v_proj.bias", (KV * d,), "vector", "kv")]
+        out.append(TensorSpec(a + "o_proj.weight", (D, H * d), "matrix", "heads_in", 1))
+        if cfg.o_bias:
+            out.append(TensorSpec(a + "o_proj.bias", (D,), "vector", "rank0"))
+        if cfg.qk_norm:
+            out += [TensorSpec(a + "q_norm.weight", (d,), "vector"),
+                    TensorSpec(a + "k_norm.weight", (d,), "vector")]
+    m = p + "mlp."
+    if cfg.is_moe_layer(i):
+        E, I = cfg.n_experts, cfg.moe_intermediate
+        out.append(TensorSpec(m + "gate.weight", (E, D), "matrix"))
+        if cfg.arch == "deepseek_v3":
+            out.append(TensorSpec(m + "gate.e_score_correction_bias", (E,), "vector"))
+        out += [TensorSpec(f"{m}experts.gate", (E, I, D), "matrix", "expert_ffn", 1),
+                TensorSpec(f"{m}experts.up", (E, I, D), "matrix", "expert_ffn", 1),
+                TensorSpec(f"{m}experts.down", (E, D, I), "matrix", "expert_ffn", 2)]
+        if cfg.n_shared_experts:
+            S = I * cfg.n_shared_experts
+            s = m + "shared_experts."
+            out += [TensorSpec(s + "gate_proj.weight", (S, D), "matrix", "shared_ffn"),
+                    TensorSpec(s + "up_proj.weight", (S, D), "matrix", "shared_ffn"),
+                    TensorSpec(s + "down_proj.weight", (D, S), "matrix", "shared_ffn", 1)]
+    else:
+        I = cfg.intermediate
+        out += [TensorSpec(m + "gate_proj.weight", (I, D), "matrix", "ffn"),
+                TensorSpec(m + "up_proj.weight", (I, D), "matrix", "ffn"),
+                TensorSpec(m + "down_proj.weight", (D, I), "matrix", "ffn", 1)]
+        if cfg.mlp_bias:
+            out += [TensorSpec(m + "gate_proj.bias", (I,), "vector", "ffn"),
+                    TensorSpec(m + "up_proj.bias", (I,), "vector", "ffn"),
+                    TensorSpec(m + "down_proj.bias", (D,), "vector", "rank0")]
+    return out
+
+
+def is_expert_stack(spec: TensorSpec) -> bool:
+    """A routed-expert stack (read with ``ckpt.experts``, not ``ckpt.get``)."""
+    return ".experts." in spec.name and not spec.name.endswith(".weight")
+
+
+def embed_spec(cfg: ModelConfig) -> TensorSpec:
+    return TensorSpec("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), "matrix", "vocab")
+
+
+def head_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+    """The final norm and (unless tied to the embedding) the head."""
+    out = [TensorSpec("model.norm.weight", (cfg.hidden,), "vector")]
+    if not cfg.tie_embeddings:
+        out.append(TensorSpec("lm_head.weight", (cfg.vocab, cfg.hidden), "matrix", "vocab"))
+    return out
+
+
+def stage_tensors(cfg: ModelConfig, start: int, end: int, first: bool,
+                  last: bool) -> list[TensorSpec]:
+    """Every tensor a stage of layers ``[start, end)`` loads (the embedding once)."""
+    out: list[TensorSpec] = []
+    if first or (last and cfg.tie_embeddings):
+        out.append(embed_spec(cfg))
+    for i in range(start, end):
+        out += layer_tensors(cfg, i)
+    if last:
+        out += head_tensors(cfg)
+    return out

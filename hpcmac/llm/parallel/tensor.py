@@ -1,0 +1,288 @@
+"""Tensor parallelism: the ranks of a tensor group each hold a shard of every layer.
+
+A job of ``tp x pp`` ranks is ``pp`` pipeline stages, each a tensor group of
+``tp`` consecutive ranks (world rank ``s * tp + t``). Rank ``t = 0`` of a
+group, its *leader*, takes part in the pipeline (:mod:`.pipeline`) as the
+stage; before each step it sends the step (meta rows and token ids or hidden
+states) to the other ranks of its group, its *followers*, and all of them run
+their shards. The model sums partial results through :meth:`TensorGroup.allreduce`,
+a plain callable (it never sees a ``Group``): twice per layer, once per
+embedding. The head is vocabulary-parallel: for greedy steps each rank sends
+its best (logit, id) per row to the leader (a max-loc), otherwise its slice of
+the logits (a gather).
+
+Messages (all through ``hpcmac.comm``, non-blocking, waited on by the
+pipeline's :class:`~.link.Watchdog`, so a silent peer ends the job with its
+rank and host named):
+
+* all-reduce, tag ``TAG_SUM``: every rank sends its float32 partial to every
+  other rank; each sums the parts in rank order, so every rank holds the same
+  bits (greedy tokens and expert routing agree on every rank).
+* leader -> followers, tag ``TAG_STEP``: ``int32[4] = (kind, n, T, mode)``,
+  then for ``FWD`` the meta rows ``int32 (n, 5)`` and the token ids (int64,
+  first stage) or hidden states (float32 ``(T, hidden)``); for ``CTRL`` a
+  pickled dict of ``n`` bytes; ``STOP`` ends the followers' loop.
+* followers -> leader, tag ``TAG_HEAD``: ``(k, 2)`` float64 (best logit, id)
+  rows, or the ``(k, vocab slice)`` float32 logits.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpcmac.comm.base import Group
+from hpcmac.llm.parallel.link import Watchdog
+
+FWD, CTRL, STOP = 1, 2, 3
+GATHER, MAXLOC = 0, 1
+TAG_SUM, TAG_STEP, TAG_HEAD = 81, 82, 83
+META = 5
+
+
+@dataclass
+class TensorStats:
+    """One rank's all-reduce counters (local)."""
+
+    reduces: int = 0
+    sent_bytes: int = 0
+    wait_s: float = 0.0  # wall time inside allreduce (communication and waiting)
+    head_bytes: int = 0  # logits (or max-loc pairs) sent to the leader
+    steps: int = 0
+
+
+@dataclass
+class Groups:
+    """The sub-groups of a ``tp x pp`` job (local: each rank its own)."""
+
+    world: Group
+    tp: int
+    pp: int
+    tensor: Group  # the ranks of this rank's stage
+    pipe: Group | None  # the stages' leaders (None on a follower)
+    hosts: list[str] = field(default_factory=list)  # host of each world rank
+
+    @property
+    def stage(self) -> int:
+        return self.world.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.world.rank % self.tp
+
+
+def make_groups(world: Group, tp: int, hosts: Sequence[str] | None = None) -> Groups:
+    """Collective over ``world``: split it into tensor groups of ``tp`` consecutive ranks.
+
+    With one stage the tensor group is the world itself (no split: a transport
+    without sub-groups works); with one rank per stage the pipeline is the world.
+    """
+    p = world.size
+    if p % tp:
+        raise ValueError(f"make_groups: {p} ranks do not make tensor groups of {tp}")
+    pp = p // tp
+    hosts = list(hosts) if hosts is not None else world.allgather_obj(socket.gethostname())
+    if tp == 1:
+        from hpcmac.comm.local import LocalGroup
+
+        return Groups(world, 1, pp, LocalGroup(), world, hosts)
+    if pp == 1:
+        from hpcmac.comm.local import LocalGroup
+
+        tensor = world
+        pipe = LocalGroup() if world.rank == 0 else None
+    else:
+        tensor = world.split(world.rank // tp, world.rank % tp)
+        leaders = world.split(0 if world.rank % tp == 0 else 1, world.rank)
+        pipe = leaders if world.rank % tp == 0 else None
+    return Groups(world, tp, pp, tensor, pipe, hosts)
+
+
+class TensorGroup:
+    """One stage's tensor group: the all-reduce the model calls, and the leader's steps."""
+
+    def __init__(self, group: Group, hosts: Sequence[str], timeout: float,
+                 ranks: Sequence[int] | None = None):
+        """``hosts``, ``ranks``: host and job rank of each rank of ``group`` (messages)."""
+        self.group = group
+        self.rank, self.size = group.rank, group.size
+        self.wd = Watchdog(group, hosts, timeout, ranks=ranks)
+        self._slices: list[int] = []
+        self.peers = [r for r in range(self.size) if r != self.rank]
+        self.stats = TensorStats()
+
+    # -- the model's reduction -------------------------------------------------------
+
+    def allreduce(self, a: np.ndarray) -> np.ndarray:
+        """Collective over the group: the sum of every rank's ``a`` (float32, same shape),
+        added in rank order, so every rank gets the same bits."""
+        if self.size == 1:
+            return a
+        t0 = time.perf_counter()
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        parts: list[np.ndarray | None] = [None] * self.size
+        parts[self.rank] = a
+        recvs = []
+        for r in self.peers:
+            parts[r] = np.empty_like(a)
+            recvs.append((self.group.irecv(parts[r], r, TAG_SUM), r))
+        sends = [(self.group.isend(a, r, TAG_SUM), r) for r in self.peers]
+        for req, r in recvs:
+            self.wd.wait(req, r, "to send its part of an all-reduce")
+        for req, r in sends:
+            self.wd.wait(req, r, "to take its part of an all-reduce")
+        out = parts[0].copy()
+        for p in parts[1:]:
+            out += p
+        st = self.stats
+        st.reduces += 1
+        st.sent_bytes += a.nbytes * len(self.peers)
+        st.wait_s += time.perf_counter() - t0
+        return out
+
+    # -- leader -> followers -----------------------------------------------------------
+
+    def _send_all(self, bufs: Sequence[np.ndarray]) -> None:
+        reqs = [(self.group.isend(b, r, TAG_STEP), r) for r in self.peers for b in bufs]
+        for req, r in reqs:
+            self.wd.wait(req, r, "to take a step")
+
+    def send_step(self, meta: np.ndarray, x: np.ndarray, mode: int) -> None:
+        """Leader: the followers run this step too (``x``: token ids or hidden states)."""
+        if self.size == 1:
+            return
+        self.stats.steps += 1
+        hdr = np.array([FWD, meta.shape[0], x.shape[0], mode], dtype=np.int32)
+        self._send_all([hdr, np.ascontiguousarray(meta, dtype=np.int32),
+                        np.ascontiguousarray(x)])
+
+    def send_ctrl(self, ctrl: dict) -> None:
+        """Leader: sequences leaving (their cache slots are freed on every rank)."""
+        if self.size == 1 or not ctrl.get("free"):
+            return
+        payload = np.frombuffer(pickle.dumps({"free": ctrl["free"]}), dtype=np.uint8).copy()
+        self._send_all([np.array([CTRL, payload.size, 0, 0], dtype=np.int32), payload])
+
+    def send_stop(self) -> None:
+        if self.size > 1:
+            self._send_all([np.array([STOP, 0, 0, 0], dtype=np.int32)])
+
+    def _recv(self, buf: np.ndarray, tag: int, src: int, what: str,
+              grace: float = 0.0) -> np.ndarray:
+        req = self.group.irecv(buf, src, tag)
+        self.wd.wait(req, src, what, grace=grace)
+        return buf
+
+    # -- the head ------------------------------------------------------------------------
+
+    def head(self, logits: np.ndarray, v0: int, mode: int) -> np.ndarray | None:
+        """Collective over the group: combine the vocabulary slices of the logits.
+
+        ``logits``: (k, slice) float32 of this rank's rows ``[v0, v0 + slice)``.
+        Returns on the leader: ``MAXLOC``: (k,) int64 greedy token ids;
+        ``GATHER``: (k, vocab) float32 logits. None on the followers.
+        """
+        k = logits.shape[0]
+        if mode == MAXLOC:
+            mine = np.empty((k, 2), dtype=np.float64)
+            if k:
+                best = np.argmax(logits, axis=1)
+                mine[:, 0] = logits[np.arange(k), best]
+                mine[:, 1] = best + v0
+        else:
+            mine = np.ascontiguousarray(logits, dtype=np.float32)
+        if self.rank != 0:
+            req = self.group.isend(mine, 0, TAG_HEAD)
+            self.wd.wait(req, 0, "to take the logits")
+            self.stats.head_bytes += mine.nbytes
+            return None
+        parts = [mine]
+        for r in self.peers:
+            n = 2 if mode == MAXLOC else int(self._slices[r])
+            buf = np.empty((k, n), dtype=np.float64 if mode == MAXLOC else np.float32)
+            parts.append(self._recv(buf, TAG_HEAD, r, "to send its logits"))
+        if mode == GATHER:
+            return np.concatenate(parts, axis=1)
+        out = parts[0].copy()
+        for p in parts[1:]:  # a strictly larger logit wins: ties keep the lower id
+            better = p[:, 0] > out[:, 0]
+            out[better] = p[better]
+        return out[:, 1].astype(np.int64)
+
+    def set_vocab_slices(self, slices: Sequence[int]) -> None:
+        """Every rank's vocabulary slice size (global), for the leader's gathers."""
+        self._slices = list(slices)
+
+
+def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slots: int,
+           max_len: int, grace: float) -> None:
+    """A follower: run the leader's steps on this rank's shard until ``STOP``.
+
+    ``grace``: extra seconds a step may be late (a leader waits on the pipeline too).
+    """
+    from hpcmac.llm.model.stage import Batch
+
+    cache = stage.new_cache(max_slots, max_len)
+    v0 = stage.vocab[0]
+    while True:
+        hdr = tg._recv(np.empty(4, dtype=np.int32), TAG_STEP, 0, "to send a step", grace)
+        kind, n, T, mode = (int(v) for v in hdr)
+        if kind == STOP:
+            return
+        if kind == CTRL:
+            ctrl = pickle.loads(tg._recv(np.empty(n, dtype=np.uint8), TAG_STEP, 0,
+                                         "to send a step").tobytes())
+            for _, slot in ctrl["free"]:
+                cache.free(slot)
+            continue
+        meta = tg._recv(np.empty((n, META), dtype=np.int32), TAG_STEP, 0, "to send a step")
+        if first:
+            x = tg._recv(np.empty(T, dtype=np.int64), TAG_STEP, 0, "to send a step")
+        else:
+            x = tg._recv(np.empty((T, hidden), dtype=np.float32), TAG_STEP, 0,
+                         "to send a step")
+        lengths = [int(v) for v in meta[:, 2]]
+        batch = Batch(slots=[int(v) for v in meta[:, 1]], lengths=lengths,
+                      positions=[int(v) for v in meta[:, 3]])
+        h = stage.embed(x) if first else x
+        h = stage.forward(h, batch, cache)
+        if last:
+            rows = (np.cumsum(lengths) - 1)[meta[:, 4] != 0]
+            if len(rows):
+                tg.head(np.asarray(stage.logits(h[rows]), dtype=np.float32), v0, mode)
+
+
+def run_tensor_pipeline(groups: Groups, tg: TensorGroup | None, stage, spec, hidden: int,
+                        requests, *, timeout: float = 60.0, **kw):
+    """Collective over ``groups.world``: generate through ``pp`` stages of ``tp`` ranks.
+
+    The leaders run :func:`~hpcmac.llm.parallel.pipeline.run_pipeline` among
+    themselves (``requests`` on world rank 0; ``kw`` as there); the followers
+    :func:`follow`. Returns the same ``PipelineResult`` on every rank, with each
+    tensor rank's all-reduce counters in ``result.tensor``.
+    """
+    from hpcmac.llm.parallel.pipeline import run_pipeline
+
+    tp, pp = groups.tp, groups.pp
+    res = None
+    if groups.pipe is not None:
+        hosts = [groups.hosts[s * tp] for s in range(pp)]
+        res = run_pipeline(groups.pipe, stage, spec, hidden, requests, timeout=timeout,
+                           hosts=hosts, tensor=tg if tp > 1 else None,
+                           ranks=[s * tp for s in range(pp)], **kw)
+    else:
+        max_slots, max_len = tg.group.bcast_obj(None, 0)
+        follow(tg, stage, spec.first, spec.last, hidden, max_slots, max_len,
+               grace=1.0 + pp)
+    if tp > 1:
+        res = tg.group.bcast_obj(res, 0)
+        stats = groups.world.allgather_obj(
+            {"rank": groups.world.rank, "stage": groups.stage, "tp_rank": groups.tp_rank,
+             **tg.stats.__dict__})
+        res.tensor = stats
+    return res
