@@ -117,7 +117,7 @@ def test_more_ranks_than_layers(llama5):
     from hpcmac.llm.model.fixtures import random_checkpoint
 
     small = random_checkpoint("qwen2", Path(llama5).parent / "qwen2-3", seed=1)
-    line = one_error_line(generate(4, "--model", str(small), "--prompt-ids", "1"))
+    line = one_error_line(generate(4, "--model", str(small), "--prompt-ids", "1", "--pp", "4"))
     assert line == ("error: 4 ranks but the model has only 3 layers: run with at most 3 "
                     "ranks (each pipeline stage needs a layer)")
 
@@ -137,7 +137,7 @@ def test_stage_that_does_not_fit_is_refused(llama5, tmp_path):
     hf.write_text(json.dumps({"hosts": [{"name": "localhost", "slots": 2,
                                          "memory_gb": 1e-6}]}))
     line = one_error_line(generate(2, "--model", llama5, "--prompt-ids", "1", "--hostfile",
-                                   str(hf)))
+                                   str(hf), "--pp", "2"))
     assert "stage 0 on " in line and "memory budget is 0.00 GiB" in line
 
 
@@ -162,10 +162,11 @@ class Job:
         return "".join(self.lines)
 
     def wait_generating(self, timeout: float = 120.0) -> None:
-        """Until the stages are loaded and tokens flow (rank 0 said 'pipeline:'), plus 1 s."""
+        """Until the ranks are loaded and tokens flow (rank 0 said 'pipeline:' or
+        'layout:'), plus 1 s."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
-            if "pipeline:" in self.stderr:
+            if "pipeline:" in self.stderr or "layout:" in self.stderr:
                 time.sleep(1.0)
                 assert self.proc.poll() is None, f"the job ended early: {self.stderr}"
                 return
@@ -220,9 +221,14 @@ def _gone(pid: int, wait: float) -> bool:
 needs_proc = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
 
 
+LAYOUTS = pytest.mark.parametrize("layout", [("--pp", "3"), ("--tp", "3")],
+                                  ids=["pipeline", "tensor"])
+
+
 @needs_proc
-def test_killed_rank_ends_the_job_naming_it(slow_llama):
-    job = Job(3, *_long_args(slow_llama))
+@LAYOUTS
+def test_killed_rank_ends_the_job_naming_it(slow_llama, layout):
+    job = Job(3, *_long_args(slow_llama), *layout)
     pid = _rank_pid(job.mark, 1)
     job.wait_generating()
     t0 = time.monotonic()
@@ -235,8 +241,9 @@ def test_killed_rank_ends_the_job_naming_it(slow_llama):
 
 
 @needs_proc
-def test_hung_rank_ends_the_job_naming_it(slow_llama):
-    job = Job(3, *_long_args(slow_llama), "--timeout", "3")
+@LAYOUTS
+def test_hung_rank_ends_the_job_naming_it(slow_llama, layout):
+    job = Job(3, *_long_args(slow_llama), "--timeout", "3", *layout)
     pid = _rank_pid(job.mark, 1)
     job.wait_generating()
     t0 = time.monotonic()

@@ -82,11 +82,16 @@ def choose_layout(ranks: int, cfg, *, tp: int | None = None, pp: int | None = No
         raise UsageError(f"--tp-split {tp_split!r} has {len(shares)} shares but --tp is {tp}")
     if shares is not None and tp is None:
         tp = len(shares)
-    for flag, v in (("--tp", tp), ("--pp", pp)):
+    tp_flag = f"--tp-split {tp_split}" if shares is not None and tp == len(shares) else "--tp"
+    for flag, v in ((tp_flag, tp), ("--pp", pp)):
         if v is not None and ranks % v:
             divisors = ", ".join(str(d) for d in range(1, ranks + 1) if ranks % d == 0)
-            raise UsageError(f"{flag} {v}: {ranks} rank{'s' * (ranks != 1)} do not split into "
-                             f"groups of {v} (expected one of {divisors})")
+            what = flag if flag.startswith("--tp-split") else f"{flag} {v}"
+            raise UsageError(f"{what}: {ranks} rank{'s' * (ranks != 1)} do not split into "
+                             f"tensor groups of {v} (expected a group size of {divisors})"
+                             if flag != "--pp" else
+                             f"{what}: {ranks} rank{'s' * (ranks != 1)} do not split into "
+                             f"{v} stages (expected a stage count of {divisors})")
     if tp is not None and pp is not None and tp * pp != ranks:
         raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} ranks but the job has {ranks}")
     if tp is not None or pp is not None:

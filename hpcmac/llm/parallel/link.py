@@ -31,6 +31,14 @@ def _seconds_from_env(name: str) -> float | None:
     return value
 
 
+def _yield() -> None:
+    """Give the core to another runnable process, if any (returns at once otherwise)."""
+    try:
+        os.sched_yield()
+    except (AttributeError, OSError):  # no sched_yield: a zero sleep
+        time.sleep(0)
+
+
 def _cores() -> int:
     """CPU cores this process may run on."""
     try:
@@ -69,20 +77,26 @@ class Link:
 class Watchdog:
     """Waits on requests politely, and ends the job when a peer stays silent too long.
 
-    Waiting polls the request. It first spins (tests without sleeping), then
-    sleeps growing to half a millisecond between tests, so Ctrl-C is seen at
-    once. How long it spins depends on the host: when this host has a core for
-    each of its ranks, a waiting stage has a core to itself and spins for up to
-    50 ms (a hop then costs tens of microseconds, not the half millisecond of a
-    sleep); when ranks share cores (more ranks than cores), it spins 0.2 ms and
-    then leaves the CPU to the stage that computes. A killed rank is reported
-    by the launcher (Open MPI names rank and host); a hung one (stopped, or
-    behind a dead link that TCP has not noticed) is caught here after
-    ``timeout`` seconds (0: never).
+    The waiting policy is chosen at run time from what is measured. A wait
+    first spins for 20 us (a hop through shared memory takes a few). It then
+    polls, yielding the core between tests (``sched_yield``: on an idle core it
+    returns at once, so this is still a spin; when another process wants the
+    core, that process runs), for a budget that follows the waits measured so
+    far: twice the median of the last 32, at least 50 us and at most
+    :attr:`spin_s`. Past the budget it sleeps, growing to half a millisecond
+    between tests, so Ctrl-C is seen at once and a long wait (a pipeline stage
+    waiting on the stage before it) leaves the core to others. :attr:`spin_s`
+    depends on the host: 50 ms when this host has a core for each of its
+    ranks, 0.2 ms when ranks share cores. A killed rank is reported by the
+    launcher (Open MPI names rank and host); a hung one (stopped, or behind a
+    dead link that TCP has not noticed) is caught here after ``timeout``
+    seconds (0: never).
     """
 
-    #: seconds to spin when each rank of the host has a core, and when they share cores
+    #: the longest poll budget when each rank of the host has a core, and when they share cores
     SPIN_OWN_CORE_S, SPIN_SHARED_S = 0.05, 2e-4
+    #: the pure spin before yielding, and the shortest poll budget
+    SPIN_FIRST_S, BUDGET_MIN_S = 2e-5, 5e-5
     #: the longest sleep between two polls (HPCMAC_PIPELINE_MAX_SLEEP overrides)
     MAX_SLEEP_S = 5e-4
 
@@ -96,6 +110,7 @@ class Watchdog:
         self.max_sleep = (max_sleep if max_sleep is not None else
                           env_sleep if env_sleep is not None else self.MAX_SLEEP_S)
         env_spin = _seconds_from_env("HPCMAC_PIPELINE_SPIN")
+        self.fixed = spin is not None or env_spin is not None
         if spin is not None:
             self.spin_s = spin
         elif env_spin is not None:
@@ -104,6 +119,8 @@ class Watchdog:
             here = self.hosts[group.rank] if group.rank < len(self.hosts) else ""
             self.spin_s = (self.SPIN_OWN_CORE_S if self.hosts.count(here) <= _cores()
                            else self.SPIN_SHARED_S)
+        self.budget = self.spin_s  # the current poll budget (adapts unless fixed)
+        self.recent: deque = deque(maxlen=32)
 
     def wait(self, req, peer: int, what: str, grace: float = 0.0) -> None:
         """Block until ``req`` completes; after ``timeout + grace`` s of silence, abort."""
@@ -111,14 +128,22 @@ class Watchdog:
             return
         limit = self.timeout + grace
         t0 = time.monotonic()
+        budget = min(self.budget, self.spin_s)
         delay = 0.0
         while not req.test():
-            now = time.monotonic()
-            if now - t0 > self.spin_s:
+            el = time.monotonic() - t0
+            if el > budget:
                 time.sleep(delay)
                 delay = min(2 * delay or 2e-5, self.max_sleep)
-            if self.timeout > 0 and now - t0 > limit:
+            elif el > self.SPIN_FIRST_S:
+                _yield()
+            if self.timeout > 0 and el > limit:
                 self._fail(peer, what, limit)
+        if not self.fixed:
+            self.recent.append(time.monotonic() - t0)
+            if len(self.recent) >= 8:
+                med = sorted(self.recent)[len(self.recent) // 2]
+                self.budget = min(self.spin_s, max(self.BUDGET_MIN_S, 2 * med))
 
     def _name(self, r: int) -> str:
         return (f"rank {self.ranks[r]} on {self.hosts[r]}" if 0 <= r < len(self.hosts)
