@@ -12,7 +12,7 @@ from hpcmac.errors import run_cli
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("hpcmac.info", "MPI library, ranks and hosts, transports, BLAS, MLX"),
     "hpl": ("hpcmac.hpl.__main__", "distributed FP64 LINPACK (HPL.dat in, HPL.out out)"),
-    "llm": ("hpcmac.llm.__main__", "LLM decoding, pipeline-parallel across ranks"),
+    "llm": ("hpcmac.llm.__main__", "LLM decoding, tensor- and pipeline-parallel across ranks"),
     "launch": ("hpcmac.launch.__main__", "launch over a Thunderbolt mesh via mpirun or mlx.launch"),
     "bench": ("hpcmac.bench.__main__", "benchmarks against references measured in the same run"),
     "plan": ("hpcmac.plan.cli", "predict HPL and LLM decoding on a cluster before building it"),

@@ -12,6 +12,7 @@ BENCHES = {
     "solvers": "eigh, lstsq, inv vs scipy on one core (run it under mpirun)",
     "llm": "decode tok/s vs the memory-bandwidth bound and llama.cpp",
     "llm_pipeline": "pipeline decode at 1/2/4 ranks: TTFT, prefill, decode, bytes per link, busy",
+    "llm_parallel": "tensor vs pipeline at 2 ranks vs 1, quiet and loaded; all-reduce costs",
 }
 
 

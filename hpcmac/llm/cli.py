@@ -1,8 +1,8 @@
 """``python -m hpcmac.llm``: one ``generate`` for 1 and N ranks, and ``bench``.
 
-``generate`` plans the layout (today: pipeline stages; one rank is a single
-stage holding the whole model), loads each rank's share and runs it; rank 0
-alone prints the text and writes the JSON. ``bench`` hands its flags to
+``generate`` chooses the layout (tensor groups x pipeline stages; one rank is a
+single stage holding the whole model), checks every rank's share fits, loads it
+and runs it; rank 0 alone prints the text and writes the JSON. ``bench`` hands its flags to
 ``python -m hpcmac bench llm_pipeline`` (the benchmarks live above ``llm``).
 """
 
@@ -30,9 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole parser: ``generate`` and ``bench``."""
     ap = ArgumentParser(
         prog="python -m hpcmac.llm",
-        description="Decoder-only LLM inference, pipeline-parallel over the ranks of the job.")
+        description="Decoder-only LLM inference, tensor- and pipeline-parallel over the ranks.")
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text (one rank, or a pipeline over the ranks)")
+    g = sub.add_parser("generate",
+                       help="generate text (one rank, or tensor and pipeline groups of ranks)")
     add_generate_args(g)
     b = sub.add_parser("bench", add_help=False,
                        help="pipeline benchmark at 1, 2, 4 ranks (see bench --help)")

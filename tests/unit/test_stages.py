@@ -172,10 +172,10 @@ def test_hostfile_without_memory_falls_back_to_measured(tmp_path):
     "text, msg",
     [
         ("{", "not JSON"),
-        ('{"hosts": []}', "non-empty 'hosts'"),
-        ('{"hosts": [{"slots": 1}]}', r"hosts\[0\] has no 'name'"),
-        ('{"hosts": [{"name": "a", "memory_gb": -1}]}', "memory_gb must be a positive"),
-        ('{"hosts": [{"name": "a", "slots": 0}]}', "slots must be a positive"),
+        ('{"hosts": []}', "'hosts' is empty"),
+        ('{"hosts": [{"slots": 1}]}', r"hosts\[0\]: missing field 'ssh'"),
+        ('{"hosts": [{"name": "a", "memory_gb": -1}]}', "'memory_gb' must be positive"),
+        ('{"hosts": [{"name": "a", "slots": 0}]}', "'slots' must be a positive integer"),
     ],
 )
 def test_bad_hostfile(tmp_path, text, msg):

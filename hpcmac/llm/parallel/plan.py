@@ -241,38 +241,11 @@ class HostMemory:
 
 
 def read_hostfile(path: str) -> list[HostMemory]:
-    """Hosts (name, slots, memory_gb) of a JSON hostfile; other fields are ignored.
+    """Hosts (name, slots, memory_gb) of a JSON hostfile, read and checked by
+    :func:`hpcmac.launch.hostfile.load` (the hpcmac schema and ``mlx.launch``'s)."""
+    from hpcmac.launch.hostfile import load
 
-    Accepts ``{"hosts": [...]}`` (hpcmac) and a bare list (``mlx.launch``, whose
-    entries name the host in ``ssh``).
-    """
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise UsageError(f"hostfile {path}: cannot read ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"hostfile {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    hosts = data.get("hosts") if isinstance(data, dict) else data
-    if not isinstance(hosts, list) or not hosts:
-        raise UsageError(f"hostfile {path}: expected a non-empty 'hosts' list")
-    out = []
-    for k, h in enumerate(hosts):
-        if not isinstance(h, dict):
-            raise UsageError(f"hostfile {path}: hosts[{k}] is not an object")
-        name = h.get("name") or h.get("ssh")
-        if not isinstance(name, str) or not name:
-            raise UsageError(f"hostfile {path}: hosts[{k}] has no 'name'")
-        slots = h.get("slots", 1)
-        mem = h.get("memory_gb")
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-            raise UsageError(f"hostfile {path}: hosts[{k}].slots must be a positive integer")
-        if mem is not None and (
-            not isinstance(mem, (int, float)) or isinstance(mem, bool) or mem <= 0
-        ):
-            raise UsageError(f"hostfile {path}: hosts[{k}].memory_gb must be a positive number")
-        out.append(HostMemory(name, slots, None if mem is None else float(mem)))
-    return out
+    return [HostMemory(h.name, h.slots, h.memory_gb) for h in load(path).hosts]
 
 
 def _same_host(a: str, b: str) -> bool:

@@ -1,0 +1,233 @@
+"""Tensor against pipeline parallelism at 2 ranks, against 1 rank, quiet and loaded.
+
+``python -m hpcmac.bench.llm_parallel [--model random|smollm2|PATH] [--json FILE]``
+starts one 2-rank job (``tools/mpirun``, one BLAS thread per rank) that loads
+three layouts of the model once each: the whole model on rank 0, a 2-stage
+pipeline, and tensor 2 (heads, columns and vocabulary split). Then, round after
+round, it measures on each layout one after the other (the other rank sleeps
+when only one computes), so that compared runs are seconds apart:
+
+* one sequence: decode tok/s (and prefill);
+* ``--batch 16`` sequences at once: aggregate decode tok/s;
+* the memory bandwidth of 1 and 2 ranks streaming at once, in the same round:
+  the ceiling of a 2-rank single stream is ``tok/s(1) x bw(2) / bw(1)``;
+* for tensor 2: all-reduces per token, the bytes each rank sends per token,
+  and the median time inside one all-reduce.
+
+The driver runs the job twice: on the machine as it is ("quiet"), and with a
+process of its own spinning on one core for the whole job ("loaded"), to show
+what the waiting policy does when a core is taken. ``--model random`` is the
+623 MB float32 Llama of ``bench.llm`` (hidden 1024, 8 layers, 16 heads, 4 KV heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hpcmac.bench.llm_pipeline import ROOT, _measure, _median, _prompts, _Sleeper, _Stream
+
+LAYOUTS = ("one rank", "pipeline 2", "tensor 2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hpcmac.errors import ArgumentParser
+
+    p = ArgumentParser(prog="python -m hpcmac.bench.llm_parallel",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random",
+                   help="'random' (bench.llm's 623 MB Llama), 'smollm2', or a model path")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new", type=int, default=32, help="tokens generated per sequence")
+    p.add_argument("--batch", type=int, default=16, help="sequences in the batched run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-load", action="store_true", help="skip the loaded run")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    return p
+
+
+# -- the 2-rank job -------------------------------------------------------------------
+
+
+def worker(args) -> int:
+    """Collective over 2 ranks: load the three layouts, measure them round-robin."""
+    from hpcmac import comm
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.spec import make_shards
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.parallel import plan as S
+    from hpcmac.llm.parallel.pipeline import Request, run_pipeline
+    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+
+    world = comm.init()
+    if world.size != 2:
+        raise SystemExit("llm_parallel: the job needs 2 ranks")
+    cfg = load_config(args.model)
+    hosts = world.allgather_obj(os.uname().nodename)
+    sleeper = _Sleeper(world)
+    max_len = args.prompt_len + args.new
+    one = world.split(0 if world.rank == 0 else 1, world.rank)
+    full = load_stage(args.model, 0, cfg.n_layers) if world.rank == 0 else None
+    spec2 = S.stages_from_counts(S.even_counts(cfg.n_layers, 2))[world.rank]
+    piped = load_stage(args.model, spec2.start, spec2.end, spec2.first, spec2.last)
+    groups = make_groups(world, 2, hosts)
+    shards = make_shards(cfg, [1, 1])
+    tg = TensorGroup(groups.tensor, hosts, 300.0, [0, 1])
+    tg.set_vocab_slices([s.vocab[1] - s.vocab[0] for s in shards])
+    tens = load_stage(args.model, 0, cfg.n_layers, shard=shards[world.rank], reduce=tg.allreduce)
+    spec1 = S.stages_from_counts([cfg.n_layers])[0]
+
+    def run(layout: str, prompts):
+        reqs = [Request(p, args.new) for p in prompts] if world.rank == 0 else None
+        kw = dict(max_batch=len(prompts), max_len=max_len, timeout=300)
+        if layout == "one rank":
+            return run_pipeline(one, full, spec1, cfg.hidden, reqs, hosts=hosts[:1], **kw) \
+                if world.rank == 0 else None
+        if layout == "pipeline 2":
+            return run_pipeline(world, piped, spec2, cfg.hidden, reqs, hosts=hosts, **kw)
+        before = dict(tg.stats.__dict__)
+        res = run_tensor_pipeline(groups, tg, tens, spec1, cfg.hidden, reqs, **kw)
+        after = tg.stats.__dict__
+        d = {k: after[k] - before[k] for k in ("reduces", "sent_bytes", "wait_s")}
+        res.tensor = world.allgather_obj(d)
+        return res
+
+    stream = _Stream()
+    work = {"single": _prompts(cfg.vocab, 1, args.prompt_len, 1),
+            f"batch{args.batch}": _prompts(cfg.vocab, args.batch, args.prompt_len, 2)}
+    rows = {lay: {k: [] for k in work} for lay in LAYOUTS}
+    bandwidth: dict[int, list[float]] = {1: [], 2: []}
+    for rep in range(args.repeats + 1):  # round 0 warms up
+        for k in (1, 2):
+            gb_s = stream.measure(world, sleeper, k)
+            if rep > 0:
+                bandwidth[k].append(gb_s)
+        for key, prompts in work.items():
+            for lay in LAYOUTS:
+                res = run(lay, prompts)
+                sleeper.sync()
+                if world.rank == 0 and rep > 0:
+                    got = _measure(res)
+                    if res.tensor:
+                        tokens = res.generated + sum(len(s.prompt_tokens) for s in res.seqs)
+                        t0 = res.tensor[0]
+                        got["reduces_per_step"] = t0["reduces"] / max(
+                            1, res.decode_tokens // len(prompts) + 1)
+                        got["reduce_bytes_per_token"] = t0["sent_bytes"] / max(tokens, 1)
+                        got["reduce_ms"] = 1e3 * t0["wait_s"] / max(t0["reduces"], 1)
+                    rows[lay][key].append(got)
+    if world.rank == 0:
+        Path(args.worker).write_text(json.dumps({
+            "model": args.model, "hidden": cfg.hidden, "layers": cfg.n_layers,
+            "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
+            "weights_mb": full.nbytes / 1e6,
+            "mem_gb_s": {k: statistics.median(v) for k, v in bandwidth.items()},
+            "results": {lay: {k: _median(v) for k, v in r.items()} for lay, r in rows.items()},
+        }, indent=1))
+    return 0
+
+
+# -- the driver -------------------------------------------------------------------------
+
+
+def _random_model(work: Path) -> str:
+    from hpcmac.bench.llm import write_random_llama
+
+    return str(write_random_llama(work / "llama", 1024, 8, 2816, 32000, heads=16, kv_heads=4))
+
+
+def launch(args, model: str, out: str, loaded: bool) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", HPCMAC_QUIET_TRANSPORT="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [str(ROOT / "tools" / "mpirun"), "2", sys.executable, "-m",
+           "hpcmac.bench.llm_parallel", "--worker", out, "--model", model,
+           "--prompt-len", str(args.prompt_len), "--new", str(args.new), "--batch",
+           str(args.batch), "--repeats", str(args.repeats)]
+    spinner = None
+    if loaded:  # another job holding one core for the whole run
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"error: the 2-rank job failed (exit {proc.returncode})")
+    return json.loads(Path(out).read_text())
+
+
+def table(doc: dict, batch: int) -> str:
+    res, bw = doc["results"], doc["mem_gb_s"]
+    ref = res["one rank"]["single"]["decode_tok_s"]
+    refb = res["one rank"][f"batch{batch}"]["decode_tok_s"]
+    bwr = bw["2"] / bw["1"]
+    head = ["layout", "1 seq decode tok/s (x)", "of the ceiling", f"{batch} seqs agg tok/s (x)",
+            "prefill tok/s", "all-reduces/step", "bytes/token sent", "ms/all-reduce"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for lay in LAYOUTS:
+        s, b = res[lay]["single"], res[lay][f"batch{batch}"]
+        x = s["decode_tok_s"] / ref
+        ceil = "" if lay == "one rank" else f"{x / bwr:.2f}"
+        row = [lay, f"{s['decode_tok_s']:.1f} ({x:.2f}x)", ceil,
+               f"{b['decode_tok_s']:.1f} ({b['decode_tok_s'] / refb:.2f}x)",
+               f"{s['prefill_tok_s']:.1f}"]
+        if "reduces_per_step" in s:
+            row += [f"{s['reduces_per_step']:.0f}", f"{s['reduce_bytes_per_token']:.0f}",
+                    f"{s['reduce_ms']:.3f}"]
+        else:
+            row += ["-", "-", "-"]
+        lines.append(" | ".join(row))
+    lines.append(f"memory GB/s: 1 rank {bw['1']:.1f}, 2 ranks {bw['2']:.1f} ({bwr:.2f}x): "
+                 f"ceiling of a 2-rank single stream {ref * bwr:.1f} tok/s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        return worker(args)
+    out: dict = {"args": vars(args), "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _random_model(Path(tmp)) if args.model == "random" else args.model
+        for name in ("quiet",) + (() if args.no_load else ("loaded",)):
+            load = os.getloadavg()[0]
+            print(f"{name}: 2-rank job ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            doc = launch(args, model, f"{tmp}/{name}.json", name == "loaded")
+            doc["load_before"], doc["load_after"] = load, os.getloadavg()[0]
+            doc["wall_s"] = time.perf_counter() - t0
+            out["runs"][name] = doc
+    first = next(iter(out["runs"].values()))
+    print(f"model {args.model}: {first['weights_mb']:.0f} MB float32, hidden {first['hidden']}, "
+          f"{first['layers']} layers, {first['heads']} heads / {first['kv_heads']} KV heads; "
+          f"{os.cpu_count()} cores, one BLAS thread per rank; {args.prompt_len}-token prompts, "
+          f"{args.new} new tokens; median of {args.repeats} rounds; (x) = ratio to one rank "
+          "in the same rounds")
+    for name, doc in out["runs"].items():
+        what = ("another process of this benchmark spins on one core" if name == "loaded"
+                else "the machine as it is")
+        print(f"\n{name} ({what}; load average {doc['load_before']:.1f} before, "
+              f"{doc['load_after']:.1f} after)")
+        print(table(doc, args.batch))
+    print("\nof the ceiling: the 1-sequence (x) over the 2-rank memory bandwidth (x); "
+          "all-reduces/step and bytes/token: tensor 2's rank 0 (prompt tokens included)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    from hpcmac.errors import run_cli
+
+    raise SystemExit(run_cli(main))

@@ -1,0 +1,38 @@
+"""``python -m hpcmac.bench.llm_parallel`` end to end on a tiny model (a smoke run, not a
+measurement): every layout measured, the all-reduce counts of tensor 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_small_run_end_to_end(tmp_path):
+    pytest.importorskip("transformers")
+    from hpcmac.llm.model.fixtures import random_checkpoint
+
+    model = random_checkpoint("llama", tmp_path / "llama", seed=1, num_hidden_layers=2)
+    out = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "hpcmac.bench.llm_parallel", "--model",
+                           str(model), "--prompt-len", "4", "--new", "3", "--batch", "3",
+                           "--repeats", "1", "--no-load", "--json", str(out)],
+                          capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())["runs"]["quiet"]
+    for lay in ("one rank", "pipeline 2", "tensor 2"):
+        assert doc["results"][lay]["single"]["decode_tok_s"] > 0
+    t = doc["results"]["tensor 2"]["single"]
+    # 2 layers: two all-reduces each, and one for the embedding, per step
+    assert t["reduces_per_step"] == pytest.approx(5)
+    assert t["reduce_bytes_per_token"] > 0 and t["reduce_ms"] > 0
+    assert "of the ceiling" in proc.stdout and "tensor 2 |" in proc.stdout
