@@ -17,7 +17,6 @@ most even one (smallest sum of squares). See :func:`proportional_counts`.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
