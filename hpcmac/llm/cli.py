@@ -410,6 +410,7 @@ def result_json(res: PipelineResult, tok, stop, plan: LayoutPlan | None) -> dict
         doc["split"] = {"how": plan.how, "layers": [s.n_layers for s in plan.stages],
                         "need_bytes": plan.need, "budget_bytes": plan.budgets}
         doc["layout"] = plan.json()
+        doc["ranks"] = plan.layout.tp * plan.layout.pp
     if res.tensor:
         doc["tensor"] = res.tensor
     return doc

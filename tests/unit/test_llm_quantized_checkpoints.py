@@ -175,7 +175,8 @@ def test_mixed_precision_checkpoint_keeps_each_format(quantized):
 
 
 def test_pipeline_two_ranks_same_tokens_as_mlx_lm(quantized, tmp_path):
-    """A real 2-rank pipeline (mpirun) on the MoE checkpoint with its 8-bit router."""
+    """A real 2-rank job (mpirun; the default layout for one prompt: tensor 2) on the MoE
+    checkpoint with its 8-bit router."""
     folder = quantized("qwen3moe-q4-g128")
     out = tmp_path / "r.json"
     env = dict(os.environ, HPCMAC_QUIET_TRANSPORT="1")
