@@ -22,6 +22,7 @@ from hpcmac.llm.parallel.layout import LayoutPlan, check_layout_flags, choose_la
 from hpcmac.llm.parallel.pipeline import PipelineResult, Request, SeqResult
 from hpcmac.llm.parallel.plan import agree
 from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+from hpcmac.plan import job as plan_job
 
 # -- arguments ------------------------------------------------------------------------
 
@@ -278,10 +279,18 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     slots = min(args.max_batch or min(shape[0], 64), shape[0])
     hostfile = args.hostfile or os.environ.get("HPCMAC_HOSTFILE") or None
     hosts = group.allgather_obj(socket.gethostname())
-    fast = len(set(hosts)) == 1 or getattr(group, "transport", "") == "rdma"
+    transport = getattr(group, "transport", "")
+    fast = len(set(hosts)) == 1 or transport == "rdma"
+    # hpcmac.plan's prediction of every layout (none without node figures: docs/plan.md)
+    preds, no_pred = agree(group, lambda: plan_job.for_generate(
+        args.model, hosts, hostfile=hostfile, transport=transport, sequences=len(reqs),
+        prompt=max(len(r.prompt) for r in reqs), context=shape[1], backend=args.backend,
+        quantize=args.quantize, group_size=args.q_group_size), ranks="root")
+    best = preds[0] if preds and preds[0].fits else None
     layout = agree(group, lambda: choose_layout(
         group.size, cfg, tp=args.tp, pp=args.pp, tp_split=args.tp_split, split=args.split,
-        sequences=len(reqs), fast_links=fast))
+        sequences=len(reqs), fast_links=fast,
+        predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None))
     plan = plan_layout(group, args.model, cfg, layout, args.split, hostfile, slots * shape[1],
                        args.quantize, args.q_group_size)
     groups = make_groups(group, layout.tp, plan.hosts)
@@ -335,6 +344,8 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
             with open(args.json, "w") as f:
                 doc = result_json(res, tok, stop, plan)
                 doc["weights"] = weights_json(stage)
+                doc["prediction"] = plan_job.prediction_json(preds, layout.tp, layout.pp,
+                                                             no_pred)
                 json.dump(doc, f, indent=1)
     return 130 if res.interrupted else 0
 

@@ -104,3 +104,46 @@ def predict_layouts(model: str, hosts: list[str], *, hostfile: str | None = None
     out = [p for p in llmmod.choose(cl, shape, sequences, prompt, context, len(hosts), act, act)
            if p.tp <= shape.n_heads]
     return out, ""
+
+
+def for_generate(model: str, hosts: list[str], *, hostfile: str | None, transport: str,
+                 sequences: int, prompt: int, context: int, backend: str,
+                 quantize: int | None, group_size: int) -> tuple[list, str]:
+    """:func:`predict_layouts` for ``generate``, never raising: a model or file the
+    planner cannot read gives no prediction and the reason, and generation goes on."""
+    try:
+        return predict_layouts(model, hosts, hostfile=hostfile, transport=transport,
+                               sequences=sequences, prompt=prompt, context=context,
+                               backend=backend, quantize=quantize, group_size=group_size)
+    except (UsageError, OSError, ValueError, KeyError) as exc:
+        return [], f"the planner could not read the model ({exc})"
+
+
+def _rate(p: llmmod.LlmPrediction) -> float:
+    return p.batch_tok_s if p.batch > 1 else p.decode_tok_s
+
+
+def why_chosen(preds: list[llmmod.LlmPrediction]) -> str:
+    """One line: the predicted fastest layout and the runner-up."""
+    best = preds[0]
+    unit = f"tok/s for {best.batch} sequences" if best.batch > 1 else "tok/s"
+    line = f"hpcmac.plan predicts {_rate(best):.1f} {unit}"
+    others = [p for p in preds[1:] if p.fits]
+    if others:
+        o = others[0]
+        line += f" against {_rate(o):.1f} for {o.layout} {o.tp}x{o.pp}"
+    return line
+
+
+def prediction_json(preds: list[llmmod.LlmPrediction], tp: int, pp: int, why_not: str) -> dict:
+    """What ``generate --json`` records: the prediction for the layout run, and the others."""
+    if not preds:
+        return {"available": False, "why": why_not}
+    ran = [p for p in preds if (p.tp, p.pp) == (tp, pp)]
+    out: dict = {"available": True,
+                 "layouts": [{"tp": p.tp, "pp": p.pp, "decode_tok_s": p.decode_tok_s,
+                              "batch_tok_s": p.batch_tok_s, "ttft_s": p.ttft_s, "fits": p.fits}
+                             for p in preds]}
+    if ran:
+        out.update(ran[0].as_dict())
+    return out

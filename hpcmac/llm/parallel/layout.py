@@ -66,7 +66,8 @@ def check_layout_flags(tp: int | None, pp: int | None, tp_split: str | None) -> 
 
 def choose_layout(ranks: int, cfg, *, tp: int | None = None, pp: int | None = None,
                   tp_split: str | None = None, split: str | None = None,
-                  sequences: int = 1, fast_links: bool = True) -> Layout:
+                  sequences: int = 1, fast_links: bool = True,
+                  predicted: tuple[int, int, str] | None = None) -> Layout:
     """The layout for ``ranks`` ranks (pure; global inputs, so every rank agrees).
 
     Flags win: ``--tp``/``--pp`` (their product must be the rank count),
@@ -75,7 +76,8 @@ def choose_layout(ranks: int, cfg, *, tp: int | None = None, pp: int | None = No
     sequence when the links are fast (one host, or RDMA), since it splits the
     bytes each token reads; a pipeline otherwise (several sequences keep the
     stages busy without a reduction per layer; slow links are crossed once per
-    stage, not twice per layer).
+    stage, not twice per layer). ``predicted`` = (tp, pp, why), when given, is the
+    layout :mod:`hpcmac.plan` predicts fastest for this job, and replaces those rules.
     """
     shares = parse_tp_split(tp_split) if tp_split is not None else None
     if shares is not None and tp is not None and len(shares) != tp:
@@ -105,6 +107,8 @@ def choose_layout(ranks: int, cfg, *, tp: int | None = None, pp: int | None = No
     elif cfg.n_heads < ranks:
         tp, pp = 1, ranks
         why = f"{cfg.n_heads} attention heads cannot be shared by {ranks} tensor ranks"
+    elif predicted is not None:
+        tp, pp, why = predicted
     elif sequences > 1:
         tp, pp = 1, ranks
         why = (f"{sequences} sequences keep {ranks} stages busy without a reduction per "
