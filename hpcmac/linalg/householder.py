@@ -97,11 +97,11 @@ def apply_q(f: QRFactors, b: DistMatrix, trans: bool = True) -> DistMatrix:
 
 
 def _apply_block(c: np.ndarray, v: np.ndarray, t: np.ndarray, grid) -> None:
-    """``c -= v (t (v^T c))`` in place: my rows (from the panel's first row on) of some
+    """``c -= v (t (v^H c))`` in place: my rows (from the panel's first row on) of some
     columns; ``v^T c`` is summed down the process column. Collective over ``grid.col``."""
     if v.shape[1] == 0:
         return
-    w = np.ascontiguousarray(v.T @ c) if c.size else np.zeros((v.shape[1], c.shape[1]),
+    w = np.ascontiguousarray(v.conj().T @ c) if c.size else np.zeros((v.shape[1], c.shape[1]),
                                                                 dtype=c.dtype)
     if grid.nprow > 1:
         grid.col.allreduce(w, out=w)
@@ -192,7 +192,7 @@ def _factor_panel(panel: np.ndarray, prow: np.ndarray, k0: int, grid) -> np.ndar
 
 
 def _larft(g: np.ndarray, taus: np.ndarray) -> np.ndarray:
-    """T with ``H_1 ... H_w = I - V T V^T`` from ``g = V^T V`` (LAPACK's larft, forward)."""
+    """T with ``H_1 ... H_w = I - V T V^H`` from ``g = V^H V`` (LAPACK's larft, forward)."""
     w = taus.size
     t = np.zeros((w, w), dtype=g.dtype)
     for i in range(w):

@@ -1,4 +1,4 @@
-"""Distributed symmetric eigensolver: ``eigh``, as ``scipy.linalg.eigh`` (ScaLAPACK's pdsyevr path).
+"""Distributed symmetric/Hermitian eigensolver: ``eigh``, as ``scipy.linalg.eigh`` (as pdsyevr).
 
 1. reduce A to tridiagonal form, distributed (``tridiag.py``): A = Q T Q^T;
 2. solve the tridiagonal problem: every rank computes the eigenvalues; the
@@ -13,7 +13,7 @@
    form a block reflector ``I - V T V^T`` (LAPACK's larft), V and T travel
    along the process rows, and ``Z -= V (T (V^T Z))`` with one allreduce of
    ``V^T Z`` down each process column (BLAS-3).
-No rank ever holds A or X whole. Real symmetric matrices only.
+No rank ever holds A or X whole. Real symmetric and complex Hermitian matrices.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from hpcmac.linalg.tridiag import tridiagonalize
 def eigh(a: DistMatrix, b=None, *, lower: bool = True, eigvals_only: bool = False,
          overwrite_a: bool = False, overwrite_b: bool = False, type: int = 1,
          check_finite: bool = True, subset_by_index=None, subset_by_value=None, driver=None):
-    """Collective over the grid: eigenvalues and eigenvectors of a real symmetric ``a``.
+    """Collective over the grid: eigenvalues and eigenvectors of a symmetric (Hermitian) ``a``.
 
     As ``scipy.linalg.eigh`` for the standard problem: returns ``w``
     (ascending, an ndarray the same on every grid rank) and, unless
@@ -41,7 +41,7 @@ def eigh(a: DistMatrix, b=None, *, lower: bool = True, eigvals_only: bool = Fals
     LAPACK drivers). Only the ``lower`` (or upper) triangle of ``a`` is read.
     ``subset_by_index=(lo, hi)`` computes eigenpairs lo..hi only (v is then
     (n, hi - lo + 1)). The generalized problem (``b``), ``subset_by_value``,
-    ``driver`` and complex matrices are not supported.
+    and ``driver`` are not supported.
     """
     require(b is None and type == 1,
             "eigh: the generalized problem (b=...) is not supported; reduce it with "
@@ -54,7 +54,6 @@ def eigh(a: DistMatrix, b=None, *, lower: bool = True, eigvals_only: bool = Fals
         return None if eigvals_only else (None, a)
     n, n2 = a.gshape
     require(n == n2, f"eigh: expected a square matrix, got shape {a.gshape}")
-    require(a.dtype.kind != "c", f"eigh: complex matrices ({a.dtype}) are not supported")
     lo, hi = (0, n - 1) if subset_by_index is None else (int(i) for i in subset_by_index)
     require(0 <= lo <= hi < n or n == 0,
             f"eigh: subset_by_index must satisfy 0 <= lo <= hi <= {n - 1}, got {subset_by_index}")
@@ -62,7 +61,7 @@ def eigh(a: DistMatrix, b=None, *, lower: bool = True, eigvals_only: bool = Fals
         _check_finite(a, "a")
     work = _symmetric_copy(a, lower)
     d, e, tau = tridiagonalize(work)
-    wall = d.astype(work.dtype) if n <= 1 else eigvalsh_tridiagonal(d, e)   # ascending
+    wall = d.copy() if n <= 1 else eigvalsh_tridiagonal(d, e)   # ascending, real
     w = wall[lo:hi + 1]
     if eigvals_only:
         return w
@@ -80,10 +79,12 @@ def _symmetric_copy(a: DistMatrix, lower: bool) -> DistMatrix:
     nb = a.nb
     work = a.redistribute(a.grid, nb, nb) if a.mb != nb else a
     work = work.astype(dtype)
-    t = work.transpose()
+    t = work.transpose(conj=True)
     i, j = work.rows[:, None], work.cols[None, :]
     keep = (i >= j) if lower else (i <= j)
     work.local[...] = np.where(keep, work.local, t.local)
+    if work.dtype.kind == "c":   # a Hermitian matrix's diagonal is real (LAPACK ignores Im)
+        work.local[i == j] = work.local[i == j].real
     return work
 
 
@@ -173,7 +174,7 @@ def _vectors_of(d, e, cid: np.ndarray, want: np.ndarray, out: np.ndarray) -> Non
 
 def _back_transform(x: DistMatrix, tau: np.ndarray, z: DistMatrix) -> None:
     """Collective: ``z = Q z`` in place, Q from the reflectors stored in ``x``'s columns
-    (column k holds v_k in rows k+1..; ``Q = H_0 ... H_{n-3}``), last block first."""
+    (column k holds v_k in rows k+1..; ``Q = H_0 ... H_{n-2}``), last block first."""
     grid = x.grid
     nb = x.nb
     P, Q = grid.nprow, grid.npcol
@@ -189,7 +190,7 @@ def _back_transform(x: DistMatrix, tau: np.ndarray, z: DistMatrix) -> None:
             lc = int(layout.g2l(k0, nb, Q))
             j = k0 + np.arange(w)[None, :]
             v = np.where(rows[:, None] > j, x.local[:, lc:lc + w], 0).astype(x.dtype, order="F")
-            g = np.ascontiguousarray(v.T @ v)
+            g = np.ascontiguousarray(v.conj().T @ v)
             if P > 1:
                 grid.col.allreduce(g, out=g)
             buf[:lm * w] = v.ravel(order="F")
