@@ -351,6 +351,14 @@ def agree(group, fn: Callable[[], Any], ranks: str = "all") -> Any:
 # -- planning ----------------------------------------------------------------------------
 
 
+def kv_bytes_per_token_layer(cfg) -> int:
+    """Bytes of KV cache one token takes in one layer (float32): the cache's own count,
+    :meth:`hpcmac.llm.model.cache.KVCache.token_bytes`."""
+    from hpcmac.llm.model.cache import KVCache
+
+    return KVCache.token_bytes(cfg)
+
+
 def weight_bytes(model: str, quantize: int | None = None,
                  group_size: int = 64) -> tuple[list[int], int, int]:
     """Bytes of each layer, of the embedding and of the norm + head, as loaded (headers only).
@@ -401,9 +409,7 @@ def plan_stages(group, model: str, cfg, split: str | None, hostfile: str | None,
     if hostfile:
         hf = agree(group, lambda: read_hostfile(hostfile), ranks="root")
     budgets = rank_budgets(hosts, [a for _, a in mem], hf)
-    from hpcmac.llm.model.cache import KVCache
-
-    kv = KVCache.token_bytes(cfg) * kv_tokens
+    kv = kv_bytes_per_token_layer(cfg) * kv_tokens
     per_layer = [b + kv for b in layer_b]
     if split:
         counts = parse_split(split, cfg.n_layers, p)
