@@ -105,7 +105,7 @@ def dgemm_rates(configs: list[tuple[int, int]], n: int = 2048,
             for b, k in configs}
 
 
-def copy_gbs(threads: int, mib: int = 64, repeats: int = 7) -> float:
+def copy_gbs(threads: int, mib: int = 64, repeats: int = 15) -> float:
     """GB/s of numpy copies, ``threads`` threads at once (numpy releases the GIL)."""
     words = max(mib << 20, last_cache_bytes()) // 8  # far larger than the caches
     src = [np.ones(words) for _ in range(threads)]
@@ -122,7 +122,7 @@ def copy_gbs(threads: int, mib: int = 64, repeats: int = 7) -> float:
     return 2.0 * words * 8 * threads / t / 1e9
 
 
-def read_gbs(threads: int, mib: int = 128, repeats: int = 7) -> float:
+def read_gbs(threads: int, mib: int = 128, repeats: int = 15) -> float:
     """GB/s read by ``threads`` threads at once, each a float32 dot of two arrays far
     larger than cache (the access of a decode step's matrix-vector products)."""
     from threadpoolctl import threadpool_limits
