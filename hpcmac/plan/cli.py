@@ -132,6 +132,9 @@ def plot(path: str, records: list[dict], ykey: str, ylabel: str, title: str) -> 
 # ------------------------------------------------------------------------------- hpl
 
 def cmd_hpl(args) -> int:
+    for flag, value in (("N", args.N), ("NB", args.nb), ("P", args.P), ("Q", args.Q)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
     rows: list[dict] = []
     lines = [f"{'link':>13} {'nodes':>5} {'ranks':>5} {'N':>8} {'NB':>4} {'PxQ':>6} "
              f"{'Gflops':>10} {'time s':>9} {'mem':>5}  update/laswp/panel/bcast/swap/solve s"]
@@ -197,6 +200,13 @@ def llm_cases(args, cl: clmod.Cluster, shape) -> list:
 def cmd_llm(args) -> int:
     from hpcmac.plan.shape import load_shape
 
+    for flag, value, least in (("--batch", args.batch, 1), ("--prompt", args.prompt, 1),
+                               ("--context", args.context, 0), ("--act-bytes", args.act_bytes, 1),
+                               ("--kv-bytes", args.kv_bytes, 1)):
+        if value < least:
+            raise UsageError(f"{flag} must be >= {least}, got {value}")
+    if args.bits is not None and not 0 < args.bits <= 64:
+        raise UsageError(f"--bits must be in (0, 64], got {args.bits}")
     shape = load_shape(args.model)
     if args.numpy:
         if shape.bits >= 16:  # float checkpoints are widened; quantized ones stay quantized

@@ -181,6 +181,8 @@ def build(*, machine: str | None = None, nodes: int = 1, link: str | None = None
           calibration: str | None = None, comm: str | None = None,
           blas_threads: int | None = None) -> Cluster:
     """The cluster the command line describes (see the module docstring)."""
+    if slots < 1:
+        raise UsageError(f"--slots must be >= 1, got {slots}")
     measured, measured_hosts = comm_link(comm) if comm else (None, 0)
     if hostfile:
         cl = _from_hostfile(hostfile, machine, link, calibration)

@@ -114,3 +114,17 @@ def test_bad_comm_json_says_how_to_measure(tmp_path):
     p = run("hpl", "--machine", "m3-ultra", "--comm", str(f))
     assert p.returncode == 2
     assert "python -m hpcmac.bench.comm --json" in p.stderr
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["hpl", "--machine", "m4", "--slots", "0"], "--slots must be >= 1, got 0"),
+    (["hpl", "--machine", "m4", "-N", "0", "--nb", "64", "-P", "1", "-Q", "1"],
+     "N must be >= 1, got 0"),
+    (["llm", "smollm2", "--machine", "m4", "--bits", "0"], "--bits must be in (0, 64]"),
+    (["llm", "smollm2", "--machine", "m4", "--batch", "0"], "--batch must be >= 1, got 0"),
+])
+def test_bad_numbers_are_refused(argv, expect):
+    from hpcmac.errors import UsageError
+
+    with pytest.raises(UsageError, match=expect.replace("(", r"\(").replace("]", r"\]")):
+        main(argv)
