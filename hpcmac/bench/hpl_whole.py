@@ -11,8 +11,16 @@ for each case it runs, alternating which goes first in each round,
   ``OPENBLAS_CORETYPE=SkylakeX`` as in the hpcc comparison, same HPL.dat.
 
 Each job's wall time is from starting ``mpirun`` to its exit (start-up, generation,
-solve, check, teardown); its peak RSS per rank is the largest resident set of any
-process of the job (``wait4``'s rusage covers the reaped process tree: the ranks).
+solve, check, teardown). Peak RSS per rank, the kernel's high-water mark (VmHWM)
+either way: netlib's is ``wait4``'s ``ru_maxrss`` of its ``mpirun`` (Debian's
+Open MPI 4.1 reaps the ranks itself, so that is the largest rank's); hpcmac's
+ranks report theirs in ``--json`` (Open MPI 5's ranks are not reaped by the
+``mpirun`` we wait for). Both sides run OpenBLAS's SkylakeX kernels
+(``OPENBLAS_CORETYPE=SkylakeX``) where the CPU has AVX-512: OpenBLAS picks the
+Haswell kernels on some AVX-512 CPUs (this VM's AMD EPYC), which would compare
+BLAS builds instead of HPLs. hpcmac's bytecode is compiled first, as ``pip
+install`` does (a checkout run with ``PYTHONDONTWRITEBYTECODE=1`` would compile
+every module at every start).
 Default cases: N=8000 1x1 and N=16000 1x2 (NB=256), and start-up at N=1000 NB=192
 on 2x2 (4 ranks). Medians over ``--rounds``; ratios hpcmac / netlib.
 """
@@ -76,7 +84,8 @@ def _hpcmac(n: int, nb: int, p: int, q: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="hpcmac-bench-whole-") as tmp:
         Path(tmp, "HPL.dat").write_text(hpl_dat(n, nb, p, q))
         js = Path(tmp, "out.json")
-        env = _clean_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPCMAC_QUIET_TRANSPORT="1")
+        env = _clean_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPCMAC_QUIET_TRANSPORT="1",
+                         **_coretype())
         cmd = [venv_mpirun(), "-np", str(np_), *_oversubscribe(np_), "--bind-to", "none",
                sys.executable, "-m", "hpcmac.hpl", "--dat", "HPL.dat", "--json", str(js),
                "--progress", "off", "--blas-threads", "1"]
@@ -84,7 +93,8 @@ def _hpcmac(n: int, nb: int, p: int, q: int, timeout: float) -> dict:
         if rc not in (0, 1) or not js.exists():
             raise RuntimeError(f"hpcmac HPL failed (exit {rc}):\n{text[-3000:]}")
         rec = json.loads(js.read_text())[0]
-    return dict(wall_s=wall, peak_rss_mb=peak / 2**20, time_s=rec["time_s"],
+    per_rank = rec.get("peak_rss_mb") or [peak / 2**20]
+    return dict(wall_s=wall, peak_rss_mb=max(per_rank), time_s=rec["time_s"],
                 gflops=rec["gflops"], passed=rec["passed"], residual=rec["residual"],
                 time_generate_s=rec.get("time_generate_s"), time_check_s=rec.get("time_check_s"),
                 peak_rss_mb_per_rank=rec.get("peak_rss_mb"))
@@ -94,8 +104,7 @@ def _netlib(xhpl: str, mpirun: str, n: int, nb: int, p: int, q: int, timeout: fl
     np_ = p * q
     with tempfile.TemporaryDirectory(prefix="hpcmac-bench-xhpl-") as tmp:
         Path(tmp, "HPL.dat").write_text(hpl_dat(n, nb, p, q))
-        env = _clean_env(OPENBLAS_CORETYPE="SkylakeX", OMP_NUM_THREADS="1",
-                         OPENBLAS_NUM_THREADS="1")
+        env = _clean_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **_coretype())
         env["PATH"] = "/usr/bin:/bin:" + env.get("PATH", "")
         root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
         cmd = [mpirun, *root, "-np", str(np_), *_oversubscribe(np_), "--bind-to", "none", xhpl]
@@ -105,6 +114,24 @@ def _netlib(xhpl: str, mpirun: str, n: int, nb: int, p: int, q: int, timeout: fl
         raise RuntimeError(f"xhpl failed (exit {rc}):\n{text[-3000:]}")
     return dict(wall_s=wall, peak_rss_mb=peak / 2**20, time_s=float(m.group(5)),
                 gflops=float(m.group(6)), passed="PASSED" in text)
+
+
+def _coretype() -> dict[str, str]:
+    """``OPENBLAS_CORETYPE=SkylakeX`` where the CPU has AVX-512 (Linux), else nothing."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return {"OPENBLAS_CORETYPE": "SkylakeX"} if " avx512f" in fh.read() else {}
+    except OSError:
+        return {}
+
+
+def precompile() -> None:
+    """Write hpcmac's bytecode (what pip does at install), so start-up is not compilation."""
+    import compileall
+
+    import hpcmac
+
+    compileall.compile_dir(os.path.dirname(hpcmac.__file__), quiet=1)
 
 
 def _median(runs: list[dict], key: str) -> float:
@@ -118,6 +145,7 @@ def compare(args) -> int:
     if not os.access(mpirun, os.X_OK):
         raise UsageError(f"--xhpl-mpirun {mpirun}: not found (the mpirun of the MPI that "
                          "xhpl was built with)")
+    precompile()
     cases = CASES if not args.cases else [c for c in CASES if c[1] in args.cases]
     load0 = os.getloadavg()
     print(f"# whole HPL job: hpcmac vs netlib xhpl ({xhpl}), {args.rounds} rounds, "
