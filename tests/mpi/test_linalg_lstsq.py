@@ -19,7 +19,7 @@ def test_qr_matches_lapack(shape, blocks):
     and Q^T b, Q (Q^T b) behave as scipy's Q."""
     rng = np.random.default_rng(40)
     m, n = shape
-    for _g, grid in each_grid(limit=3):
+    for _g, grid in each_grid(limit=2):
         a = rand(rng, shape, np.float64)
         b = rand(rng, (m, 3), np.float64)
         f = qr_factor(dist(a, grid, *blocks))
@@ -43,7 +43,7 @@ def test_qr_matches_lapack(shape, blocks):
 def test_lstsq_like_scipy(dtype, shape):
     rng = np.random.default_rng(41)
     m, n = shape
-    for _g, grid in each_grid(limit=3):
+    for _g, grid in each_grid(limit=2):
         a = rand(rng, shape, dtype)
         b2 = rand(rng, (m, 2), dtype)
         b1 = b2[:, 0].copy()
