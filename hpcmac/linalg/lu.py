@@ -323,6 +323,8 @@ def _check(a: DistMatrix, who: str) -> None:
         raise ValueError(f"{who}: needs square blocks (mb == nb), got {a.mb}x{a.nb}")
     if a.dtype not in (np.float64, np.float32):
         raise ValueError(f"{who}: needs float64 or float32, got {a.dtype}")
+    if a.dtype == np.float32 and max(a.gshape) > 2**24:  # pivot rows travel in the panel
+        raise ValueError(f"{who}: float32 holds row numbers up to 2**24, got {a.gshape}")
     if a.grid.in_grid and not a.local.flags.f_contiguous:
         raise ValueError(f"{who}: the local piece must be Fortran-contiguous")
 
