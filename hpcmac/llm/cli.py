@@ -36,17 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate",
                        help="generate text (one rank, or tensor and pipeline groups of ranks)")
     add_generate_args(g)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the ranks (rank 0 "
+                                     "listens; see docs/serve.md)")
+    add_generate_args(s, prompts=False)
+    from hpcmac.llm.server import add_serve_args
+
+    add_serve_args(s)
+    s.set_defaults(max_tokens=512)
     b = sub.add_parser("bench", add_help=False,
                        help="pipeline benchmark at 1, 2, 4 ranks (see bench --help)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
 
 
-def add_generate_args(g: argparse.ArgumentParser) -> None:
+def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
     """The flags of ``generate``: the model, the prompt(s), sampling, and the layout."""
     g.add_argument("--model", required=True,
                    help="model folder (config.json + safetensors), GGUF file, or 'smollm2'")
-    src = g.add_mutually_exclusive_group(required=True)
+    src = g.add_mutually_exclusive_group(required=prompts)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--batch", metavar="FILE",
@@ -460,4 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         return hpcmac_main(["bench", "llm_pipeline", *argv[1:]])
     args = build_parser().parse_args(argv)
     require_llm_extra()
+    if args.command == "serve":
+        from hpcmac.llm.server import run_serve
+
+        return run_serve(args)
     return run_generate(args)

@@ -20,7 +20,9 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
   then, for ``FWD``, one payload ``float32[5 n + T hidden]``: the meta rows
   ``int32 (n, 5) = (seq, slot, length, position, sample)`` (their bits) and the
   hidden states ``(T, hidden)``; for ``CTRL`` a pickled dict of ``n`` bytes
-  (sequences joining and leaving); ``STOP`` ends the loop. A decoded token
+  (sequences joining and leaving); ``STOP`` ends the loop; ``PING`` (a header
+  alone) is sent by an idle server now and then so that waiting stages know
+  rank 0 is alive. A decoded token
   thus costs one hidden vector plus 20 bytes on a link, and 16 bytes per
   micro-batch.
 * last stage -> rank 0, tag ``TAG_RET``: ``int32[1 + n_sample] = (mb_id,
@@ -50,7 +52,7 @@ from hpcmac.llm.parallel.plan import StageSpec
 from hpcmac.llm.parallel.results import PipelineResult, RankStats, SeqResult
 from hpcmac.llm.parallel.tensor import GATHER, MAXLOC
 
-FWD, CTRL, STOP = 1, 2, 3
+FWD, CTRL, STOP, PING = 1, 2, 3, 4
 TAG_FWD, TAG_RET = 71, 72
 HDR = 4
 META = 5
@@ -219,6 +221,10 @@ def _serve(st: _StageState, t_start: float) -> None:
             if st.next >= 0:
                 link.send(hdr, st.next, TAG_FWD, "ctrl")
             break
+        if kind == PING:
+            if st.next >= 0:
+                link.send(hdr, st.next, TAG_FWD, "ctrl")
+            continue
         if kind == CTRL:
             payload = link.recv(np.empty(n, dtype=np.uint8), prev, TAG_FWD)
             st.apply_ctrl(pickle.loads(payload.tobytes()))
@@ -267,8 +273,9 @@ class _Scheduler:
 
     def __init__(self, st: _StageState, requests: Sequence[Request], t_start: float,
                  on_token: Callable[[int, int], None] | None,
-                 stop_check: Callable[[int, list[int]], bool] | None):
+                 stop_check: Callable[[int, list[int]], bool] | None, source=None):
         self.st, self.t0 = st, t_start
+        self.source = source  # a LiveRequests: requests arrive while running (serve)
         self.seqs = [_Seq(i, r) for i, r in enumerate(requests)]
         for s in self.seqs:
             if s.req.max_tokens <= 0:
@@ -287,7 +294,32 @@ class _Scheduler:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
+    def arrivals(self, wait: float = 0.0) -> None:
+        """Serve: take new requests (waiting up to ``wait`` s for one) and cancellations."""
+        src = self.source
+        for req in src.take(wait):
+            s = _Seq(req.key, req)
+            if req.max_tokens <= 0:
+                s.finish = "length"
+                src.finish(req.key, "length")
+                continue
+            self.seqs.append(s)
+            self.queue.append(s)
+        for key in src.cancelled():
+            for s in [s for s in self.queue if s.idx == key]:
+                self.queue.remove(s)
+                self.seqs.remove(s)
+                src.finish(key, "cancelled")
+            for s in [s for s in self.active if s.idx == key and not s.finish]:
+                if s.waiting:
+                    s.finish = "cancelled"  # retired when its token comes back
+                else:
+                    s.finish = "cancelled"
+                    self.retire(s, self.now())
+
     def admit(self) -> None:
+        if self.source is not None:
+            self.arrivals()
         while self.queue and self.free_slots and not self.stopping:
             s = self.queue.popleft()
             s.slot = self.free_slots.pop()
@@ -377,6 +409,9 @@ class _Scheduler:
         for s, tok in zip(sampled, toks):
             tok = int(tok)
             s.waiting = False
+            if s.finish == "cancelled":  # the client left while this token was on its way
+                self.retire(s, t)
+                continue
             s.tokens.append(tok)
             gen = s.tokens[s.n_prompt :]
             if len(gen) == 1:
@@ -397,6 +432,17 @@ class _Scheduler:
         self.active.remove(s)
         self.free_slots.append(s.slot)
         self.ctrl["free"].append((s.idx, s.slot))
+        if self.source is not None:  # serve: the sequence is done; its slot is free now
+            self.seqs.remove(s)
+            self.source.finish(s.idx, s.finish, len(s.tokens) - s.n_prompt)
+
+    def idle(self) -> None:
+        """Serve, nothing to do: wait for a request; ping the stages now and then, so
+        that their watchdogs know rank 0 is alive."""
+        self.send_ctrl()
+        self.arrivals(wait=self.source.ping_s)
+        if self.size > 1 and not self.queue and not self.source.closed:
+            self.st.link.send(np.array([PING, 0, 0, -1], dtype=WIRE), 1, TAG_FWD, "ctrl")
 
     def interrupt(self, signum=None, frame=None) -> None:
         """SIGINT: the first stops cleanly (in-flight micro-batches return, then STOP
@@ -425,7 +471,9 @@ class _Scheduler:
             if self.inflight:
                 self.collect(block=True)
             elif not self.active and not self.queue:
-                break
+                if self.source is None or self.source.closed:
+                    break
+                self.idle()
         t = self.now()
         for s in self.seqs:
             if s.finish:
@@ -475,6 +523,7 @@ def run_pipeline(
     hosts: Sequence[str] | None = None,
     tensor=None,
     ranks: Sequence[int] | None = None,
+    source=None,
 ) -> PipelineResult:
     """Collective: generate ``requests`` through the pipeline of ``group.size`` stages.
 
@@ -500,6 +549,9 @@ def run_pipeline(
         :func:`~hpcmac.llm.parallel.tensor.follow`); see
         :func:`~hpcmac.llm.parallel.tensor.run_tensor_pipeline`.
     ranks : the job's rank of each rank of ``group``, for messages (default: the same).
+    source : serve (rank 0): a :class:`~hpcmac.llm.parallel.live.LiveRequests`
+        whose requests join while the pipeline runs, until it is closed;
+        ``requests`` is then empty and ``max_batch``/``max_len`` size the cache.
 
     Returns the same :class:`PipelineResult` on every rank.
     """
@@ -507,7 +559,12 @@ def run_pipeline(
     if hosts is None:
         hosts = group.allgather_obj(socket.gethostname())
     plan = None
-    if group.rank == 0:
+    if group.rank == 0 and source is not None:
+        plan = _Plan(n_seqs=0, max_slots=max(1, max_batch or 16), max_len=max_len or 4096,
+                     micro_batches=max(1, micro_batches or p),
+                     chunk=max(1, prefill_chunk or (512 if p == 1 else 64)),
+                     keep_logits=False)
+    elif group.rank == 0:
         reqs = list(requests or [])
         if not reqs:
             raise UsageError("no prompts to generate")
@@ -533,7 +590,7 @@ def run_pipeline(
     interrupted = False
     decode_tokens = 0
     if group.rank == 0:
-        sched = _Scheduler(st, requests, t_start, on_token, stop_check)
+        sched = _Scheduler(st, requests or [], t_start, on_token, stop_check, source)
         old = None
         if threading.current_thread() is threading.main_thread():
             old = signal.signal(signal.SIGINT, sched.interrupt)

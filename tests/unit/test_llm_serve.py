@@ -1,0 +1,309 @@
+"""``python -m hpcmac.llm serve``: real servers (mpirun at 1 and 2 ranks), real clients.
+
+Oracles: the official ``openai`` client; ``generate`` on the same prompt (greedy
+text must match); transformers' ``apply_chat_template`` on SmolLM2's own
+template; each request's one-at-a-time output for 16 concurrent streams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+ROOT = Path(__file__).resolve().parents[2]
+MPIRUN = str(ROOT / "tools" / "mpirun")
+QUESTION = "What is the capital of France?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``serve`` job under mpirun; ``stop()`` ends it and checks nothing is left."""
+
+    def __init__(self, np_: int, *flags: str, wait: float = 240.0):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tag = f"HPCMAC_TEST_SERVE={self.port}".encode()
+        env = dict(os.environ, HPCMAC_QUIET_TRANSPORT="1", HPCMAC_TEST_SERVE=str(self.port))
+        self.proc = subprocess.Popen(
+            [MPIRUN, str(np_), sys.executable, "-m", "hpcmac.llm", "serve", "--model", "smollm2",
+             "--port", str(self.port), *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < wait:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}: "
+                                     f"{self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise AssertionError("server did not come up")
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                             timeout=300)
+
+    def model(self) -> str:
+        return httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["np1", "np2"])
+def server(request):
+    s = Server(request.param)
+    s.np = request.param
+    yield s
+    s.stop()
+
+
+def _generate(*flags: str) -> dict:
+    out = ROOT / f".pytest-serve-{os.getpid()}.json"
+    try:
+        r = subprocess.run([sys.executable, "-m", "hpcmac.llm", "generate", "--model", "smollm2",
+                            "--quiet", "--json", str(out), *flags],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """generate's greedy text for the chat question and a raw completion (computed once)."""
+    return {"chat": _generate("--prompt", QUESTION, "--max-tokens", "16"),
+            "completion": _generate("--prompt", "The capital of France is", "--max-tokens", "12",
+                                    "--ignore-chat-template")}
+
+
+def test_chat_completion_equals_generate(server, oracle):
+    c = server.client()
+    r = c.chat.completions.create(model=server.model(), temperature=0, max_tokens=16,
+                                  messages=[{"role": "user", "content": QUESTION}])
+    want = oracle["chat"]
+    assert r.choices[0].message.content == want["text"]
+    assert r.choices[0].finish_reason == ("stop" if want["finish_reason"] == "eos" else "length")
+    assert r.usage.prompt_tokens == len(want["prompt_tokens"])
+    assert r.usage.completion_tokens == len(want["tokens"]) - (want["finish_reason"] == "eos")
+
+
+def test_streaming_chat_equals_generate(server, oracle):
+    c = server.client()
+    pieces, finish = [], None
+    for ch in c.chat.completions.create(model=server.model(), temperature=0, max_tokens=16,
+                                        stream=True,
+                                        messages=[{"role": "user", "content": QUESTION}]):
+        if ch.choices and ch.choices[0].delta.content:
+            pieces.append(ch.choices[0].delta.content)
+        if ch.choices and ch.choices[0].finish_reason:
+            finish = ch.choices[0].finish_reason
+    assert "".join(pieces) == oracle["chat"]["text"] and finish in ("stop", "length")
+
+
+def test_completion_equals_generate(server, oracle):
+    c = server.client()
+    r = c.completions.create(model=server.model(), prompt="The capital of France is",
+                             temperature=0, max_tokens=12)
+    assert r.choices[0].text == oracle["completion"]["text"]
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_template_as_transformers():
+    """SmolLM2's own template rendered by transformers' chat-template renderer (the one
+    behind ``apply_chat_template``) gives our prompt text, hence our ids."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from hpcmac.llm.model.tokenizer import load_tokenizer
+    from hpcmac.llm.server import chat_ids
+
+    ours = load_tokenizer("smollm2")
+    assert ours.chat_template and "im_start" in ours.chat_template
+    for msgs in ([{"role": "user", "content": QUESTION}],
+                 [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                  {"role": "user", "content": "Name a colour."}]):
+        rendered, _ = render_jinja_template(conversations=[msgs],
+                                            chat_template=ours.chat_template,
+                                            add_generation_prompt=True,
+                                            bos_token=ours.bos_token, eos_token=ours.eos_token)
+        assert ours.apply_chat_template(msgs) == rendered[0]
+        assert chat_ids(ours, msgs) == ours.encode(rendered[0])
+
+
+def test_concurrent_streams_equal_one_at_a_time(server):
+    """16 streaming clients at once, different prompts and lengths: each gets what it gets
+    alone (batching must not change tokens); nothing lost; every slot freed."""
+    c = server.client()
+    model = server.model()
+    uniq = [(f"Count from 1 to {3 + i}.", 3 + 2 * i) for i in range(8)]  # 8 lengths
+    jobs = uniq + uniq[::-1]  # 16 clients, each job twice
+
+    def run(prompt, n):
+        out = []
+        for ch in c.chat.completions.create(model=model, temperature=0, max_tokens=n,
+                                            stream=True,
+                                            messages=[{"role": "user", "content": prompt}]):
+            if ch.choices and ch.choices[0].delta.content:
+                out.append(ch.choices[0].delta.content)
+        return "".join(out)
+
+    alone = {}
+    for p, n in uniq:
+        alone[(p, n)] = run(p, n)
+    got = [None] * len(jobs)
+
+    def worker(k):
+        got[k] = run(*jobs[k])
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert got == [alone[j] for j in jobs]
+    assert httpx.get(server.url + "/health").json()["load"] == 0
+
+
+def test_bad_requests_get_4xx_and_the_server_goes_on(server):
+    u = server.url + "/v1/completions"
+    cases = [
+        (b"{bad", 400, None), (json.dumps({"prompt": "x", "foo": 1}).encode(), 400, "foo"),
+        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": -3}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404, "model"),
+        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"prompt": "x", "n": 2}).encode(), 400, "n"),
+        (json.dumps({"prompt": "word " * 5000}).encode(), 400, "prompt"),
+    ]
+    for body, status, param in cases:
+        r = httpx.post(u, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status, (body[:40], r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["param"] == param
+    long = httpx.post(u, json={"prompt": "word " * 5000}).json()["error"]
+    assert long["code"] == "context_length_exceeded"
+    r = server.client().completions.create(model=server.model(), prompt="Hello", max_tokens=3,
+                                           temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens == 3
+
+
+def test_client_disconnect_frees_its_slot(server):
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={"prompt": "Once upon a time", "max_tokens": 400,
+                            "temperature": 0, "stream": True}, timeout=120) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data:"):
+                got += 1
+            if got >= 3:
+                break
+    t0 = time.monotonic()
+    while httpx.get(server.url + "/health").json()["load"] and time.monotonic() - t0 < 30:
+        time.sleep(0.2)
+    assert httpx.get(server.url + "/health").json()["load"] == 0
+    r = server.client().completions.create(model=server.model(), prompt="Hi", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_over_capacity_is_429_with_retry_after():
+    s = Server(1, "--max-batch", "1", "--queue", "0")
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions",
+                          json={"prompt": "Once upon a time", "max_tokens": 300,
+                                "stream": True}, timeout=120) as r:
+            next(r.iter_lines())
+            busy = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert busy.status_code == 429 and busy.headers["retry-after"]
+            assert busy.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        s.stop()
+
+
+def _rank_pids(tag: bytes) -> dict[int, int]:
+    """rank -> pid of the python ranks of the server whose environment holds ``tag``."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        if tag not in env:
+            continue
+        for e in env:
+            if e.startswith(b"OMPI_COMM_WORLD_RANK="):
+                if b"python" in (d / "cmdline").read_bytes():
+                    out[int(e.split(b"=")[1])] = int(d.name)
+    return out
+
+
+def test_killed_rank_ends_the_server():
+    s = Server(2)
+    try:
+        pids = _rank_pids(s.tag)
+        assert set(pids) == {0, 1}
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        s.proc.wait(15)
+        took = time.monotonic() - t0
+        err = s.proc.stderr.read()
+        assert took < 5, took
+        assert s.proc.returncode != 0
+        assert "rank 1" in err or "rank: 1" in err or "rank [1]" in err.lower(), err[-1500:]
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(s.url + "/health", timeout=2)
+        assert not _rank_pids(s.tag)
+    finally:
+        s.stop()
+
+
+def test_bad_flags_and_busy_port_are_one_line():
+    def serve(*flags):
+        return subprocess.run([sys.executable, "-m", "hpcmac.llm", "serve", *flags],
+                              capture_output=True, text=True, timeout=120)
+
+    r = serve("--model", "/nonexistent/model", "--port", str(_free_port()))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = serve("--model", "smollm2", "--port", "0")
+    assert r.returncode == 2 and "--port 0" in r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = serve("--model", "smollm2", "--port", str(port))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--port {port}" in lines[0], r.stderr
