@@ -499,8 +499,11 @@ def run_serve(args, group=None) -> int:
         held["sock"] = bind(args.host, args.port)
 
     agree(group, listen_first, ranks="root")
-    tok = agree(group, lambda: load_tokenizer(args.model), ranks="root") \
-        if group.rank == 0 else None
+    def tokenizer_first():  # rank 0 only; collective so a failure ends every rank
+        held["tok"] = load_tokenizer(args.model)
+
+    agree(group, tokenizer_first, ranks="root")
+    tok = held.get("tok")
     hostfile = args.hostfile or os.environ.get("HPCMAC_HOSTFILE") or None
     plan = plan_stages(group, args.model, cfg, args.split, hostfile, slots * context,
                        args.quantize, args.q_group_size)
