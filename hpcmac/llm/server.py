@@ -483,6 +483,9 @@ def run_serve(args, group=None) -> int:
         raise UsageError("serve takes its prompts over HTTP (--prompt, --prompt-ids and "
                          "--batch are for generate)")
     check_arguments(args)
+    if (getattr(args, "tp", None) or 1) > 1 or getattr(args, "tp_split", None):
+        raise UsageError("serve runs pipeline layouts (--split, one stage per rank); tensor "
+                         "parallelism (--tp, --tp-split) is generate's only, for now")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port}: expected 1..65535")
     if args.queue < 0:
