@@ -209,7 +209,7 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
         w = sum(shape.layer_bytes_held(i) for i in range(lo, hi)) * share
         if s == 0:
             w += shape.embed * shape.bits / 8 / tp
-        if s == pp - 1 and shape.head is not shape.embed:
+        if s == pp - 1 and not (shape.tied and pp == 1):
             w += shape.head * shape.bits / 8 / tp
         w += (hi - lo) * B * case.context * shape.kv_per_token_layer * case.kv_bytes * share
         held.append(w)

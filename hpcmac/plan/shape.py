@@ -43,6 +43,7 @@ class ModelShape:
     kv_per_token_layer: int         # KV cache elements one token adds to one layer
     bits: float                     # bits per weight in memory
     source_bits: str = "as stored"  # where ``bits`` came from
+    tied: bool = False              # the head is the embedding (held once)
 
     @property
     def n_layers(self) -> int:
@@ -50,7 +51,7 @@ class ModelShape:
 
     def params(self) -> float:
         return sum(lc.dense + lc.expert * lc.n_experts for lc in self.layers) + self.embed \
-            + (self.head if self.head is not self.embed else 0.0)
+            + (0.0 if self.tied else self.head)
 
     def active_params(self) -> float:
         """Parameters one token reads (routed experts: only the active ones)."""
@@ -109,7 +110,7 @@ def from_config(cfg, name: str, bits: float, source_bits: str) -> ModelShape:
     return ModelShape(name=name, arch=cfg.arch, layers=layer_costs(cfg), hidden=cfg.hidden,
                       vocab=cfg.vocab, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                       embed=emb, head=emb, kv_per_token_layer=_kv_elements(cfg), bits=bits,
-                      source_bits=source_bits)
+                      source_bits=source_bits, tied=bool(cfg.tie_embeddings))
 
 
 _DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "float8_e4m3fn": 8}
