@@ -4,20 +4,20 @@ Panel k (global columns ``[k0, k1)``, at most ``nb`` wide) lives on process
 column ``k % Q``:
 
 1. column by column, the ranks of that process column form the reflector
-   ``H_j = I - tau_j v_j v_j^T`` that zeroes column j below the diagonal
+   ``H_j = I - tau_j v_j v_j^H`` that zeroes column j below the diagonal
    (one allreduce of two numbers down the column: the diagonal entry and the
    squared norm below it) and apply it to the rest of the panel (one
    allreduce of ``v_j^T A``), as LAPACK's geqr2/larfg;
-2. they form the panel's triangular factor T, ``H_k0 ... H_k1-1 = I - V T V^T``
-   (LAPACK's larft; one allreduce of ``V^T V``);
+2. they form the panel's triangular factor T, ``H_k0 ... H_k1-1 = I - V T V^H``
+   (LAPACK's larft; one allreduce of ``V^H V``);
 3. V (their local rows) and T travel along the process rows, and every rank
-   updates its columns right of the panel, ``A -= V (T^T (V^T A))``: one
-   allreduce of ``V^T A`` down each process column, the rest local BLAS-3.
+   updates its columns right of the panel, ``A -= V (T^H (V^H A))``: one
+   allreduce of ``V^H A`` down each process column, the rest local BLAS-3.
 
 R overwrites the upper triangle and V (unit diagonal implied) the part below
 it, as LAPACK's geqrf stores them; tau and the T factors are kept, the same
 on every rank. ``apply_q`` multiplies any DistMatrix with A's row blocking by
-Q or Q^T panel by panel in the same way. Real dtypes only.
+Q or Q^H panel by panel in the same way. Real and complex dtypes.
 """
 
 from __future__ import annotations
@@ -43,12 +43,10 @@ class QRFactors:
 
 
 def qr_factor(a: DistMatrix, overwrite_a: bool = False) -> QRFactors:
-    """Collective over the grid: Householder QR of a real (m, n) ``a``, any m, n, mb, nb."""
+    """Collective over the grid: Householder QR of an (m, n) ``a``, any m, n, mb, nb."""
     grid = a.grid
     if not grid.in_grid:
         return QRFactors(a, np.zeros(0), [])
-    require(a.dtype.kind != "c",
-            f"qr: complex matrices ({a.dtype}) are not supported by the distributed QR")
     dtype = float_dtype(a.dtype)
     x = a if (overwrite_a and a.dtype == dtype and a.local.flags.f_contiguous) \
         else a.astype(dtype)
@@ -63,12 +61,12 @@ def qr_factor(a: DistMatrix, overwrite_a: bool = False) -> QRFactors:
         ts.append(t)
         r0 = layout.first_local_at_or_after(k0, x.mb, grid.myrow, grid.nprow)
         c1 = layout.first_local_at_or_after(k1, x.nb, grid.mycol, grid.npcol)
-        _apply_block(x.local[r0:, c1:], v, t.T, grid)
+        _apply_block(x.local[r0:, c1:], v, t.conj().T, grid)     # Q_k^H A
     return QRFactors(x, tau, ts)
 
 
 def apply_q(f: QRFactors, b: DistMatrix, trans: bool = True) -> DistMatrix:
-    """Collective over the grid: ``Q^T b`` (``trans``) or ``Q b`` as a new DistMatrix.
+    """Collective over the grid: ``Q^H b`` (``trans``) or ``Q b`` as a new DistMatrix.
 
     ``b`` is global (m, k) on the factor's grid; it is moved to A's row
     blocking (``f.qr.mb``) when its own differs, and the result keeps that
@@ -92,7 +90,7 @@ def apply_q(f: QRFactors, b: DistMatrix, trans: bool = True) -> DistMatrix:
         v, _, _ = _share_panel(x, k0, k1, factor=False)
         t = f.ts[i]
         r0 = layout.first_local_at_or_after(k0, x.mb, grid.myrow, grid.nprow)
-        _apply_block(out.local[r0:, :], v, t.T if trans else t, grid)
+        _apply_block(out.local[r0:, :], v, t.conj().T if trans else t, grid)
     return out
 
 
@@ -131,7 +129,7 @@ def _share_panel(x: DistMatrix, k0: int, k1: int, factor: bool):
         if factor:
             taus = _factor_panel(panel, prow, k0, grid)
             v = _unit_lower(panel, prow, k0)
-            g = np.ascontiguousarray(v.T @ v)
+            g = np.ascontiguousarray(v.conj().T @ v)
             if P > 1:
                 grid.col.allreduce(g, out=g)
             buf[nv:nv + w * w] = _larft(g, taus).ravel()
@@ -159,8 +157,9 @@ def _factor_panel(panel: np.ndarray, prow: np.ndarray, k0: int, grid) -> np.ndar
     Collective over ``grid.col`` (the panel's process column)."""
     P = grid.nprow
     w = panel.shape[1]
+    cplx = panel.dtype.kind == "c"
     taus = np.zeros(w, dtype=panel.dtype)
-    sums = np.zeros(2, dtype=np.float64)
+    sums = np.zeros(2, dtype=np.complex128 if cplx else np.float64)
     for lj in range(w):
         j = k0 + lj
         s = int(np.searchsorted(prow, j))               # my first row >= j
@@ -168,13 +167,13 @@ def _factor_panel(panel: np.ndarray, prow: np.ndarray, k0: int, grid) -> np.ndar
         col = panel[s:, lj]
         below = col[1:] if mine else col
         sums[0] = col[0] if mine else 0.0
-        sums[1] = float(below @ below)
+        sums[1] = np.vdot(below, below).real
         if P > 1:
             grid.col.allreduce(sums, out=sums)
-        alpha, sq = float(sums[0]), float(sums[1])
-        if sq == 0.0:                                   # nothing to zero: H = I (LAPACK's larfg)
+        alpha, sq = sums[0] if cplx else float(sums[0].real), float(sums[1].real)
+        if sq == 0.0 and alpha.imag == 0:               # nothing to do: H = I (LAPACK's larfg)
             continue
-        beta = -np.copysign(np.hypot(alpha, np.sqrt(sq)), alpha)
+        beta = -np.copysign(np.sqrt(abs(alpha) ** 2 + sq), alpha.real)
         taus[lj] = (beta - alpha) / beta
         below *= 1.0 / (alpha - beta)
         if mine:
@@ -184,10 +183,10 @@ def _factor_panel(panel: np.ndarray, prow: np.ndarray, k0: int, grid) -> np.ndar
             if mine:
                 v[0] = 1.0
             rest = panel[s:, lj + 1:]
-            wv = v @ rest
+            wv = v.conj() @ rest
             if P > 1:
                 grid.col.allreduce(wv, out=wv)
-            rest -= np.outer(taus[lj] * v, wv)
+            rest -= np.outer(np.conj(taus[lj]) * v, wv)          # H_j^H: as geqr2
     return taus
 
 

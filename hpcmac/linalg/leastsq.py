@@ -1,8 +1,8 @@
 """Least squares by distributed Householder QR: ``lstsq``, as ``scipy.linalg.lstsq``.
 
-m >= n: ``a = Q R``, ``x = R^-1 (Q^T b)[:n]``; the squared residual norms are
-the sums of squares of ``(Q^T b)[n:]``. m < n (the minimum-norm solution):
-``a^T = Q R``, ``x = Q [R^-T b; 0]``. Both use the QR of ``householder.py``
+m >= n: ``a = Q R``, ``x = R^-1 (Q^H b)[:n]``; the squared residual norms are
+the sums of squares of ``(Q^H b)[n:]``. m < n (the minimum-norm solution):
+``a^H = Q R``, ``x = Q [R^-H b; 0]``. Both use the QR of ``householder.py``
 and the triangular solve of ``trisolve.py``; nothing is gathered. The QR
 has no column pivoting, so a rank-deficient ``a`` (a diagonal entry of R at
 most ``cond`` times the largest) raises LinAlgError instead of returning a
@@ -38,7 +38,7 @@ def lstsq(a: DistMatrix, b, cond: float | None = None, overwrite_a: bool = False
 
     Returns ``(x, residues, rank, s)`` as ``scipy.linalg.lstsq`` with
     ``lapack_driver="gelsy"`` (a QR-based driver, which also returns
-    ``s = None``). ``a`` is a real (m, n) DistMatrix; ``b`` a DistMatrix
+    ``s = None``). ``a`` is an (m, n) DistMatrix (real or complex); ``b`` a DistMatrix
     (m, k) on the same grid (x comes back (n, k) in ``b``'s blocking) or an
     ndarray (m,) or (m, k) whole on every rank (x comes back whole on every
     grid rank, (n,) or (n, k)). ``residues``: the squared 2-norm of each
@@ -55,8 +55,6 @@ def lstsq(a: DistMatrix, b, cond: float | None = None, overwrite_a: bool = False
     m, n = a.gshape
     bd, back = as_dist(b, a, "lstsq")
     require(bd.gshape[0] == m, f"lstsq: incompatible dimensions: a {a.gshape}, b {bd.gshape}")
-    require(a.dtype.kind != "c" and bd.dtype.kind != "c",
-            "lstsq: complex matrices are not supported by the distributed QR")
     if check_finite:
         _check_finite(a, "a")
         _check_finite(bd, "b")
@@ -65,21 +63,21 @@ def lstsq(a: DistMatrix, b, cond: float | None = None, overwrite_a: bool = False
     if m >= n:
         f = qr_factor(a, overwrite_a=overwrite_a)
     else:
-        f = qr_factor(a.transpose(), overwrite_a=True)
+        f = qr_factor(a.transpose(conj=True), overwrite_a=True)
     p = min(m, n)
     r = _leading_rows(f.qr, p)                              # R: p x p (p = the QR's n)
     _check_rank(diag(r), cond, m, n)
     if m >= n:
-        c = apply_q(f, bd, trans=True)                      # Q^T b, rows blocked as a's
+        c = apply_q(f, bd, trans=True)                      # Q^H b, rows blocked as a's
         x = solve_triangular(r, _leading_rows(c, n), lower=False, check_finite=False)
-        residues = _tail_sums(c, n) if m > n else np.zeros(0, dtype=c.dtype)
+        residues = _tail_sums(c, n) if m > n else np.zeros(0, dtype=c.local.real.dtype)
     else:
-        y = solve_triangular(r, bd.redistribute(grid, f.qr.mb, bd.nb), trans=1, lower=False,
-                             check_finite=False)          # R^T y = b
+        y = solve_triangular(r, bd.redistribute(grid, f.qr.mb, bd.nb), trans="C",
+                             lower=False, check_finite=False)   # R^H y = b
         z = DistMatrix.zeros((n, k), grid, f.qr.mb, bd.nb, y.dtype)
         z.local[: y.lshape[0]] = y.local                    # rows [0, m) are a prefix
         x = apply_q(f, z, trans=False)
-        residues = np.zeros(0, dtype=x.dtype)
+        residues = np.zeros(0, dtype=x.local.real.dtype)
     if (x.mb, x.nb) != (bd.mb, bd.nb):
         x = x.redistribute(grid, bd.mb, bd.nb)
     if not isinstance(b, DistMatrix) and np.ndim(b) == 1 and residues.size:
@@ -104,7 +102,7 @@ def _check_rank(d: np.ndarray, cond: float | None, m: int, n: int) -> None:
 def _tail_sums(c: DistMatrix, n: int) -> np.ndarray:
     """Sum of squares of rows [n, m) of each column of ``c``, the same array on every rank."""
     g = c.grid
-    out = np.zeros(c.gshape[1], dtype=np.result_type(c.dtype, np.float32))
+    out = np.zeros(c.gshape[1], dtype=c.local.real.dtype)
     if c.local.size:
         r0 = layout.first_local_at_or_after(n, c.mb, g.myrow, g.nprow)
         out[c.cols] = np.sum(np.abs(c.local[r0:]) ** 2, axis=0)

@@ -1,6 +1,6 @@
 """Distributed symmetric/Hermitian eigensolver: ``eigh``, as ``scipy.linalg.eigh`` (as pdsyevr).
 
-1. reduce A to tridiagonal form, distributed (``tridiag.py``): A = Q T Q^T;
+1. reduce A to tridiagonal form, distributed (``tridiag.py``): A = Q T Q^H;
 2. solve the tridiagonal problem: every rank computes the eigenvalues; the
    first rank of each process column computes the eigenvectors of that
    column's eigenvalues only, by MRRR (LAPACK's stemr, ``select="i"`` on each
