@@ -127,9 +127,12 @@ def configure(group, requested: int | None = None) -> Choice:
 
 def _apply(threads: int) -> None:
     # threadpoolctl sees only loaded libraries: load numpy's and scipy's BLAS first (no
-    # environment variable is set, so child processes choose for themselves)
+    # environment variable is set, so child processes choose for themselves). scipy's
+    # BLAS comes with its cython_blas module, loaded without scipy.linalg's ~0.2 s of
+    # imports (numpy.f2py, array_api_compat) that an HPL job never uses
     import numpy  # noqa: F401
-    import scipy.linalg  # noqa: F401
+
+    from hpcmac.linalg import _blas  # noqa: F401
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=threads, user_api="blas")
