@@ -131,9 +131,9 @@ def _apply(threads: int) -> None:
     # BLAS comes with its cython_blas module, loaded without scipy.linalg's ~0.2 s of
     # imports (numpy.f2py, array_api_compat) that an HPL job never uses
     import numpy  # noqa: F401
+    from threadpoolctl import threadpool_limits
 
     from hpcmac.linalg import _blas  # noqa: F401
-    from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=threads, user_api="blas")
 
