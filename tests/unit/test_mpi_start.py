@@ -45,3 +45,15 @@ def test_load_sets_them_before_mpi_init_and_times_it():
     assert out.returncode == 0, out.stderr
     want = "^ofi" if mpi_start.open_mpi_defaults(env) else "None"
     assert out.stdout.split() == [want, "True"]
+
+
+def test_info_startup_lines_take_the_slowest_rank():
+    from hpcmac.info import startup_lines
+
+    times = [dict(ready=0.4, numpy=None, init=0.2, mpi=0.1, scipy=0.0, mlx=0.01),
+             dict(ready=0.6, numpy=None, init=0.3, mpi=0.15, scipy=0.0, mlx=0.02)]
+    lines = startup_lines(times, dict(OFF), True)
+    assert "0.60 s from process start" in lines[0]
+    assert "comm.init 0.300 s, mpi4py + MPI_Init 0.150 s" in lines[1]
+    assert "OMPI_MCA_btl=^ofi" in lines[2] and "set by hpcmac" in lines[2]
+    assert startup_lines(times, {}, False)[2].endswith("Open MPI's own")
