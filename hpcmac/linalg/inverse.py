@@ -4,7 +4,9 @@
 real form). ``det`` and ``slogdet`` multiply U's diagonal (gathered once,
 O(n)) and take the sign of the row interchanges from ``piv``, which every
 rank holds; the product is formed in the same order on every rank, so every
-rank returns the same number.
+rank returns the same number. A complex ``a`` (no complex LU here) goes
+through the distributed QR instead: ``det(a) = prod(det H_j) prod(R_jj)``,
+``det H_j = -tau_j / conj(tau_j)`` for a unitary reflector.
 """
 
 from __future__ import annotations
@@ -33,47 +35,57 @@ def inv(a: DistMatrix, overwrite_a: bool = False, check_finite: bool = True) -> 
     return solve(a, eye, overwrite_a=overwrite_a, overwrite_b=True, check_finite=check_finite)
 
 
-def _lu_diagonal(a: DistMatrix, what: str, overwrite_a: bool, check_finite: bool):
-    """(U's diagonal, row-interchange parity), or None for an exactly singular ``a``."""
+def _factors(a: DistMatrix, what: str, overwrite_a: bool, check_finite: bool):
+    """``(d, phase)`` with ``det(a) = phase * prod(d)`` (d: U's or R's diagonal; phase:
+    +-1 from the row interchanges, or the reflectors' determinants for complex ``a``),
+    or None for an exactly singular ``a``."""
     n, n2 = a.gshape
     require(n == n2, f"{what}: expected a square matrix, got shape {a.gshape}")
-    require(a.dtype.kind != "c",
-            f"{what}: complex matrices ({a.dtype}) are not supported by the distributed LU")
     if check_finite:
         _check_finite(a, "a")
+    if a.dtype.kind == "c":   # no complex LU: a = Q R, det(H) = -tau / conj(tau) per reflector
+        from hpcmac.linalg.householder import qr_factor
+
+        f = qr_factor(a, overwrite_a=overwrite_a)
+        t = f.tau[f.tau != 0]
+        return diag(f.qr), complex(np.prod(-t / np.conj(t)))
     try:
         lu, piv = lu_factor(a, overwrite_a=overwrite_a, check_finite=False)
     except LinAlgError:   # raised on every grid rank alike: an exactly zero pivot
         return None
     swaps = int(np.count_nonzero(piv != np.arange(n)))
-    return diag(lu), swaps % 2
+    return diag(lu), (-1.0 if swaps % 2 else 1.0)
 
 
 def slogdet(a: DistMatrix, overwrite_a: bool = False, check_finite: bool = True):
-    """Collective over the grid: ``(sign, logabsdet)`` of a square real ``a``, as
-    ``numpy.linalg.slogdet``; a singular ``a`` gives ``(0.0, -inf)``. The same pair on
-    every grid rank (None elsewhere)."""
+    """Collective over the grid: ``(sign, logabsdet)`` of a square ``a``, as
+    ``numpy.linalg.slogdet`` (complex ``a``: ``sign`` is complex of modulus 1); a
+    singular ``a`` gives ``(0.0, -inf)``. The same pair on every grid rank (None
+    elsewhere)."""
     if not a.grid.in_grid:
         return None
-    got = _lu_diagonal(a, "slogdet", overwrite_a, check_finite)
+    got = _factors(a, "slogdet", overwrite_a, check_finite)
     if got is None:
         return 0.0, -np.inf
-    d, parity = got
+    d, phase = got
     if np.any(d == 0):
         return 0.0, -np.inf
-    neg = int(np.count_nonzero(d < 0)) + parity
-    return (-1.0 if neg % 2 else 1.0), float(np.sum(np.log(np.abs(d))))
+    mag = np.abs(d)
+    sign = phase * np.prod(d / mag)
+    if not np.iscomplexobj(d):
+        sign = float(np.sign(sign))
+    return sign, float(np.sum(np.log(mag)))
 
 
 def det(a: DistMatrix, overwrite_a: bool = False, check_finite: bool = True):
-    """Collective over the grid: the determinant of a square real ``a``, as
+    """Collective over the grid: the determinant of a square ``a``, as
     ``scipy.linalg.det`` (0.0 when singular). The same number on every grid rank
     (None elsewhere). For large n prefer ``slogdet``: the product over- or underflows."""
     if not a.grid.in_grid:
         return None
-    got = _lu_diagonal(a, "det", overwrite_a, check_finite)
+    got = _factors(a, "det", overwrite_a, check_finite)
     if got is None:
         return 0.0
-    d, parity = got
-    value = float(np.prod(d))
-    return -value if parity else value
+    d, phase = got
+    value = phase * np.prod(d)
+    return complex(value) if np.iscomplexobj(d) else float(value)
