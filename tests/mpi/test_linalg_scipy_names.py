@@ -42,7 +42,7 @@ def test_no_submodule_shadows_a_function():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cholesky_like_scipy(dtype):
     rng = np.random.default_rng(30)
-    for _g, grid in each_grid(limit=3):
+    for _g, grid in each_grid(limit=2):
         a = spd(rng, 13, dtype)
         for lower in (False, True):
             c = cholesky(dist(a, grid, 3, 4), lower=lower)
@@ -64,7 +64,7 @@ def test_cholesky_like_scipy(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_inv_like_scipy(dtype):
     rng = np.random.default_rng(31)
-    for _g, grid in each_grid(limit=3):
+    for _g, grid in each_grid(limit=2):
         a = rand(rng, (15, 15), dtype) + 3 * np.eye(15, dtype=dtype)
         x = inv(dist(a, grid, 4, 3))
         full = x.allgather()
@@ -82,7 +82,7 @@ def test_inv_like_scipy(dtype):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])
 def test_det_and_slogdet_like_scipy_and_numpy(dtype):
     rng = np.random.default_rng(32)
-    for _g, grid in each_grid(limit=3):
+    for _g, grid in each_grid(limit=2):
         for n in (1, 9, 16):
             a = rand(rng, (n, n), dtype)
             d = dist(a, grid, 3, 3)
@@ -118,7 +118,7 @@ def test_det_and_slogdet_like_scipy_and_numpy(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_diag_and_trace(dtype):
     rng = np.random.default_rng(33)
-    for _g, grid in each_grid(limit=3):
+    for _g, grid in each_grid(limit=2):
         a = rand(rng, (7, 10), dtype)
         d = dist(a, grid, 2, 3)
         for k in (0, 1, 4, -2, -6, 10, -7):
@@ -141,7 +141,7 @@ def test_ndarray_right_hand_sides(dtype):
     """solve_triangular and cho_solve take b whole on every rank (1-D or 2-D) and give
     x whole on every grid rank, as solve and lu_solve do; matmul and @ likewise."""
     rng = np.random.default_rng(34)
-    for _g, grid in each_grid(limit=3):
+    for _g, grid in each_grid(limit=2):
         n = 11
         t = rand(rng, (n, n), dtype) + 4 * np.eye(n, dtype=dtype)
         a = spd(rng, n, dtype)
@@ -185,7 +185,7 @@ def test_gmres_restart_none_is_scipys_default():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_operators_like_numpy(dtype):
     rng = np.random.default_rng(36)
-    for _g, grid in each_grid(limit=3):
+    for _g, grid in each_grid(limit=2):
         a, b = rand(rng, (9, 7), dtype), rand(rng, (9, 7), dtype)
         c = rand(rng, (7, 5), dtype)
         row = rand(rng, (7,), dtype)
