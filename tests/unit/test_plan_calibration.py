@@ -78,6 +78,7 @@ def measured(tmp_path_factory):
     pytest.importorskip("safetensors")
     from hpcmac.bench.llm import write_random_llama
 
+    load = os.getloadavg()[0]  # before anything of this test runs: the other jobs' load
     tmp = tmp_path_factory.mktemp("plan")
     # bench.llm's model: a random float32 Llama, 8 layers, hidden 1024 (623 MB)
     model = write_random_llama(tmp / "llama", 1024, 8, 2816, 32000, heads=16, kv_heads=4)
@@ -110,7 +111,7 @@ def measured(tmp_path_factory):
             cal = tmp / "node.json"
             cal.write_text(json.dumps(average(before, after)))
             return {"cal": str(cal), "comm": str(comm), "hpl": runs, "llm": llm_runs,
-                    "model": str(model)}
+                    "model": str(model), "load": load}
     shown = ", ".join(f"{d:.0%} ({what})" for d, what in moved)
     pytest.skip(f"this machine's DGEMM or memory speed moved by {shown} during each of "
                 f"{len(moved)} measurements (shared and busy): nothing to compare")
@@ -133,6 +134,11 @@ def test_hpl_prediction_within_20_percent(measured, grid):
                                             ("tensor 2", 2, 1)])
 def test_llm_decode_within_20_percent(measured, layout, tp, pp):
     """Single-sequence decode of bench.llm's model: one rank, a 2-stage pipeline, tensor 2."""
+    cores = os.cpu_count() or 1
+    if tp * pp > 1 and measured["load"] > cores:
+        pytest.skip(f"load average {measured['load']:.1f} on {cores} cores before the test: "
+                    "other jobs hold the cores, and a 2-rank decode then waits on the "
+                    "scheduler at every hop and all-reduce, which the model does not describe")
     cl = clmod.build(calibration=measured["cal"], comm=measured["comm"], slots=tp * pp)
     shape = load_shape(measured["model"]).with_bits(32.0, "numpy float32")
     case = llm.LlmCase(tp=tp, pp=pp, batch=1, prompt=PROMPT, context=PROMPT + NEW,
