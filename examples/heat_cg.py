@@ -13,6 +13,7 @@ import argparse
 import numpy as np
 
 from hpcmac import comm
+from hpcmac.errors import UsageError
 from hpcmac.linalg import BlockVector, cg, jacobi
 from hpcmac.linalg.vectors import block_range
 
@@ -62,6 +63,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rtol", type=float, default=1e-10)
     ap.add_argument("--jacobi", action="store_true", help="Jacobi preconditioner")
     args = ap.parse_args(argv)
+    if not (args.n >= 1 and args.steps >= 0 and 0 < args.dt < float("inf")
+            and 0 < args.rtol < 1):
+        raise UsageError(f"expected --n >= 1, --steps >= 0, --dt > 0 and 0 < --rtol < 1, "
+                         f"found {args.n}, {args.steps}, {args.dt}, {args.rtol}")
     world = comm.init()
     n, dt = args.n, args.dt
     h = 1.0 / (n + 1)
@@ -88,4 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from hpcmac.errors import run_cli
+
+    def _cli(argv: list[str] | None) -> int:
+        main(argv)
+        return 0
+
+    raise SystemExit(run_cli(_cli))

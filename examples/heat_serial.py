@@ -9,6 +9,7 @@ the discrete Laplacian), so the script checks the answer against the formula.
 """
 
 import argparse
+import sys
 
 import numpy as np
 from scipy.sparse.linalg import LinearOperator, cg
@@ -32,6 +33,11 @@ def main() -> None:
     ap.add_argument("--dt", type=float, default=1e-3)
     ap.add_argument("--rtol", type=float, default=1e-10)
     args = ap.parse_args()
+    if not (args.n >= 1 and args.steps >= 0 and 0 < args.dt < float("inf")
+            and 0 < args.rtol < 1):
+        print(f"error: expected --n >= 1, --steps >= 0, --dt > 0 and 0 < --rtol < 1, "
+              f"found {args.n}, {args.steps}, {args.dt}, {args.rtol}", file=sys.stderr)
+        raise SystemExit(2)
     n, dt = args.n, args.dt
     h = 1.0 / (n + 1)
     x = np.arange(1, n + 1) * h

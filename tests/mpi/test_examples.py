@@ -59,6 +59,14 @@ def test_radiosity_in_process(shared_dir):
     parallel_assert(ok, f"radiosity residual {res['residual']}")
 
 
+def test_heat_refuses_arguments_it_cannot_run():
+    from hpcmac.errors import UsageError
+
+    for args in (["--n", "0"], ["--dt", "-1"], ["--rtol", "2"], ["--steps", "-1"]):
+        with pytest.raises(UsageError, match="expected --n >= 1"):
+            load("heat_cg").main(args)
+
+
 def test_radiosity_refuses_an_input_file_of_another_size(shared_dir):
     from hpcmac.errors import UsageError
 
