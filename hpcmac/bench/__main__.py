@@ -13,6 +13,7 @@ BENCHES = {
     "llm": "decode tok/s vs the memory-bandwidth bound and llama.cpp",
     "llm_pipeline": "pipeline decode at 1/2/4 ranks: TTFT, prefill, decode, bytes per link, busy",
     "llm_parallel": "tensor vs pipeline at 2 ranks vs 1, quiet and loaded; all-reduce costs",
+    "serve": "a live serve at 1/4/16 clients: tok/s, TTFT, ITL vs generate --batch",
 }
 
 
