@@ -418,6 +418,7 @@ def result_json(res: PipelineResult, tok, stop, plan: LayoutPlan | None) -> dict
         "sequences": seqs,
         "aggregate_prefill_tok_s": res.prefill_tok_s(),
         "aggregate_decode_tok_s": res.decode_tok_s(),
+        "wall_s": res.wall_s,
         "ranks": len(res.stats),
         "stages": [{"rank": st.rank, "host": st.host, "layers": list(st.layers),
                     "busy": st.busy, "micro_batches": st.micro_batches} for st in res.stats],
