@@ -8,8 +8,9 @@ of the whole set), time to first token (p50/p95) and inter-token latency
 (p50/p95, the gaps between streamed chunks). The reference, measured in the
 same run: ``generate --batch`` on the same prompts and ``max_tokens`` at the
 same rank count, aggregate tok/s over its own wall time from the first
-prompt to the last token (its JSON's ``wall_s``; loading excluded). Ratios: serve at 16 clients over generate --batch, and
-p95 ITL at 16 clients over p95 ITL at 1 client.
+prompt to the last token (its JSON's ``wall_s``; loading excluded).
+Ratios: serve at 16 clients over generate --batch, and p95 ITL at 16
+clients over p95 ITL at 1 client.
 """
 
 from __future__ import annotations
