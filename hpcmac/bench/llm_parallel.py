@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16, help="sequences in the batched run")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-load", action="store_true", help="skip the loaded run")
+    p.add_argument("--stream-mib", type=int, default=256, help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     return p
@@ -100,7 +101,7 @@ def worker(args) -> int:
         res.tensor = world.allgather_obj(d)
         return res
 
-    stream = _Stream()
+    stream = _Stream(args.stream_mib)
     work = {"single": _prompts(cfg.vocab, 1, args.prompt_len, 1),
             f"batch{args.batch}": _prompts(cfg.vocab, args.batch, args.prompt_len, 2)}
     rows = {lay: {k: [] for k in work} for lay in LAYOUTS}
@@ -151,7 +152,8 @@ def launch(args, model: str, out: str, loaded: bool) -> dict:
     cmd = [str(ROOT / "tools" / "mpirun"), "2", sys.executable, "-m",
            "hpcmac.bench.llm_parallel", "--worker", out, "--model", model,
            "--prompt-len", str(args.prompt_len), "--new", str(args.new), "--batch",
-           str(args.batch), "--repeats", str(args.repeats)]
+           str(args.batch), "--repeats", str(args.repeats), "--stream-mib",
+           str(args.stream_mib)]
     spinner = None
     if loaded:  # another job holding one core for the whole run
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
