@@ -175,7 +175,8 @@ def table(doc: dict, batch: int) -> str:
     refb = res["one rank"][f"batch{batch}"]["decode_tok_s"]
     bwr = bw["2"] / bw["1"]
     head = ["layout", "1 seq decode tok/s (x)", "of the ceiling", f"{batch} seqs agg tok/s (x)",
-            "prefill tok/s", "all-reduces/step", "bytes/token sent", "ms/all-reduce"]
+            "prefill tok/s", "CPU-bound x", "all-reduces/step", "bytes/token sent",
+            "ms/all-reduce"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for lay in LAYOUTS:
         s, b = res[lay]["single"], res[lay][f"batch{batch}"]
@@ -183,7 +184,8 @@ def table(doc: dict, batch: int) -> str:
         ceil = "" if lay == "one rank" else f"{x / bwr:.2f}"
         row = [lay, f"{s['decode_tok_s']:.1f} ({x:.2f}x)", ceil,
                f"{b['decode_tok_s']:.1f} ({b['decode_tok_s'] / refb:.2f}x)",
-               f"{s['prefill_tok_s']:.1f}"]
+               f"{s['prefill_tok_s']:.1f}",
+               f"{res['one rank']['single']['cpu_s_per_token'] / s['cpu_s_per_token']:.2f}"]
         if "reduces_per_step" in s:
             row += [f"{s['reduces_per_step']:.0f}", f"{s['reduce_bytes_per_token']:.0f}",
                     f"{s['reduce_ms']:.3f}"]
@@ -223,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{doc['load_after']:.1f} after)")
         print(table(doc, args.batch))
     print("\nof the ceiling: the 1-sequence (x) over the 2-rank memory bandwidth (x); "
-          "all-reduces/step and bytes/token: tensor 2's rank 0 (prompt tokens included)")
+          "CPU-bound x: one rank's CPU seconds per token (1 sequence) over the busiest "
+          "stage's (tensor 2: rank 0's), the ratio if every rank had a core of its own "
+          "(derived, not a wall-clock rate); all-reduces/step and bytes/token: tensor 2's "
+          "rank 0 (prompt tokens included)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
