@@ -113,6 +113,7 @@ class TensorGroup:
         self.rank, self.size = group.rank, group.size
         self.wd = Watchdog(group, hosts, timeout, ranks=ranks)
         self._slices: list[int] = []
+        self._bufs: dict[tuple, dict[int, np.ndarray]] = {}
         self.peers = [r for r in range(self.size) if r != self.rank]
         self.stats = TensorStats()
 
@@ -125,19 +126,18 @@ class TensorGroup:
             return a
         t0 = time.perf_counter()
         a = np.ascontiguousarray(a, dtype=np.float32)
-        parts: list[np.ndarray | None] = [None] * self.size
-        parts[self.rank] = a
-        recvs = []
-        for r in self.peers:
-            parts[r] = np.empty_like(a)
-            recvs.append((self.group.irecv(parts[r], r, TAG_SUM), r))
+        bufs = self._bufs.get(a.shape)
+        if bufs is None:  # receive buffers reused step after step (the sum is a new array)
+            bufs = self._bufs[a.shape] = {r: np.empty_like(a) for r in self.peers}
+        recvs = [(self.group.irecv(bufs[r], r, TAG_SUM), r) for r in self.peers]
         sends = [(self.group.isend(a, r, TAG_SUM), r) for r in self.peers]
         for req, r in recvs:
             self.wd.wait(req, r, "to send its part of an all-reduce")
         for req, r in sends:
             self.wd.wait(req, r, "to take its part of an all-reduce")
-        out = parts[0].copy()
-        for p in parts[1:]:
+        parts = [a if r == self.rank else bufs[r] for r in range(self.size)]
+        out = parts[0] + parts[1]
+        for p in parts[2:]:
             out += p
         st = self.stats
         st.reduces += 1
