@@ -7,6 +7,8 @@ float64 scalar would silently promote a whole decode step to float64).
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from hpcmac.errors import UsageError
@@ -86,6 +88,28 @@ class NumpyBackend:
 
     def zeros(self, shape) -> np.ndarray:
         return np.zeros(shape, dtype=np.float32)
+
+    def cache_zeros(self, shape) -> np.ndarray:
+        """A KV-cache array of zeros whose pages are not transparent huge pages.
+
+        A cache (slots, heads, max_len, head_dim) is touched a few kilobytes at a
+        time per (slot, head) as tokens arrive, far apart in memory. Linux with
+        transparent huge pages set to ``always`` zeroes a whole 2 MiB page on the
+        first touch of each: measured here, the first 35-token prefill of 16
+        slots of SmolLM2's 30 layers at 4096 positions took 7.1 s, against 0.09 s
+        with 4 KiB pages (``madvise(MADV_NOHUGEPAGE)``). Small arrays and systems
+        without the advice get plain zeros.
+        """
+        n = int(np.prod(shape)) * 4
+        advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+        if n < (8 << 20) or advice is None:
+            return np.zeros(shape, dtype=np.float32)
+        mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mm.madvise(advice)
+        except OSError:
+            pass
+        return np.frombuffer(mm, dtype=np.float32).reshape(shape)
 
     def rows(self, w, idx: np.ndarray) -> np.ndarray:
         """Rows ``idx`` of a quantized (out, in) weight, dequantized: (len(idx), in) float32."""

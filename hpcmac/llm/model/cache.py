@@ -24,14 +24,14 @@ class KVCache:
         self.max_slots, self.max_len = int(max_slots), int(max_len)
         self.lengths = np.zeros(self.max_slots, dtype=np.int64)  # tokens held per slot
         n = end - start
+        zeros = getattr(backend, "cache_zeros", backend.zeros)
         if cfg.mla:
-            self.k = [backend.zeros((max_slots, max_len, cfg.kv_lora_rank)) for _ in range(n)]
-            self.v = [backend.zeros((max_slots, max_len, cfg.qk_rope_head_dim))
-                      for _ in range(n)]
+            self.k = [zeros((max_slots, max_len, cfg.kv_lora_rank)) for _ in range(n)]
+            self.v = [zeros((max_slots, max_len, cfg.qk_rope_head_dim)) for _ in range(n)]
         else:
             shape = (max_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
-            self.k = [backend.zeros(shape) for _ in range(n)]
-            self.v = [backend.zeros(shape) for _ in range(n)]
+            self.k = [zeros(shape) for _ in range(n)]
+            self.v = [zeros(shape) for _ in range(n)]
 
     @staticmethod
     def token_bytes(cfg: ModelConfig) -> int:
