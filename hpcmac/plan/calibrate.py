@@ -105,9 +105,21 @@ def dgemm_rates(configs: list[tuple[int, int]], n: int = 2048,
             for b, k in configs}
 
 
-def copy_gbs(threads: int, mib: int = 64, repeats: int = 15) -> float:
-    """GB/s of numpy copies, ``threads`` threads at once (numpy releases the GIL)."""
-    words = max(mib << 20, last_cache_bytes()) // 8  # far larger than the caches
+#: bytes one bandwidth sample moves, all threads together: long enough (tens of ms)
+#: that a moment of another job's traffic does not decide it
+SAMPLE_BYTES = 1 << 30
+
+
+def _per_thread(threads: int, floor: int) -> int:
+    """Bytes per thread: the sample split over the threads, never below ``floor`` or
+    past-cache sizes (4x the largest cache over the threads)."""
+    return max(floor, SAMPLE_BYTES // threads, 4 * last_cache_bytes() // threads)
+
+
+def copy_gbs(threads: int, repeats: int = 9) -> float:
+    """GB/s of numpy copies, ``threads`` threads at once (numpy releases the GIL);
+    bytes read plus bytes written, as STREAM's copy counts them."""
+    words = _per_thread(threads, 64 << 20) // 16  # source and destination
     src = [np.ones(words) for _ in range(threads)]
     dst = [np.empty(words) for _ in range(threads)]
 
@@ -122,12 +134,12 @@ def copy_gbs(threads: int, mib: int = 64, repeats: int = 15) -> float:
     return 2.0 * words * 8 * threads / t / 1e9
 
 
-def read_gbs(threads: int, mib: int = 128, repeats: int = 15) -> float:
+def read_gbs(threads: int, repeats: int = 9) -> float:
     """GB/s read by ``threads`` threads at once, each a float32 dot of two arrays far
     larger than cache (the access of a decode step's matrix-vector products)."""
     from threadpoolctl import threadpool_limits
 
-    words = max(mib << 20, 4 * last_cache_bytes()) // 8  # 2 arrays of 4-byte words
+    words = _per_thread(threads, 64 << 20) // 8  # two arrays of 4-byte words
     arrs = [(np.ones(words, np.float32), np.ones(words, np.float32)) for _ in range(threads)]
 
     def run() -> None:
