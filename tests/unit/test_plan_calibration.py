@@ -9,8 +9,10 @@ random float32 Llama of 623 MB) on one rank, a 2-stage pipeline and tensor 2
 inputs, must land within 20% of each measured rate. No number here is
 hard-coded. On a shared machine whose speed moves by more than 15% between
 the two calibrations the runs are measured again (three times at most, no
-new attempt after 150 s; then the test is skipped, saying so): a prediction
-cannot match runs made on a different machine.
+new attempt after 150 s); the attempt that moved least is kept, and a test
+whose own figures (DGEMM and bandwidth at its rank count) still moved by more
+than 15% is skipped, saying so: a prediction cannot match runs made on a
+different machine.
 
 N = 4000 (the issue names 8000): the two HPL runs then cost seconds, not a
 minute, in CI; at 4000 the panel, row swaps and broadcasts are a larger share
@@ -59,11 +61,15 @@ def average(a: dict, b: dict) -> dict:
     return a
 
 
-def drift(a: dict, b: dict) -> tuple[float, str]:
-    """The largest relative change of a DGEMM or bandwidth figure between two calibrations,
-    and which figure it was."""
-    return max((abs(b[key][k] / a[key][k] - 1), f"{key}[{k}]")
-               for key in ("dgemm_gflops", "mem_bw_gbs", "read_bw_gbs") for k in a[key])
+FIGURES = (("dgemm_gflops", "1"), ("dgemm_gflops", "2"), ("mem_bw_gbs", "1"),
+           ("mem_bw_gbs", "2"), ("read_bw_gbs", "1"), ("read_bw_gbs", "2"))
+
+
+def drift(a: dict, b: dict, figures=FIGURES) -> tuple[float, str]:
+    """The largest relative change of the named figures between two calibrations, and
+    which figure it was (figures a one-core machine lacks are left out)."""
+    return max(((abs(b[key][k] / a[key][k] - 1), f"{key}[{k}]") for key, k in figures
+                if k in a[key] and k in b[key]), default=(0.0, "none"))
 
 
 STEADY = 0.15   # a comparison only means something while the machine keeps its speed
@@ -73,8 +79,10 @@ BUDGET_S = 150  # no new attempt after this long: the test stays bounded on a bu
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Calibrate, measure the link, run HPL, calibrate again; again (at most 3 times) if
-    the machine's speed moved by more than 15% meanwhile (other jobs on a shared host)."""
+    """Calibrate, measure the link, run HPL and decode, calibrate again; again (at most 3
+    times) while some figure moved by more than 15% meanwhile (other jobs on a shared
+    host). The attempt that moved least is kept; each test then checks the figures its
+    prediction uses."""
     pytest.importorskip("safetensors")
     from hpcmac.bench.llm import write_random_llama
 
@@ -86,10 +94,10 @@ def measured(tmp_path_factory):
     mpirun(2, "-m", "hpcmac.bench.comm", "--quick", "--transports", "mpi", "--rounds", "3",
            "--max-bandwidth", "16M", "--max-latency", "64", "--max-collective", "8",
            "--json", str(comm))
-    moved = []
+    attempts = []
     t0 = time.monotonic()
-    for _ in range(ATTEMPTS):
-        if moved and time.monotonic() - t0 > BUDGET_S:
+    for i in range(ATTEMPTS):
+        if attempts and time.monotonic() - t0 > BUDGET_S:
             break
         before = calibrate(quick=True)
         runs = {}
@@ -106,15 +114,26 @@ def measured(tmp_path_factory):
                "--repeats", "3", "--json", str(decode), timeout=400)
         llm_runs = json.loads(decode.read_text())["runs"]["quiet"]["results"]
         after = calibrate(quick=True)
-        moved.append(drift(before, after))
-        if moved[-1][0] <= STEADY:
-            cal = tmp / "node.json"
-            cal.write_text(json.dumps(average(before, after)))
-            return {"cal": str(cal), "comm": str(comm), "hpl": runs, "llm": llm_runs,
-                    "model": str(model), "load": load}
-    shown = ", ".join(f"{d:.0%} ({what})" for d, what in moved)
-    pytest.skip(f"this machine's DGEMM or memory speed moved by {shown} during each of "
-                f"{len(moved)} measurements (shared and busy): nothing to compare")
+        cal = tmp / f"node{i}.json"
+        cal.write_text(json.dumps(average(before, after)))
+        attempts.append({"cal": str(cal), "comm": str(comm), "hpl": runs, "llm": llm_runs,
+                         "model": str(model), "load": load, "before": before, "after": after,
+                         "moved": drift(before, after)})
+        if attempts[-1]["moved"][0] <= STEADY:
+            break
+    best = min(attempts, key=lambda a: a["moved"][0])
+    best["tries"] = [a["moved"] for a in attempts]
+    return best
+
+
+def steady(measured: dict, figures) -> None:
+    """Skip, saying why, when a figure this prediction uses moved during the runs."""
+    d, what = drift(measured["before"], measured["after"], figures)
+    if d > STEADY:
+        shown = ", ".join(f"{x:.0%} ({w})" for x, w in measured["tries"])
+        pytest.skip(f"{what} moved by {d:.0%} during the runs (every attempt: {shown}; a "
+                    "shared, busy machine): a prediction cannot match runs made on a "
+                    "different machine")
 
 
 # the fixture's measurements take ~1 minute on a quiet machine, at most ~4 on a busy one
@@ -122,6 +141,7 @@ def measured(tmp_path_factory):
 @pytest.mark.parametrize("grid", [(1, 1), (1, 2)])
 def test_hpl_prediction_within_20_percent(measured, grid):
     p, q = grid
+    steady(measured, (("dgemm_gflops", str(p * q)), ("mem_bw_gbs", str(p * q))))
     cl = clmod.build(calibration=measured["cal"], comm=measured["comm"], slots=p * q,
                      blas_threads=1)
     pred = hpl.predict(cl, hpl.HplCase(N, NB, p, q))
@@ -139,6 +159,7 @@ def test_llm_decode_within_20_percent(measured, layout, tp, pp):
         pytest.skip(f"load average {measured['load']:.1f} on {cores} cores before the test: "
                     "other jobs hold the cores, and a 2-rank decode then waits on the "
                     "scheduler at every hop and all-reduce, which the model does not describe")
+    steady(measured, (("read_bw_gbs", "1"), ("read_bw_gbs", str(tp * pp))))
     cl = clmod.build(calibration=measured["cal"], comm=measured["comm"], slots=tp * pp)
     shape = load_shape(measured["model"]).with_bits(32.0, "numpy float32")
     case = llm.LlmCase(tp=tp, pp=pp, batch=1, prompt=PROMPT, context=PROMPT + NEW,
