@@ -146,6 +146,7 @@ def test_hpl_prediction_within_20_percent(measured, grid):
                      blas_threads=1)
     pred = hpl.predict(cl, hpl.HplCase(N, NB, p, q))
     got = measured["hpl"][grid]["gflops"]
+    print(f"HPL N={N} {p}x{q}: predicted {pred.gflops:.2f} Gflops, measured {got:.2f}")
     assert pred.gflops == pytest.approx(got, rel=0.20), (pred, got)
 
 
@@ -166,4 +167,5 @@ def test_llm_decode_within_20_percent(measured, layout, tp, pp):
                        act_bytes=4, kv_bytes=4)
     pred = llm.predict(cl, shape, case)
     got = measured["llm"][layout]["single"]["decode_tok_s"]
+    print(f"decode {layout}: predicted {pred.decode_tok_s:.2f} tok/s, measured {got:.2f}")
     assert pred.decode_tok_s == pytest.approx(got, rel=0.20), (pred, got)
