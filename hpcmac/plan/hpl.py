@@ -214,7 +214,7 @@ def predict(cluster: Cluster, case: HplCase) -> HplPrediction:
     if case.depth >= 1:
         # a rank's busy time; the chain to the next panel's owner, and to the farthest rank
         work = upd + laswp + sw + pan / Q
-        head = 2.0 * mp * np.minimum(jb, m - jb) * jb / rank_rate_k + pan
+        head = 2.0 * mp * np.minimum(np.minimum(jb, m - jb), nq) * jb / rank_rate_k + pan
         exposed = np.maximum(0.0, np.maximum(head + first, head + last) - work)
         t_pan = float(np.sum(pan[:-1] / Q) + pan[-1])
         t_bc = float(np.sum(exposed[:-1]) + last[-1])
