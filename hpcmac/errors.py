@@ -67,7 +67,9 @@ def fail(message: str, code: int = 2) -> None:
     mpirun reports no crash banner and no rank is killed mid-exit.
     """
     if world_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        # one line whatever the message holds (a name read from a damaged file, say)
+        line = message.replace("\r", "\\r").replace("\n", "\\n")
+        print(f"error: {line}", file=sys.stderr, flush=True)
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None and _mpi_launched():
         # the input was refused before MPI started; start it only to leave together,

@@ -30,6 +30,10 @@ import threading
 from collections.abc import Callable
 
 _cleanups: list[Callable[[], None]] = []
+#: signals a command handles itself just now: signum -> (depth, monotonic end of the last)
+_deferred: dict[int, list[float]] = {}
+#: after a deferral ends, a late wake-up byte is still taken as the command's (seconds)
+_DEFER_GRACE = 3.0
 _lock = threading.Lock()
 _state = {"installed": False, "exiting": False}
 
@@ -49,6 +53,38 @@ def forget(fn: Callable[[], None]) -> None:
             _cleanups.remove(fn)
         except ValueError:
             pass
+
+
+class deferred:
+    """``with deferred(signal.SIGINT):`` the command's own handler deals with the signal
+    (the pipeline's stop-after-this-step); the watcher leaves it alone, also for a wake-up
+    it reads up to a few seconds after the block ends (a loaded machine schedules threads
+    late)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+    def __enter__(self) -> deferred:
+        with _lock:
+            depth_end = _deferred.setdefault(self.signum, [0, 0.0])
+            depth_end[0] += 1
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        import time
+
+        with _lock:
+            depth_end = _deferred[self.signum]
+            depth_end[0] -= 1
+            depth_end[1] = time.monotonic()
+
+
+def _is_deferred(signum: int) -> bool:
+    import time
+
+    with _lock:
+        depth, end = _deferred.get(signum, (0, 0.0))
+    return depth > 0 or time.monotonic() - end < _DEFER_GRACE
 
 
 def _handler(signum, _frame) -> None:
@@ -97,7 +133,8 @@ def _watch(sock: socket.socket, handled: tuple[int, ...]) -> None:
         if not data:
             return
         for signum in data:
-            if signum in handled and signal.getsignal(signum) is _handler:
+            if signum in handled and signal.getsignal(signum) is _handler \
+                    and not _is_deferred(signum):
                 end(signum)
 
 

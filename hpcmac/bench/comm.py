@@ -310,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     if world.rank == 0:
         print_tables(report, [m.name for m in impls], [m.name for m in p2p], info)
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump({"info": info, **report}, fh, indent=1)
+            from hpcmac.io.outputs import write_atomic
+
+            write_atomic(args.json, json.dumps({"info": info, **report}, indent=1))
             print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

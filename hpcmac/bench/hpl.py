@@ -277,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
           f"P*Q threads; load average {load1[0]:.1f} at the end (shared machine: "
           "absolute numbers move with it, ratios less)")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(rows=rows, load_start=load0, load_end=load1,
-                           cores=os.cpu_count()), fh, indent=1)
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps(dict(rows=rows, load_start=load0, load_end=load1,
+                                                cores=os.cpu_count()), indent=1))
     return 0
 
 

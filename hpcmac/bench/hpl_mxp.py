@@ -69,7 +69,8 @@ def compare(args) -> int:
           f"share of MxP's time; DGEMM/SGEMM = numpy {gemm_n}^3 matmul with P*Q threads; "
           f"load average {load1[0]:.1f} at the end (shared machine)")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(rows=rows, load_start=load0, load_end=load1, cores=os.cpu_count()),
-                      fh, indent=1)
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps(dict(rows=rows, load_start=load0, load_end=load1,
+                                                cores=os.cpu_count()), indent=1))
     return 0 if all(r["passed"] for r in rows) else 1

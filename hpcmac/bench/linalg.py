@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         from hpcmac import comm
 
         if comm.init().rank == 0 and args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f)
+            from hpcmac.io.outputs import write_atomic
+
+            write_atomic(args.json, json.dumps(res))
         return 0
     threads = sorted({1, max(args.ranks)})
     ref = {t: reference(args.n_matmul, args.n_chol, t, args.reps) for t in threads}
@@ -220,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     print("ref 1thr / ref Rthr: numpy A @ B and scipy.linalg.cho_factor(lower=True) alone in "
           "the driver process, BLAS threads set by threadpoolctl")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"records": records, "reference": ref}, f, indent=1)
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps({"records": records, "reference": ref}, indent=1))
     return 0
 
 

@@ -20,14 +20,13 @@ numpy (one copy out). MLX's own ``mpi`` backend is never used: it calls
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import tempfile
 from typing import Any
 
 import numpy as np
 
-from hpcmac.comm import rdma_env, ring_env
+from hpcmac.comm import rdma_env, ring_env, wire
 from hpcmac.comm.base import Group, Request, check_op
 
 NAMES = ("ring", "rdma")
@@ -485,22 +484,23 @@ class MLXGroup(Group):
         os._exit(code)
 
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
-        data = pickle.dumps(obj) if self._rank == root else b""
+        # plain tagged bytes (comm.wire), never pickle: a ring link is a TCP port
+        data = wire.encode(obj) if self._rank == root else b""
         n = np.array([len(data)], dtype=np.int64)
         self.bcast(n, root)
         payload = np.frombuffer(data, dtype=np.uint8).copy() if self._rank == root \
             else np.zeros(int(n[0]), dtype=np.uint8)
         self.bcast(payload, root)
-        return obj if self._rank == root else pickle.loads(payload.tobytes())
+        return obj if self._rank == root else wire.decode(payload.tobytes())
 
     def allgather_obj(self, obj: Any) -> list[Any]:
-        data = pickle.dumps(obj)
+        data = wire.encode(obj)
         lengths = self.allgather(np.array([len(data)], dtype=np.int64))[:, 0]
         width = int(lengths.max())
         padded = np.zeros(width, dtype=np.uint8)
         padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         rows = self.allgather(padded)
-        return [pickle.loads(rows[r, : int(lengths[r])].tobytes()) for r in range(self._size)]
+        return [wire.decode(rows[r, : int(lengths[r])].tobytes()) for r in range(self._size)]
 
 
 def _mx_dtype(mx, dtype: np.dtype):

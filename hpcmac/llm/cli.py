@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.io.inputs import float_arg, int_arg, parse_json, read_text
 from hpcmac.llm.model.sampling import SamplingParams
 from hpcmac.llm.parallel.layout import LayoutPlan, check_layout_flags, choose_layout, plan_layout
 from hpcmac.llm.parallel.pipeline import PipelineResult, Request, SeqResult
@@ -59,25 +60,25 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
     src.add_argument("--batch", metavar="FILE",
                      help='prompts to generate together: one per line, or JSON lines with '
                           '"prompt" or "prompt_ids" and optional "max_tokens"')
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int_arg, default=64)
+    g.add_argument("--temperature", type=float_arg, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int_arg, default=0)
+    g.add_argument("--top-p", type=float_arg, default=1.0)
+    g.add_argument("--repetition-penalty", type=float_arg, default=1.0)
+    g.add_argument("--seed", type=int_arg, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--system", default=None, help="system message for the chat template")
     g.add_argument("--ignore-chat-template", action="store_true",
                    help="use the prompt text as is, even if the model has a chat template")
-    g.add_argument("--max-context", type=int, default=None,
+    g.add_argument("--max-context", type=int_arg, default=None,
                    help="context length (default: the model's, capped at 4096)")
     g.add_argument("--backend", default="numpy", help="numpy (default) or mlx")
-    g.add_argument("--quantize", type=int, default=None, metavar="BITS",
+    g.add_argument("--quantize", type=int_arg, default=None, metavar="BITS",
                    help="keep the weights quantized in memory, BITS per weight (4 or 8; "
                         "also 2, 3, 5, 6), as mlx-lm's -q (--backend mlx)")
-    g.add_argument("--q-group-size", type=int, default=64, metavar="G",
+    g.add_argument("--q-group-size", type=int_arg, default=64, metavar="G",
                    help="weights sharing one scale and bias when quantized (32, 64, 128)")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=int_arg, default=None,
                    help="BLAS threads (default: the BLAS library's choice)")
     g.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
     g.add_argument("--quiet", action="store_true", help="do not stream the text")
@@ -94,14 +95,14 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
                    help="comm backend (default: HPCMAC_TRANSPORT or auto)")
     p.add_argument("--hostfile", help="JSON hostfile whose memory_gb sets the split "
                                       "(default: HPCMAC_HOSTFILE)")
-    p.add_argument("--micro-batches", type=int, default=0,
+    p.add_argument("--micro-batches", type=int_arg, default=0,
                    help="micro-batches in flight (default: one per stage)")
-    p.add_argument("--max-batch", type=int, default=0,
+    p.add_argument("--max-batch", type=int_arg, default=0,
                    help="sequences decoded at once (default: all prompts, at most 64)")
-    p.add_argument("--prefill-chunk", type=int, default=0,
+    p.add_argument("--prefill-chunk", type=int_arg, default=0,
                    help="prompt tokens per micro-batch (default: 512 on one rank; on "
                         "several, 4 chunks per stage, 32 to 512 tokens each)")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--timeout", type=float_arg, default=60.0,
                    help="seconds a rank waits on a silent peer before ending the job")
 
 
@@ -111,6 +112,16 @@ def check_arguments(args: argparse.Namespace) -> SamplingParams:
 
     if args.max_tokens < 0:
         raise UsageError(f"--max-tokens {args.max_tokens}: expected >= 0")
+    if args.max_context is not None and args.max_context < 1:
+        raise UsageError(f"--max-context {args.max_context}: expected >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: expected >= 1")
+    for name in ("prompt", "system"):
+        text = getattr(args, name, None)
+        if text is not None:
+            _utf8(text, f"--{name}")
+    for text in args.stop:
+        _utf8(text, "--stop")
     check_quantize(args.backend, args.quantize, args.q_group_size)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
                               args.repetition_penalty, args.seed)
@@ -124,11 +135,24 @@ def check_arguments(args: argparse.Namespace) -> SamplingParams:
     return sampling
 
 
+def _utf8(text: str, where: str) -> None:
+    """UsageError unless ``text`` (from argv: undecodable bytes arrive as surrogates) is text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{where}: expected UTF-8 text, found an undecodable byte at "
+                         f"character {exc.start}") from None
+
+
 def context_length(args, cfg) -> int:
-    """Tokens the KV cache may hold per sequence: ``--max-context`` or the model's (<= 4096)."""
-    n = args.max_context or min(cfg.max_position, 4096)
-    if n <= 0:
-        raise UsageError(f"--max-context {n}: expected > 0")
+    """Tokens the KV cache may hold per sequence: ``--max-context`` (1 to the model's
+    ``max_position``) or the model's (<= 4096)."""
+    if args.max_context is None:
+        return min(cfg.max_position, 4096)
+    n = args.max_context
+    if not 1 <= n <= cfg.max_position:
+        raise UsageError(f"--max-context {n}: expected 1 to {cfg.max_position} (the model's "
+                         "context length)")
     return n
 
 
@@ -158,11 +182,8 @@ def read_prompts(args: argparse.Namespace) -> list[Prompt]:
         return [Prompt(args.prompt, None, args.max_tokens)]
     if args.prompt_ids is not None:
         return [Prompt(None, _parse_ids(args.prompt_ids, "--prompt-ids"), args.max_tokens)]
-    try:
-        with open(args.batch, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise UsageError(f"--batch {args.batch}: cannot read ({exc.strerror})") from None
+    # at most 64 MiB of UTF-8 from a regular file (never a FIFO or /dev/zero)
+    lines = read_text(args.batch, "--batch", 64 << 20).split("\n")
     out = []
     for no, line in enumerate(lines, 1):
         if not line.strip():
@@ -171,10 +192,9 @@ def read_prompts(args: argparse.Namespace) -> list[Prompt]:
         if not line.lstrip().startswith("{"):
             out.append(Prompt(line, None, args.max_tokens))
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{where}: not JSON ({exc.msg})") from None
+        obj = parse_json(line, where)
+        if not isinstance(obj, dict):
+            raise UsageError(f"{where}: expected a JSON object with 'prompt' or 'prompt_ids'")
         mt = obj.get("max_tokens", args.max_tokens)
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 0:
             raise UsageError(f"{where}: max_tokens must be an integer >= 0")
@@ -235,8 +255,14 @@ def make_requests(prompts: list[Prompt], args, tok, cfg, sampling: SamplingParam
             raise UsageError(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)) from None
         params = SamplingParams(**{**sampling.__dict__,
                                    "seed": None if sampling.seed is None else sampling.seed + i})
-        # a sequence ends when the context is full
-        reqs.append(Request(list(ids), min(p.max_tokens, context - len(ids)), params, eos))
+        # a sequence ends when the context is full: say so now, not by a silent "length"
+        room = context - len(ids)
+        if p.max_tokens > room:
+            which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+            print(f"note: {which}: {len(ids)} prompt tokens + {p.max_tokens} new tokens exceed "
+                  f"the context of {context}: at most {room} new tokens (--max-context)",
+                  file=sys.stderr, flush=True)
+        reqs.append(Request(list(ids), min(p.max_tokens, room), params, eos))
     return reqs
 
 
@@ -266,8 +292,10 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     sampling = check_arguments(args)
     out = sys.stdout if out is None else out
     if group is None:  # one rank without --transport: no MPI to start
-        group = comm.init(args.transport) if world_size() > 1 or args.transport \
-            else LocalGroup()
+        # the transport line waits until the input is known good: bad input is one line
+        group = comm.init(args.transport, announce=False) \
+            if world_size() > 1 or args.transport else LocalGroup()
+    agree(group, lambda: _check_output(args), ranks="root")
     cfg = agree(group, lambda: load_config(args.model))
     context = agree(group, lambda: context_length(args, cfg))
     tok, stop = None, None
@@ -282,6 +310,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
         return make_requests(prompts, args, tok, cfg, sampling, context)
 
     reqs = agree(group, requests, ranks="root")
+    comm.announce()
     shape = (len(reqs), max(len(r.prompt) + r.max_tokens for r in reqs))
     slots = min(args.max_batch or min(shape[0], 64), shape[0])
     hostfile = args.hostfile or os.environ.get("HPCMAC_HOSTFILE") or None
@@ -348,13 +377,30 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     if group.rank == 0:
         show.finish(res)
         if args.json:
-            with open(args.json, "w") as f:
-                doc = result_json(res, tok, stop, plan)
-                doc["weights"] = weights_json(stage)
-                doc["prediction"] = plan_job.prediction_json(preds, layout.tp, layout.pp,
-                                                             no_pred)
-                json.dump(doc, f, indent=1)
+            from hpcmac.io.outputs import write_atomic
+
+            doc = result_json(res, tok, stop, plan)
+            doc["weights"] = weights_json(stage)
+            doc["prediction"] = plan_job.prediction_json(preds, layout.tp, layout.pp, no_pred)
+            write_atomic(args.json, json.dumps(doc, indent=1))  # temporary + rename
     return 130 if res.interrupted else 0
+
+
+#: output locks held by rank 0 for the whole run (released when the process ends)
+_OUTPUT_LOCKS: list = []
+
+
+def _check_output(args) -> None:
+    """Rank 0, before any work: --json must be writable and not another job's."""
+    if args.json:
+        import atexit
+
+        from hpcmac.io.outputs import OutputLock, check_writable
+
+        check_writable(args.json, "--json")
+        lock = OutputLock(args.json, "--json")
+        _OUTPUT_LOCKS.append(lock)
+        atexit.register(lock.release)
 
 
 def _body(s: SeqResult) -> list[int]:

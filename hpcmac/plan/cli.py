@@ -96,8 +96,9 @@ def _emit(args, records: list[dict], lines: list[str]) -> None:
     else:
         print("\n".join(lines))
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(records, fh, indent=1)
+            from hpcmac.io.outputs import write_atomic
+
+            write_atomic(args.json, json.dumps(records, indent=1))
             print(f"wrote {args.json}", file=sys.stderr)
 
 

@@ -44,6 +44,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     ggml_type: int
+    offset: int = 0  # into the data section
 
     @property
     def numel(self) -> int:
@@ -73,8 +74,23 @@ class _Reader:
     CHUNK = 4 << 20
 
     def __init__(self, fh: BinaryIO, path: str):
+        import os
+
         self.fh, self.path = fh, path
         self.buf, self.off = b"", 0
+        # every count and length is checked against the bytes the file still holds, so a
+        # crafted count is refused at once instead of being followed
+        self.size = os.fstat(fh.fileno()).st_size
+        self.depth = 0
+
+    def left(self) -> int:
+        """Bytes of the file after the read position."""
+        return self.size - self.tell()
+
+    def bound(self, count: int, each: int, what: str) -> None:
+        if count * each > self.left():
+            raise UsageError(f"{self.path}: GGUF {what}: {count} entries of >= {each} bytes, "
+                             f"the file holds {self.left()} more: not a GGUF header")
 
     def _need(self, n: int) -> None:
         while self.off + n > len(self.buf):
@@ -100,7 +116,7 @@ class _Reader:
 
     def string(self) -> str:
         n = self.unpack("<Q")
-        if n > 1 << 24:
+        if n > 1 << 24 or n > self.left():
             raise UsageError(f"{self.path}: GGUF string of {n} bytes: not a GGUF header")
         return self.take(n).decode("utf-8", errors="replace")
 
@@ -131,15 +147,27 @@ class _Reader:
             return self.string()
         if vtype == _ARRAY:
             etype, n = self.unpack("<I"), self.unpack("<Q")
+            self.bound(n, struct.calcsize(_SCALARS[etype]) if etype in _SCALARS else 8,
+                       "array")
+            if etype == _ARRAY and self.depth >= 8:
+                raise UsageError(f"{self.path}: GGUF arrays nested deeper than 8")
             if n <= _KEEP_ARRAY:
-                return [self.value(etype) for _ in range(n)]
+                self.depth += 1
+                try:
+                    return [self.value(etype) for _ in range(n)]
+                finally:
+                    self.depth -= 1
             if etype in _SCALARS:  # fixed-size elements: skip them at once
                 self.take(n * struct.calcsize(_SCALARS[etype]))
             elif etype == _STRING:
                 self.skip_strings(n)
-            else:
+            elif etype == _ARRAY and self.depth < 8:
+                self.depth += 1
                 for _ in range(n):
                     self.value(etype)
+                self.depth -= 1
+            else:
+                raise UsageError(f"{self.path}: GGUF array of type {etype}: not a GGUF header")
             return _Length(n)
         raise UsageError(f"{self.path}: GGUF metadata value type {vtype} unknown")
 
@@ -167,6 +195,8 @@ def read_header(path: str | Path) -> Header:
         if version not in (2, 3):
             raise UsageError(f"{p}: GGUF version {version}; expected 2 or 3")
         n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
+        r.bound(n_kv, 13, "metadata count")  # key length, type, 1-byte value
+        r.bound(n_tensors, 24, "tensor count")  # name length, dims, type, offset
         fields: dict[str, Any] = {}
         for _ in range(n_kv):
             key = r.string()
@@ -174,12 +204,17 @@ def read_header(path: str | Path) -> Header:
         tensors = {}
         for _ in range(n_tensors):
             name = r.string()
+            if len(name) > 256 or not name.isprintable():
+                raise UsageError(f"{p}: tensor name {name[:60]!r}: expected a short printable "
+                                 "name (a GGUF name has at most 64 bytes)")
             nd = r.unpack("<I")
+            if nd > 4:  # GGML_MAX_DIMS
+                raise UsageError(f"{p}: tensor {name}: {nd} dimensions, expected at most 4")
             dims = tuple(r.unpack("<Q") for _ in range(nd))
             gtype = r.unpack("<I")
-            r.unpack("<Q")  # offset into the data section
+            offset = r.unpack("<Q")  # into the data section
             if gtype not in GGML_TYPES:
                 raise UsageError(f"{p}: tensor {name}: ggml type {gtype} unknown")
-            tensors[name] = TensorInfo(name, dims, gtype)
+            tensors[name] = TensorInfo(name, dims, gtype, offset)
         size = r.tell()
     return Header(str(p), version, fields, tensors, size)

@@ -8,7 +8,6 @@ global: all ranks of a pipeline read the same file and agree on it.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +64,39 @@ class ModelConfig:
     rope_interleave: bool = True
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def check(self, where: str, max_layers: int | None = None) -> ModelConfig:
+        """UsageError (one line naming ``where`` and the field) unless every size is a
+        positive integer in bounds and every float finite; ``max_layers``: the layers the
+        checkpoint's tensors hold. Returns self."""
+        import math
+
+        pos = [("n_layers", self.n_layers), ("hidden", self.hidden), ("vocab", self.vocab),
+               ("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads),
+               ("head_dim", self.head_dim), ("max_position", self.max_position)]
+        for name, v in pos:
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 31:
+                raise UsageError(f"{where}: {name} = {v!r}: expected an integer from 1 to 2^31")
+        for name in ("intermediate", "n_experts", "n_experts_per_tok", "moe_intermediate",
+                     "n_shared_experts", "first_k_dense", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 31:
+                raise UsageError(f"{where}: {name} = {v!r}: expected an integer from 0 to 2^31")
+        for name in ("n_group", "topk_group", "decoder_sparse_step"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UsageError(f"{where}: {name} = {getattr(self, name)!r}: expected >= 1")
+        for name in ("norm_eps", "rope_theta", "routed_scaling_factor"):
+            v = getattr(self, name)
+            if not isinstance(v, float) or not math.isfinite(v) or v <= 0:
+                raise UsageError(f"{where}: {name} = {v!r}: expected a finite number > 0")
+        if self.n_experts_per_tok > self.n_experts:
+            raise UsageError(f"{where}: {self.n_experts_per_tok} experts per token of "
+                             f"{self.n_experts}")
+        if max_layers is not None and self.n_layers > max_layers:
+            raise UsageError(f"{where}: {self.n_layers} layers declared, the checkpoint's "
+                             f"tensors hold {max_layers}")
+        return self
 
     @property
     def mla(self) -> bool:
@@ -128,10 +160,9 @@ def load_config(path_or_name: str | os.PathLike) -> ModelConfig:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise UsageError(f"{cfg_path}: missing (a Hugging Face model folder needs config.json)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{cfg_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    from hpcmac.io.inputs import parse_json, read_text
+
+    raw = parse_json(read_text(cfg_path, "config"), str(cfg_path))
     return config_from_hf(raw, str(cfg_path))
 
 
@@ -153,7 +184,17 @@ def _rope(raw: dict) -> tuple[float, dict[str, Any]]:
 
 
 def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
-    """Build a :class:`ModelConfig` from the dict of a Hugging Face ``config.json``."""
+    """Build a :class:`ModelConfig` from the dict of a Hugging Face ``config.json``
+    (checked: :meth:`ModelConfig.check`)."""
+    if not isinstance(raw, dict):
+        raise UsageError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    try:
+        return _config_from_hf(raw, where).check(where)
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:
+        raise UsageError(f"{where}: a field has the wrong type or value ({exc})") from None
+
+
+def _config_from_hf(raw: dict, where: str) -> ModelConfig:
     arch = raw.get("model_type")
     if arch not in ARCHS:
         raise UsageError(f"{where}: model_type {arch!r} is not supported; "

@@ -8,6 +8,7 @@ converter permutes for its rotary layout, are un-permuted back.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -67,6 +68,41 @@ _READERS: dict[tuple[str, int, int], object] = {}
 _READERS_MAX = 2
 
 
+def check_gguf(path: str | Path) -> None:
+    """UsageError (one line) unless ``path`` is a regular file whose GGUF header holds
+    together: every count and length within the file (read by hpcmac's own bounded reader,
+    hpcmac.plan.gguf_header, before ``gguf`` follows any of them), at most 4 dimensions per
+    tensor, and every tensor's data inside the file at its alignment."""
+    import stat
+
+    from hpcmac.plan.gguf_header import GGML_TYPES, read_header
+
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{path}: expected a regular GGUF file")
+    head = read_header(path)
+    align = head.fields.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20 \
+            or align & (align - 1):
+        raise UsageError(f"{path}: general.alignment {align!r}: expected a power of two")
+    start = -(-head.size // align) * align
+    for t in head.tensors.values():
+        _, size, block = GGML_TYPES[t.ggml_type]
+        n = t.numel
+        if any(d < 1 for d in t.shape) or n >= 1 << 48 or n % block:
+            raise UsageError(f"{path}: tensor {t.name}: shape {t.shape} is not whole "
+                             f"blocks of {block} elements")
+        end = start + t.offset + n // block * size
+        if t.offset % align or end > st.st_size:
+            raise UsageError(f"{path}: tensor {t.name}: data at offset {t.offset} "
+                             f"({n // block * size} bytes) is not inside the file "
+                             f"({st.st_size} bytes) at alignment {align}: truncated or not "
+                             "GGUF")
+
+
 def gguf_reader(path: str | Path):
     """A ``gguf.GGUFReader`` of ``path`` (read-only, memory-mapped), opened once per file version.
 
@@ -80,6 +116,7 @@ def gguf_reader(path: str | Path):
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     reader = _READERS.get(key)
     if reader is None:
+        check_gguf(path)  # bounded: a crafted count is refused before gguf follows it
         try:
             reader = gguf.GGUFReader(path, "r")
         except Exception as exc:  # the reader raises assorted errors on a bad file
@@ -139,9 +176,21 @@ class GGUFCheckpoint:
         return v
 
     def config(self) -> ModelConfig:
-        """Model configuration from the GGUF metadata."""
+        """Model configuration from the GGUF metadata (checked: ModelConfig.check, and
+        block_count against the layers the tensors hold)."""
         if self._cfg is not None:
             return self._cfg
+        try:
+            cfg = self._config()
+        except (TypeError, ValueError, AttributeError, ArithmeticError, KeyError) as exc:
+            raise UsageError(f"{self.path}: a metadata field has the wrong type or value "
+                             f"({type(exc).__name__}: {exc})") from None
+        blocks = {int(n.split(".")[1]) for n in self._tensors
+                  if n.startswith("blk.") and n.split(".")[1].isdigit()}
+        self._cfg = cfg.check(str(self.path), max_layers=len(blocks))
+        return self._cfg
+
+    def _config(self) -> ModelConfig:
         arch = GGUF_ARCHS.get(self._arch_gguf)
         if arch is None:
             raise UsageError(f"{self.path}: general.architecture {self._arch_gguf!r} is not "
@@ -213,7 +262,6 @@ class GGUFCheckpoint:
             cfg.n_group = int(self._meta("expert_group_count", 1) or 1)
             cfg.topk_group = int(self._meta("expert_group_used_count", 1) or 1)
             cfg.rope_interleave = True
-        self._cfg = cfg
         return cfg
 
     # -- tensors -------------------------------------------------------------

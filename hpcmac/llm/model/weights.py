@@ -17,7 +17,6 @@ read, so a pipeline stage touches only the bytes of its own layers.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from pathlib import Path
@@ -25,10 +24,54 @@ from pathlib import Path
 import numpy as np
 
 from hpcmac.errors import UsageError
+from hpcmac.io.inputs import decode_text, parse_json, read_text
 from hpcmac.llm.model.config import ModelConfig, is_gguf, resolve_model
 from hpcmac.llm.model.quant import QuantTensor, as_float, check_format, quantized_nbytes
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+#: every dtype a safetensors header may declare, with its item size
+_ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+#: safetensors' own bound on the JSON header
+MAX_ST_HEADER = 100 << 20
+
+
+def check_safetensors_table(table, data_len: int, where: str) -> dict:
+    """The tensor table of a safetensors header, every entry checked against the format and
+    the file: a dtype it names, a shape of integers >= 0, ``data_offsets`` [begin, end]
+    inside the data and exactly shape x item size long. Pure; UsageError for the first
+    problem."""
+    if not isinstance(table, dict):
+        raise UsageError(f"{where}: safetensors header: expected a JSON object, found "
+                         f"{type(table).__name__}")
+    table = dict(table)
+    table.pop("__metadata__", None)
+    for name, info in table.items():
+        at = f"{where}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise UsageError(f"{at}: expected an object with dtype, shape, data_offsets")
+        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ST_SIZES:
+            raise UsageError(f"{at}: dtype {dtype!r} is not a safetensors dtype")
+        if not isinstance(shape, list) or len(shape) > 8 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48
+                for d in shape):
+            raise UsageError(f"{at}: shape {shape!r}: expected a list of at most 8 "
+                             "integers >= 0")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(
+                isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+            raise UsageError(f"{at}: data_offsets {offs!r}: expected [begin, end]")
+        lo, hi = offs
+        if not 0 <= lo <= hi <= data_len:
+            raise UsageError(f"{at}: data_offsets [{lo}, {hi}]: expected 0 <= begin <= end <= "
+                             f"{data_len} (the data in the file)")
+        want = _ST_SIZES[dtype]
+        for d in shape:
+            want *= d
+        if hi - lo != want:
+            raise UsageError(f"{at}: {hi - lo} bytes for shape {shape} of {dtype} "
+                             f"({want} expected)")
+    return table
 
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
@@ -44,11 +87,15 @@ class SafetensorsCheckpoint:
         index = self.path / "model.safetensors.index.json"
         self._file_of: dict[str, Path] = {}
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError):
-                raise UsageError(f"{index}: expected JSON with a 'weight_map' object") from None
+            doc = parse_json(read_text(index, "index", 64 << 20), str(index))
+            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+            if not isinstance(weight_map, dict):
+                raise UsageError(f"{index}: expected JSON with a 'weight_map' object")
             for name, fname in weight_map.items():
+                if not isinstance(fname, str) or Path(fname).name != fname or \
+                        not fname.endswith(".safetensors"):
+                    raise UsageError(f"{index}: weight_map[{name!r}]: expected a .safetensors "
+                                     f"file name in {self.path}, found {fname!r}")
                 self._file_of[name] = self.path / fname
             files = sorted(set(self._file_of.values()))
         else:
@@ -68,26 +115,20 @@ class SafetensorsCheckpoint:
         if f not in self._headers:
             if not f.exists():
                 raise UsageError(f"{f}: weight file is missing")
+            if not f.is_file():
+                raise UsageError(f"{f}: expected a regular file")
             size = f.stat().st_size
             with open(f, "rb") as fh:
                 head = fh.read(8)
                 if len(head) < 8:
                     raise UsageError(f"{f}: truncated (no safetensors header)")
                 (n,) = struct.unpack("<Q", head)
-                if n > size - 8:
+                if n > size - 8 or n > MAX_ST_HEADER:
                     raise UsageError(f"{f}: truncated or not safetensors "
                                      f"(header of {n} bytes, file of {size})")
-                try:
-                    table = json.loads(fh.read(n))
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise UsageError(f"{f}: corrupt safetensors header") from None
-            table.pop("__metadata__", None)
-            data_len = size - 8 - n
-            for name, info in table.items():
-                end = info["data_offsets"][1]
-                if end > data_len:
-                    raise UsageError(f"{f}: truncated: tensor {name} needs bytes up to "
-                                     f"{end}, the file holds {data_len}")
+                text = decode_text(fh.read(n), f"{f}: safetensors header")
+            table = check_safetensors_table(parse_json(text, f"{f}: safetensors header"),
+                                            size - 8 - n, str(f))
             self._headers[f] = (8 + n, table)
         return self._headers[f]
 
@@ -103,8 +144,9 @@ class SafetensorsCheckpoint:
             self._qcfg = {}
             f = self.path / "config.json"
             try:
-                raw = json.loads(f.read_text()) if f.exists() else {}
-            except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+                raw = parse_json(read_text(f, "config"), str(f)) if f.exists() else {}
+                raw = raw if isinstance(raw, dict) else {}
+            except UsageError:
                 raw = {}
             q = raw.get("quantization", raw.get("quantization_config")) \
                 if isinstance(raw, dict) else None

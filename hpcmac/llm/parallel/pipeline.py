@@ -19,10 +19,10 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
 * stage r -> r+1, tag ``TAG_FWD``: a header ``int32[4] = (kind, n, T, mb_id)``
   then, for ``FWD``, one payload ``float32[5 n + T hidden]``: the meta rows
   ``int32 (n, 5) = (seq, slot, length, position, sample)`` (their bits) and the
-  hidden states ``(T, hidden)``; for ``CTRL`` a pickled dict of ``n`` bytes
-  (sequences joining and leaving); ``STOP`` ends the loop; ``PING`` (a header
-  alone) is sent by an idle server now and then so that waiting stages know
-  rank 0 is alive. A decoded token
+  hidden states ``(T, hidden)``; for ``CTRL`` a dict of ``n`` bytes in
+  comm.wire's plain tagged format, never pickle (sequences joining and leaving);
+  ``STOP`` ends the loop; ``PING`` (a header alone) is sent by an idle server
+  now and then so that waiting stages know rank 0 is alive. A decoded token
   thus costs one hidden vector plus 20 bytes on a link, and 16 bytes per
   micro-batch.
 * last stage -> rank 0, tag ``TAG_RET``: ``int32[1 + n_sample] = (mb_id,
@@ -32,7 +32,6 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
 from __future__ import annotations
 
 import math
-import pickle
 import signal
 import socket
 import sys
@@ -210,6 +209,31 @@ def _phase(meta: np.ndarray) -> str:
     return "decode" if bool(np.all(meta[:, 2] == 1)) else "prefill"
 
 
+def _ctrl_to_wire(ctrl: dict) -> bytes:
+    """A control message as plain tagged bytes (comm.wire; never pickle)."""
+    from dataclasses import asdict
+
+    from hpcmac.comm import wire
+
+    return wire.encode({"add": [(int(i), [int(t) for t in p], asdict(s))
+                                for i, p, s in ctrl["add"]],
+                        "free": [(int(i), int(s)) for i, s in ctrl["free"]]})
+
+
+def _ctrl_from_wire(data: bytes, sender: int) -> dict:
+    """The control message :func:`_ctrl_to_wire` wrote; anything else ends the job."""
+    from hpcmac.comm import wire
+    from hpcmac.llm.model.sampling import SamplingParams
+
+    try:
+        msg = wire.decode(data)
+        return {"add": [(int(i), list(p), SamplingParams(**s)) for i, p, s in msg["add"]],
+                "free": [(int(i), int(s)) for i, s in msg["free"]]}
+    except (ValueError, TypeError, KeyError) as exc:
+        raise RuntimeError(f"malformed pipeline control message from rank {sender}: "
+                           f"{exc}") from None
+
+
 def _serve(st: _StageState, t_start: float) -> None:
     """Ranks > 0: receive from the previous stage until STOP."""
     prev = st.group.rank - 1
@@ -227,7 +251,7 @@ def _serve(st: _StageState, t_start: float) -> None:
             continue
         if kind == CTRL:
             payload = link.recv(np.empty(n, dtype=np.uint8), prev, TAG_FWD)
-            st.apply_ctrl(pickle.loads(payload.tobytes()))
+            st.apply_ctrl(_ctrl_from_wire(payload.tobytes(), prev))
             if st.next >= 0:
                 link.send(hdr, st.next, TAG_FWD, "ctrl")
                 link.send(payload, st.next, TAG_FWD, "ctrl")
@@ -351,7 +375,7 @@ class _Scheduler:
         ctrl, self.ctrl = self.ctrl, {"add": [], "free": []}
         self.st.apply_ctrl(ctrl)
         if self.size > 1:
-            payload = np.frombuffer(pickle.dumps(ctrl), dtype=np.uint8).copy()
+            payload = np.frombuffer(_ctrl_to_wire(ctrl), dtype=np.uint8).copy()
             hdr = np.array([CTRL, payload.size, 0, -1], dtype=WIRE)
             self.st.link.send(hdr, 1, TAG_FWD, "ctrl")
             self.st.link.send(payload, 1, TAG_FWD, "ctrl")
@@ -592,10 +616,13 @@ def run_pipeline(
     if group.rank == 0:
         sched = _Scheduler(st, requests or [], t_start, on_token, stop_check, source)
         old = None
+        from hpcmac.interrupts import deferred
+
         if threading.current_thread() is threading.main_thread():
             old = signal.signal(signal.SIGINT, sched.interrupt)
         try:
-            sched.run()
+            with deferred(signal.SIGINT):  # hpcmac.interrupts leaves this SIGINT to us
+                sched.run()
         finally:
             if old is not None:
                 signal.signal(signal.SIGINT, old)
