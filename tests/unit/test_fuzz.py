@@ -345,7 +345,7 @@ def test_fuzz_family(family):
     assert peak_mb < PEAK_RSS_MB or before / 1024 >= PEAK_RSS_MB, f"peak RSS {peak_mb:.0f} MB"
 
 
-def _cli(args, cwd, timeout=60):
+def _cli(args, cwd, timeout=120):
     env = dict(os.environ, PYTHONPATH=str(ROOT), HPCMAC_QUIET_TRANSPORT="1")
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
@@ -380,7 +380,9 @@ def test_command_lines_refuse_with_one_line(tmp_path):
         err = proc.stderr.decode(errors="replace")
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, (args, err)
-        assert lines[0].startswith("error: ") and took < 30, (args, lines, took)
+        # the LLM cases read SmolLM2's GGUF header first: seconds, more on a loaded machine;
+        # the bound is there to catch a hang, not to time the model load
+        assert lines[0].startswith("error: ") and took < 120, (args, lines, took)
 
 
 if __name__ == "__main__":

@@ -130,9 +130,12 @@ def test_write_atomic_survives_a_kill_mid_write(tmp_path):
     """)
     import json
 
-    for delay in (0.3, 0.45, 0.6):
+    for delay in (0.01, 0.07, 0.13):
         proc = subprocess.Popen([sys.executable, "-c", script])
-        time.sleep(delay)
+        deadline = time.monotonic() + 60  # start-up on a loaded machine: wait for a first file
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(delay)  # then kill it somewhere in the middle of its rewrites
         proc.kill()
         proc.wait()
         assert json.loads(path.read_text())[0]["run"] >= 1

@@ -21,14 +21,14 @@ rank and host named):
 * leader -> followers, tag ``TAG_STEP``: ``int32[4] = (kind, n, T, mode)``,
   then for ``FWD`` the meta rows ``int32 (n, 5)`` and the token ids (int64,
   first stage) or hidden states (float32 ``(T, hidden)``); for ``CTRL`` a
-  pickled dict of ``n`` bytes; ``STOP`` ends the followers' loop.
+  dict of ``n`` bytes in comm.wire's plain tagged format (never pickle);
+  ``STOP`` ends the followers' loop.
 * followers -> leader, tag ``TAG_HEAD``: ``(k, 2)`` float64 (best logit, id)
   rows, or the ``(k, vocab slice)`` float32 logits.
 """
 
 from __future__ import annotations
 
-import pickle
 import socket
 import time
 from collections.abc import Sequence
@@ -165,7 +165,10 @@ class TensorGroup:
         """Leader: sequences leaving (their cache slots are freed on every rank)."""
         if self.size == 1 or not ctrl.get("free"):
             return
-        payload = np.frombuffer(pickle.dumps({"free": ctrl["free"]}), dtype=np.uint8).copy()
+        from hpcmac.comm import wire
+
+        free = [(int(i), int(slot)) for i, slot in ctrl["free"]]
+        payload = np.frombuffer(wire.encode({"free": free}), dtype=np.uint8).copy()
         self._send_all([np.array([CTRL, payload.size, 0, 0], dtype=np.int32), payload])
 
     def send_stop(self) -> None:
@@ -235,9 +238,14 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
         if kind == STOP:
             return
         if kind == CTRL:
-            ctrl = pickle.loads(tg._recv(np.empty(n, dtype=np.uint8), TAG_STEP, 0,
-                                         "to send a step").tobytes())
-            for _, slot in ctrl["free"]:
+            from hpcmac.comm import wire
+
+            data = tg._recv(np.empty(n, dtype=np.uint8), TAG_STEP, 0, "to send a step")
+            try:
+                slots = [int(slot) for _, slot in wire.decode(data.tobytes())["free"]]
+            except (ValueError, TypeError, KeyError) as exc:
+                raise RuntimeError(f"malformed tensor-group control message: {exc}") from None
+            for slot in slots:
                 cache.free(slot)
             continue
         meta = tg._recv(np.empty((n, META), dtype=np.int32), TAG_STEP, 0, "to send a step")
