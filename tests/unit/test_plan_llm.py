@@ -197,7 +197,7 @@ args_ = st.tuples(st.floats(50, 1000), st.floats(1e-6, 1e-3), st.floats(1e8, 1e1
                   st.sampled_from([1, 4, 16]))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(args_, st.floats(1.01, 8))
 def test_more_of_anything_never_predicts_slower(a, f):
     bw, alpha, beta, bits, layer_s, (k, tp), b = a
