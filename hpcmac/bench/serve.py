@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=32, help="requests per client count")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="serve's --prefill-chunk (default: serve's own, 64)")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
     if min(args.ranks) < 1 or min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1:
@@ -171,12 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for np_ in args.ranks:
         ref = generate_batch(np_, args.model, reqs, slots)
-        proc, url = start_server(np_, args.model, slots, [])
+        extra = ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []
+        proc, url = start_server(np_, args.model, slots, extra)
         try:
             load(url, 1, reqs[:2])  # warm-up (compiled kernels, caches)
             for c in args.clients:
                 m = load(url, c, reqs)
-                m.update(ranks=np_, generate_batch_tok_s=ref["tok_s"])
+                m.update(ranks=np_, generate_batch_tok_s=ref["tok_s"],
+                         prefill_chunk=args.prefill_chunk or 64)
                 rows.append(m)
         finally:
             stop_server(proc)
