@@ -31,7 +31,7 @@ import numpy as np
 from hpcmac.llm.model.quant import QuantTensor, unpack
 
 #: rows of x above which a product goes through dequantized tiles and BLAS
-GEMM_ROWS = 3
+GEMM_ROWS = 16
 #: output rows dequantized per tile on the BLAS path
 TILE = 32
 
@@ -88,6 +88,53 @@ def _compile():
                 y[m, o] = acc
 
     @nb.njit(**opts)
+    def mm4(xe, xo, xs, q, s, b, y):
+        # a few rows of x: each weight row's codes become floats once (in L1), then
+        # every row of x takes its dot products from them
+        M = xe.shape[0]
+        out, hg, G = q.shape
+        wl = np.empty((hg, G), np.float32)
+        wh = np.empty((hg, G), np.float32)
+        t = np.empty(G, np.float32)
+        for o in range(out):
+            for k in range(hg):
+                for g in range(G):
+                    c = np.int32(q[o, k, g])
+                    wl[k, g] = np.float32(c & np.int32(15))
+                    wh[k, g] = np.float32(c >> np.int32(4))
+            for m in range(M):
+                for g in range(G):
+                    t[g] = 0.0
+                for k in range(hg):
+                    for g in range(G):
+                        t[g] += wl[k, g] * xe[m, k, g] + wh[k, g] * xo[m, k, g]
+                acc = np.float32(0.0)
+                for g in range(G):
+                    acc += s[o, g] * t[g] + b[o, g] * xs[m, g]
+                y[m, o] = acc
+
+    @nb.njit(**opts)
+    def mm8(x, xs, q, s, b, y):
+        M = x.shape[0]
+        out, gs, G = q.shape
+        w = np.empty((gs, G), np.float32)
+        t = np.empty(G, np.float32)
+        for o in range(out):
+            for k in range(gs):
+                for g in range(G):
+                    w[k, g] = np.float32(np.int32(q[o, k, g]))
+            for m in range(M):
+                for g in range(G):
+                    t[g] = 0.0
+                for k in range(gs):
+                    for g in range(G):
+                        t[g] += w[k, g] * x[m, k, g]
+                acc = np.float32(0.0)
+                for g in range(G):
+                    acc += s[o, g] * t[g] + b[o, g] * xs[m, g]
+                y[m, o] = acc
+
+    @nb.njit(**opts)
     def deq4(q, s, b, lo, hi, w):  # rows [lo, hi) -> w (hi-lo, in) float32
         _, hg, G = q.shape
         for o in range(lo, hi):
@@ -109,7 +156,7 @@ def _compile():
                 for k in range(gs):
                     w[o - lo, g * gs + k] = sc * np.float32(np.int32(q[o, k, g])) + bi
 
-    _kernels = dict(mv4=mv4, mv8=mv8, deq4=deq4, deq8=deq8)
+    _kernels = dict(mv4=mv4, mv8=mv8, mm4=mm4, mm8=mm8, deq4=deq4, deq8=deq8)
     return _kernels
 
 
@@ -166,13 +213,14 @@ def qmatmul(x: np.ndarray, w: NQWeight) -> np.ndarray:
     if m <= GEMM_ROWS:
         xg = x.reshape(m, -1, w.group)  # (M, G, group)
         xs = np.ascontiguousarray(xg.sum(axis=-1, dtype=np.float32))
+        name = ("mv" if m == 1 else "mm") + ("4" if w.packed4 else "8")
         if w.packed4:  # (M, G, group/2) even and odd inputs -> (M, group/2, G)
-            kern["mv4"](np.ascontiguousarray(xg[:, :, 0::2].transpose(0, 2, 1)),
-                        np.ascontiguousarray(xg[:, :, 1::2].transpose(0, 2, 1)),
-                        xs, w.q, w.scales, w.biases, y)
+            kern[name](np.ascontiguousarray(xg[:, :, 0::2].transpose(0, 2, 1)),
+                       np.ascontiguousarray(xg[:, :, 1::2].transpose(0, 2, 1)),
+                       xs, w.q, w.scales, w.biases, y)
         else:
-            kern["mv8"](np.ascontiguousarray(xg.transpose(0, 2, 1)), xs, w.q, w.scales,
-                        w.biases, y)
+            kern[name](np.ascontiguousarray(xg.transpose(0, 2, 1)), xs, w.q, w.scales,
+                       w.biases, y)
         return y
     buf = np.empty((min(TILE, w.n), w.k), np.float32)
     for lo in range(0, w.n, TILE):
