@@ -182,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         from hpcmac.llm.model.fixtures import write_gguf
 
         path = write_gguf(model, work / f"llama-{qt}.gguf", qt)
-        rss0 = _rss()
+        held_rss = _load_rss(path, cfg.n_layers, args.backend)
         kept = load_stage(path, 0, cfg.n_layers, True, True, backend=args.backend)
-        held_rss = _rss() - rss0
         quant[qt] = {"path": path, "kept": kept, "file_bytes": path.stat().st_size,
                      "held_bytes": kept.nbytes, "rss_bytes": held_rss,
                      "float": load_stage(path, 0, cfg.n_layers, True, True,
@@ -281,6 +280,19 @@ def _quiet_stderr():
         os.dup2(saved, 2)
         os.close(null)
         os.close(saved)
+
+
+def _load_rss(path: Path, n_layers: int, backend: str) -> int:
+    """Resident bytes a fresh process gains by loading the whole model (after its imports)."""
+    import subprocess
+
+    code = ("import sys; from hpcmac.bench.llm import _rss; "
+            "from hpcmac.llm.model.stage import load_stage; import numba; r0 = _rss(); "
+            f"s = load_stage(sys.argv[1], 0, {n_layers}, True, True, backend={backend!r}); "
+            "print(_rss() - r0)")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                       text=True, timeout=600)
+    return int(r.stdout.split()[-1]) if r.returncode == 0 and r.stdout.split() else 0
 
 
 def _rss() -> int:
