@@ -77,6 +77,12 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        # the ranks run in process groups of their own: none may outlive the test
+        for pid in _rank_pids(self.tag).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["np1", "np2"])
