@@ -27,5 +27,5 @@ def test_smollm2_splits_quoted_in_the_llm_guide():
     def split(p, tokens):
         return proportional_counts([b + kv * tokens for b in layers], embed, head, [64e9] * p)
 
-    assert [split(p, 100) for p in (2, 3, 4)] == [[19, 11], [12, 13, 5], [9, 9, 10, 2]]
-    assert [split(p, 64 * 176) for p in (2, 4)] == [[17, 13], [8, 8, 9, 5]]
+    assert [split(p, 100) for p in (2, 3, 4)] == [[21, 9], [14, 14, 2], [9, 10, 10, 1]]
+    assert [split(p, 64 * 176) for p in (2, 4)] == [[16, 14], [8, 8, 8, 6]]
