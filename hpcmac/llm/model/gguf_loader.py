@@ -286,6 +286,12 @@ class GGUFCheckpoint:
     def numel(self, name: str) -> int:
         return int(np.prod(self.shape(name), dtype=np.int64))
 
+    def release(self) -> None:
+        """Forget the file's pages read so far (the reader stays usable)."""
+        from hpcmac.llm.model.weights import release_mapped
+
+        release_mapped(self.reader.data)
+
     def stored_nbytes(self, name: str) -> int:
         """Bytes ``name`` takes in memory as :meth:`get_weight` returns it."""
         from hpcmac.llm.model.gguf_quant import EXACT

@@ -374,5 +374,7 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
             extra["head"] = ld.w("lm_head.weight", head[0])
     stage = Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes, shard, reduce)
     stage.formats = dict(ld.formats)
+    if hasattr(ckpt, "release"):  # the file's pages read while loading leave the RSS
+        ckpt.release()
     release_freed_memory()
     return stage

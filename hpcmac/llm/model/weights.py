@@ -293,6 +293,11 @@ class SafetensorsCheckpoint:
             raise UsageError(f"{self.path}: tensor {prefix}.0.{which}_proj.weight is missing")
         return np.stack(mats)
 
+    def release(self) -> None:
+        """Forget the pages read so far (see :func:`release_mapped`)."""
+        for m in self._maps.values():
+            release_mapped(m)
+
     def experts_nbytes(self, layer: int) -> int | None:
         """Bytes of one layer's routed experts as held, when mlx-lm stored them quantized."""
         names = [f"model.layers.{layer}.mlp.switch_mlp.{w}_proj.weight"
@@ -300,6 +305,22 @@ class SafetensorsCheckpoint:
         if all(self.has(n) and self.is_quantized(n) for n in names):
             return sum(self.stored_nbytes(n) for n in names)
         return None
+
+
+def release_mapped(arr) -> None:
+    """Drop the pages of a memory-mapped file that this process has read from its
+    resident set (``madvise(MADV_DONTNEED)``): once a stage has copied what it
+    needs, a file's pages would otherwise count in RSS although the kernel may
+    reclaim them. Reading the array again simply reads the file again."""
+    import mmap
+
+    mm = getattr(arr, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if mm is not None and advice is not None:
+        try:
+            mm.madvise(advice)
+        except (OSError, ValueError):
+            pass
 
 
 def open_checkpoint(path_or_name: str | os.PathLike):
