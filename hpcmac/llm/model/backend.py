@@ -12,7 +12,7 @@ import mmap
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.quant import QuantTensor, RowBlocks, quantized_nbytes
+from hpcmac.llm.model.quant import BITS, GROUPS, QuantTensor, RowBlocks, quantized_nbytes
 
 __all__ = ["quantized_nbytes"]  # re-exported: the planner and tests import it from here
 
@@ -162,8 +162,7 @@ class NumpyBackend:
 
 
 #: weight bits and group sizes MLX's affine quantization takes
-QUANT_BITS = (2, 3, 4, 5, 6, 8)
-QUANT_GROUPS = (32, 64, 128)
+QUANT_BITS, QUANT_GROUPS = BITS, GROUPS  # the format's own (hpcmac.llm.model.quant)
 
 
 def check_quantize(backend: str, bits: int | None, group_size: int = 64) -> None:

@@ -17,10 +17,7 @@ most even one (smallest sum of squares). See :func:`proportional_counts`.
 
 from __future__ import annotations
 
-import os
-import platform
 import socket
-import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -300,21 +297,9 @@ def rank_budgets(
 
 def available_memory() -> int:
     """Bytes of memory available to a new process on this machine (local)."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        pass
-    if platform.system() == "Darwin":
-        try:
-            total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True,
-                                       text=True, timeout=5).stdout.strip())
-            # unified memory: Metal may wire about 3/4 of it by default
-            return int(total * 0.75)
-        except (OSError, ValueError, subprocess.SubprocessError):
-            pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    from hpcmac.limits import system_available
+
+    return system_available()
 
 
 # -- agreeing on errors -----------------------------------------------------------------
