@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -71,4 +72,5 @@ def test_main_writes_hpl_out_file_and_json(pmap):
         ok = ok and text.count("PASSED") == 4 and "4 tests skipped" in text
         ok = ok and "L1     : no-transposed form" in text and "EQUIL  : no" in text
         why = text[-1200:]
+        shutil.rmtree(tmp)
     parallel_assert(ok, why, world)

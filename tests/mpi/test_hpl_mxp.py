@@ -4,6 +4,7 @@ the low-precision LU cannot precondition is FAILED (exit 1), never PASSED."""
 
 import json
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -97,6 +98,8 @@ def _main(args, g):
     g.barrier()
     recs = json.load(open(js)) if g.rank == 0 else None
     text = open(out).read() if g.rank == 0 else ""
+    if g.rank == 0:
+        shutil.rmtree(tmp)
     return code, recs, text
 
 

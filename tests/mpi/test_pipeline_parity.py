@@ -7,6 +7,7 @@ checks that model against transformers. Every rank computes the oracle itself.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 
 import numpy as np
@@ -43,7 +44,10 @@ def checkpoints():
             random_checkpoint(arch, path, seed=10 + k, num_hidden_layers=N_LAYERS, **extra)
         paths[arch] = path
     g.barrier()
-    return paths
+    yield paths
+    g.barrier()
+    if g.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def reference(path: str, prompts: list[list[int]], n_new: int, stage=None):

@@ -10,6 +10,7 @@ on one rank, one prompt at a time (part 1 checks it against transformers).
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 
 import numpy as np
@@ -52,7 +53,10 @@ def checkpoints():
             random_checkpoint(arch, paths[arch], seed=20 + k, num_hidden_layers=3,
                               **SHAPES[arch])
     g.barrier()
-    return paths
+    yield paths
+    g.barrier()
+    if g.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def reference(path: str, prompts, n_new: int, n_layers: int):

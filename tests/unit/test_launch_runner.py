@@ -8,7 +8,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,7 +56,7 @@ def test_dry_run_prints_the_argument_list_and_the_generated_hostfile():
     assert "#   mac1.local slots=1" in res.stdout
 
 
-def test_dry_run_via_mlx_writes_mlx_hostfile():
+def test_dry_run_via_mlx_writes_mlx_hostfile(tmp_path):
     res = cli("--hostfile", str(HOSTFILES / "mesh-3.json"), "--via", "mlx", "--backend",
               "ring", "--dry-run", "--", "python", "x.py")
     assert res.returncode == 0, res.stderr
@@ -68,7 +67,7 @@ def test_dry_run_via_mlx_writes_mlx_hostfile():
     assert '"backend": "ring",' in res.stdout
     d = json.loads((HOSTFILES / "mesh-3.json").read_text())
     d["hosts"][1]["python"] = "/opt/py/bin/python3"
-    f = Path(tempfile.mkdtemp()) / "py.json"
+    f = tmp_path / "py.json"
     f.write_text(json.dumps(d))
     res = cli("--hostfile", str(f), "--via", "mlx", "--dry-run", "--", "python", "x.py")
     assert res.returncode == 2 and "host 'mac2': field 'python' is /opt/py/bin/python3 but " \
