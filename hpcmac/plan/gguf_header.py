@@ -73,10 +73,10 @@ class _Reader:
 
     CHUNK = 4 << 20
 
-    def __init__(self, fh: BinaryIO, path: str):
+    def __init__(self, fh: BinaryIO, path: str, keep_arrays: bool = False):
         import os
 
-        self.fh, self.path = fh, path
+        self.fh, self.path, self.keep = fh, path, keep_arrays
         self.buf, self.off = b"", 0
         # every count and length is checked against the bytes the file still holds, so a
         # crafted count is refused at once instead of being followed
@@ -140,6 +140,39 @@ class _Reader:
                     raise UsageError(f"{self.path}: GGUF string of {n} bytes: not a GGUF header")
                 self._need(8 + n)
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings decoded (a tokenizer's vocabulary: ~0.03 s for 100k)."""
+        u64 = _U64.unpack_from
+        out: list[str] = []
+        add = out.append
+        left = count
+        while left:
+            buf, off, end = self.buf, self.off, len(self.buf)
+            while left and off + 8 <= end:
+                n = u64(buf, off)[0]
+                if off + 8 + n > end:
+                    break
+                add(buf[off + 8:off + 8 + n].decode("utf-8", errors="replace"))
+                off += 8 + n
+                left -= 1
+            self.off = off
+            if left:
+                self._need(8)
+                n = u64(self.buf, self.off)[0]
+                if n > 1 << 24:
+                    raise UsageError(f"{self.path}: GGUF string of {n} bytes: not a GGUF header")
+                self._need(8 + n)
+        return out
+
+    def scalars(self, etype: int, count: int) -> list:
+        """``count`` fixed-size values of one type, unpacked at once."""
+        fmt = _SCALARS[etype]
+        size = struct.calcsize(fmt)
+        self._need(count * size)
+        vals = struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.off)
+        self.off += count * size
+        return list(vals)
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -151,7 +184,11 @@ class _Reader:
                        "array")
             if etype == _ARRAY and self.depth >= 8:
                 raise UsageError(f"{self.path}: GGUF arrays nested deeper than 8")
-            if n <= _KEEP_ARRAY:
+            if self.keep and etype in _SCALARS:
+                return self.scalars(etype, n)
+            if self.keep and etype == _STRING:
+                return self.strings(n)
+            if n <= _KEEP_ARRAY or self.keep:
                 self.depth += 1
                 try:
                     return [self.value(etype) for _ in range(n)]
@@ -179,15 +216,20 @@ class _Length(int):
     """An array that was skipped: only its length is known."""
 
 
-def read_header(path: str | Path) -> Header:
-    """Metadata and tensor table of a GGUF file (or of its first bytes up to the data)."""
+def read_header(path: str | Path, keep_arrays: bool = False) -> Header:
+    """Metadata and tensor table of a GGUF file (or of its first bytes up to the data).
+
+    Arrays longer than 64 entries (a tokenizer's vocabulary and merges) are skipped
+    and stand as their length, unless ``keep_arrays``: then every array is decoded
+    (strings as ``str``, numbers as a list), as a model's loader needs them.
+    """
     p = Path(path)
     try:
         fh = open(p, "rb")
     except OSError as exc:
         raise UsageError(f"{p}: cannot read ({exc.strerror})") from None
     with fh:
-        r = _Reader(fh, str(p))
+        r = _Reader(fh, str(p), keep_arrays)
         if fh.read(4) != b"GGUF":
             raise UsageError(f"{p}: not a GGUF file (no GGUF magic)")
         r.buf, r.off = b"", 0
@@ -215,6 +257,8 @@ def read_header(path: str | Path) -> Header:
             offset = r.unpack("<Q")  # into the data section
             if gtype not in GGML_TYPES:
                 raise UsageError(f"{p}: tensor {name}: ggml type {gtype} unknown")
+            if name in tensors:
+                raise UsageError(f"{p}: tensor {name} appears twice in the tensor table")
             tensors[name] = TensorInfo(name, dims, gtype, offset)
         size = r.tell()
     return Header(str(p), version, fields, tensors, size)
