@@ -2,8 +2,9 @@
 
 Tensors are addressed by their canonical (Hugging Face) names and translated
 to GGUF names here. The header is read by hpcmac.plan.gguf_header and the file
-memory-mapped (:class:`GGUFFile`); only the tensors asked for are dequantized. Llama-architecture Q/K rows, which the
-converter permutes for its rotary layout, are un-permuted back.
+memory-mapped (:class:`GGUFFile`); only the tensors asked for are dequantized.
+Llama-architecture Q/K rows, which the converter permutes for its rotary layout,
+are un-permuted back.
 """
 
 from __future__ import annotations
