@@ -12,6 +12,9 @@ number of BLAS / llama.cpp threads:
   weights dequantized to float32, and by llama.cpp on that GGUF, against the
   bandwidth bound of the quantized bytes; and the memory held against the file.
 
+``--ttft`` measures instead the time to first token from a fresh process beside
+llama.cpp's (hpcmac.bench.llm_ttft).
+
 By default the model is a random float32 Llama of ~150M parameters (~490 MB read
 per token) written to a temporary folder; ``--model`` benchmarks any checkpoint.
 """
@@ -146,7 +149,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="GGUF types for the quantized rows, comma-separated ('' = none; "
                          "random model only)")
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--ttft", action="store_true",
+                    help="time to first token from a fresh process against llama.cpp, same "
+                         "GGUF and prompt, 1 thread (--model: a GGUF, default smollm2; see "
+                         "hpcmac.bench.llm_ttft)")
+    ap.add_argument("--prompt-words", type=int, default=256,
+                    help="--ttft: words in the prompt (about one token each; default 256)")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="--ttft: seconds one process may take (default 300)")
     args = ap.parse_args(argv)
+    if args.ttft:
+        if args.rounds < 1 or args.prompt_words < 1:
+            raise UsageError("--rounds and --prompt-words must be >= 1")
+        from hpcmac.bench.llm_ttft import run as ttft
+
+        return ttft(args.model, args.prompt_words, args.rounds, args.timeout, args.json)
     if args.threads < 1 or args.steps < 1 or args.batch < 1 or args.rounds < 1:
         raise UsageError("--threads, --steps, --batch and --rounds must be >= 1")
     from threadpoolctl import threadpool_limits
