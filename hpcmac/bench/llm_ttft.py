@@ -1,4 +1,4 @@
-"""``python -m hpcmac.bench.llm --ttft``: time to first token from a fresh process, beside llama.cpp.
+"""``python -m hpcmac.bench.llm --ttft``: time to first token from a fresh process vs llama.cpp.
 
 What a user waits for after typing a command: each round starts two fresh
 processes on the same GGUF and the same prompt text, one thread each, and
@@ -13,8 +13,8 @@ alternates which goes first:
 The time is from starting the process to the first byte of the generated
 token on its stdout (both print it as soon as it is known, then exit); the
 time to exit is recorded too. Each side's own in-process time to the token
-once loaded (hpcmac's ``ttft_s``, llama.cpp's ``prompt_ms``: the prefill) and the prompt's token count (which
-must agree) come from the processes. Medians over ``--rounds``; the ratio is
+once loaded (hpcmac's ``ttft_s``, llama.cpp's ``prompt_ms``: the prefill) and
+the prompt's token count (which must agree) come from the processes. Medians over ``--rounds``; the ratio is
 hpcmac / llama.cpp.
 """
 
