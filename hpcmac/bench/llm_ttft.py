@@ -14,8 +14,8 @@ The time is from starting the process to the first byte of the generated
 token on its stdout (both print it as soon as it is known, then exit); the
 time to exit is recorded too. Each side's own in-process time to the token
 once loaded (hpcmac's ``ttft_s``, llama.cpp's ``prompt_ms``: the prefill) and
-the prompt's token count (which must agree) come from the processes. Medians over ``--rounds``; the ratio is
-hpcmac / llama.cpp.
+the prompt's token count (which must agree) come from the processes. Medians
+over ``--rounds``; the ratio is hpcmac / llama.cpp.
 """
 
 from __future__ import annotations
