@@ -52,24 +52,41 @@ def _address_space_left() -> int | None:
     return max(0, soft - used)
 
 
-def _cgroup_left() -> int | None:
-    """Bytes left under this process's cgroup v2 memory limit, or None when unlimited."""
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _cgroup_left(proc_cgroup: str = "/proc/self/cgroup",
+                 root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes left under this process's cgroup memory limit, or None when unlimited.
+
+    cgroup v2 (``memory.max`` less ``memory.current``) where the memory controller is
+    there, else cgroup v1's (``memory.limit_in_bytes`` less ``memory.usage_in_bytes``
+    under ``root/memory``, as on hybrid hosts).
+    """
     try:
-        with open("/proc/self/cgroup") as f:
-            rel = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")),
-                       None)
-        if rel is None:
-            return None
-        base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
-        with open(os.path.join(base, "memory.max")) as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open(os.path.join(base, "memory.current")) as f:
-            current = int(f.read().strip())
-        return max(0, int(limit) - current)
-    except (OSError, ValueError, IndexError):
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
         return None
+    for hid, controllers, rel in lines:
+        try:
+            if hid == "0" and controllers == "":
+                base = os.path.join(root, rel.lstrip("/"))
+                limit = _read(os.path.join(base, "memory.max"))
+                if limit == "max":
+                    return None
+                return max(0, int(limit) - int(_read(os.path.join(base, "memory.current"))))
+            if "memory" in controllers.split(","):
+                base = os.path.join(root, "memory", rel.lstrip("/"))
+                limit = int(_read(os.path.join(base, "memory.limit_in_bytes")))
+                if limit >= 1 << 60:  # v1 writes "unlimited" as ~2^63
+                    return None
+                return max(0, limit - int(_read(os.path.join(base, "memory.usage_in_bytes"))))
+        except (OSError, ValueError):
+            continue  # no memory controller in this hierarchy
+    return None
 
 
 def available_memory(ranks_here: int = 1) -> int:
