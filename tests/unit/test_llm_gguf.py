@@ -244,3 +244,31 @@ def test_gguf_reader_opened_once_per_file_version(folders, tmp_path):
     again = gguf_reader(path)
     assert again is not first
     assert load_config(path).arch == "qwen2"
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
+def test_gguf_file_reads_what_the_gguf_package_reads(folders, tmp_path, qtype):
+    """hpcmac's GGUF reader against the ``gguf`` package's (the oracle): every metadata
+    value, every tensor's name, type, shape, offset and bytes; on written files and on
+    SmolLM2's (Q4_1 and Q8_0 tensors, a 49152-token vocabulary and its merges)."""
+    import gguf
+
+    from hpcmac.llm.model.gguf_loader import GGUFFile
+
+    paths = [write_gguf(folders["llama"], tmp_path / f"m-{qtype}.gguf", qtype)]
+    if qtype == "F32":
+        try:
+            paths.append(resolve_model("smollm2"))
+        except Exception:
+            pass
+    for path in paths:
+        ours, ref = GGUFFile(path), gguf.GGUFReader(path, "r")
+        want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+        assert {k: f.contents() for k, f in ours.fields.items()} == want
+        assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+        for a, b in zip(ours.tensors, ref.tensors):
+            assert (a.type_name, a.ggml_type) == (b.tensor_type.name, int(b.tensor_type))
+            assert a.shape == tuple(b.shape.tolist()) and a.n_bytes == b.n_bytes
+            assert a.data_offset == b.data_offset
+            assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+            assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8))
