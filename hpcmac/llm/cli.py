@@ -78,6 +78,10 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
                         "also 2, 3, 5, 6), as mlx-lm's -q (--backend mlx)")
     g.add_argument("--q-group-size", type=int_arg, default=64, metavar="G",
                    help="weights sharing one scale and bias when quantized (32, 64, 128)")
+    g.add_argument("--int8-activations", action="store_true", default=None,
+                   help="numpy backend, quantized weights: round each run of 32 activations "
+                        "to 8 bits and multiply integers, as llama.cpp does (faster; logits "
+                        "no longer equal float32 inference's; also HPCMAC_INT8_ACTIVATIONS=1)")
     g.add_argument("--threads", type=int_arg, default=None,
                    help="BLAS threads (default: the BLAS library's choice)")
     g.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
@@ -108,7 +112,7 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
 
 def check_arguments(args: argparse.Namespace) -> SamplingParams:
     """Local checks every rank makes identically before any collective; the sampling."""
-    from hpcmac.llm.model.backend import check_quantize
+    from hpcmac.llm.model.backend import check_int8_activations, check_quantize
 
     if args.max_tokens < 0:
         raise UsageError(f"--max-tokens {args.max_tokens}: expected >= 0")
@@ -123,6 +127,7 @@ def check_arguments(args: argparse.Namespace) -> SamplingParams:
     for text in args.stop:
         _utf8(text, "--stop")
     check_quantize(args.backend, args.quantize, args.q_group_size)
+    check_int8_activations(args.backend, args.int8_activations)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
                               args.repetition_penalty, args.seed)
     sampling.validate()
@@ -342,7 +347,8 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
                                             last=spec.last, backend=args.backend,
                                             quantize=args.quantize,
                                             group_size=args.q_group_size, shard=shard,
-                                            reduce=tg.allreduce if tg else None))
+                                            reduce=tg.allreduce if tg else None,
+                                            int8_activations=args.int8_activations))
     if group.rank == 0 and group.size > 1:
         if layout.tp == 1:
             print(f"pipeline: {group.size} stages, layers {[s.n_layers for s in plan.stages]} "

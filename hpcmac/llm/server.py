@@ -514,7 +514,8 @@ def run_serve(args, group=None) -> int:
     stage = agree(group, lambda: load_stage(args.model, spec.start, spec.end, first=spec.first,
                                             last=spec.last, backend=args.backend,
                                             quantize=args.quantize,
-                                            group_size=args.q_group_size))
+                                            group_size=args.q_group_size,
+                                            int8_activations=args.int8_activations))
     source, http, alive = None, None, threading.Event()
     if group.rank == 0:
         eos = tuple(tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids)

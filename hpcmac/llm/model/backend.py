@@ -61,6 +61,11 @@ class NumpyBackend:
     #: 32 is fastest for one row (decode of one sequence), 64 for four rows
     panel = 32
 
+    def __init__(self, int8_activations: bool = False):
+        #: quantized weights multiply activations rounded to 8 bits (decode only;
+        #: see :mod:`hpcmac.llm.model.qkernels`); float32 weights are unaffected
+        self.int8 = bool(int8_activations)
+
     def asarray(self, a) -> np.ndarray:
         return np.ascontiguousarray(a, dtype=np.float32)
 
@@ -122,7 +127,7 @@ class NumpyBackend:
         if not isinstance(w, Panels):  # NQWeight: kept quantized
             from hpcmac.llm.model.qkernels import qmatmul
 
-            return qmatmul(x, w)
+            return qmatmul(x, w, int8=self.int8)
         m = x.shape[0]
         nb, _, r = w.p.shape
         if m == 1:  # vector @ panels: a gemv per panel, looped in C
@@ -338,13 +343,27 @@ def release_freed_memory() -> None:
         pass
 
 
-def get_backend(name: str, quantize: int | None = None, group_size: int = 64):
-    """A backend by name: ``numpy`` or ``mlx`` (``quantize``: bits per weight, MLX only)."""
+def check_int8_activations(backend: str, on: bool | None) -> None:
+    """One-line UsageError if ``--int8-activations`` is asked of a backend without it."""
+    if on and backend != "numpy":
+        raise UsageError(f"--int8-activations: needs --backend numpy (the {backend} backend "
+                         "multiplies float activations)")
+
+
+def get_backend(name: str, quantize: int | None = None, group_size: int = 64,
+                int8_activations: bool | None = None):
+    """A backend by name: ``numpy`` or ``mlx`` (``quantize``: bits per weight, MLX only;
+    ``int8_activations``: numpy only, None = ``HPCMAC_INT8_ACTIVATIONS``, default off)."""
     if name in BACKENDS:
         check_quantize(name, quantize, group_size)
+        check_int8_activations(name, int8_activations)
     if name == "numpy":
         keep_freed_memory()
-        return NumpyBackend()
+        if int8_activations is None:
+            from hpcmac.llm.model.qkernels import int8_default
+
+            int8_activations = int8_default()
+        return NumpyBackend(int8_activations)
     if name == "mlx":
         try:
             return MLXBackend(quantize, group_size)

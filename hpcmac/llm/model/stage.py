@@ -321,7 +321,7 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
                last: bool = True, backend: str = "numpy", quantize: int | None = None,
                group_size: int = 64, shard: Shard | None = None,
                reduce: Callable[[np.ndarray], np.ndarray] | None = None,
-               keep_quantized: bool = True) -> Stage:
+               keep_quantized: bool = True, int8_activations: bool | None = None) -> Stage:
     """Load layers ``[start, end)`` (global indices) of a model folder or GGUF file.
 
     Parameters
@@ -342,8 +342,11 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     keep_quantized : keep weights the checkpoint stores quantized (MLX affine
         safetensors, the exact GGUF types) as they are (default); False
         dequantizes every weight to float32 (the reference the tests compare with).
+    int8_activations : numpy backend: multiply quantized weights by activations
+        rounded to 8 bits per run of 32 (:mod:`hpcmac.llm.model.qkernels`); None:
+        ``HPCMAC_INT8_ACTIVATIONS``, off by default.
     """
-    be = get_backend(backend, quantize, group_size)
+    be = get_backend(backend, quantize, group_size, int8_activations)
     ckpt = open_checkpoint(path_or_name)
     cfg = ckpt.config()
     if not (0 <= start <= end <= cfg.n_layers):

@@ -1,0 +1,370 @@
+"""Explicit-SIMD kernels for quantized matrix-vector products, written as LLVM IR.
+
+Decode multiplies one activation row by every weight once per token. A numba
+loop written in Python cannot say "keep these 16 partial sums in one vector
+register across the whole row": LLVM vectorises only the innermost loop and
+reduces its vector accumulator at that loop's exit, so a per-group scale
+forces either a horizontal reduction per group or accumulators in memory (the
+first kernel here did the latter: a store-to-load chain per group bounded it
+at ~0.07 ns a weight). These kernels are numba intrinsics that emit LLVM IR
+with vector types directly (``<32 x i8>``, ``<16 x float>``), so:
+
+* each 32-weight chunk of codes becomes floats (or stays bytes) in registers,
+  is multiplied by the activations, folded to one vector and scaled by its
+  group's scale into a vector accumulator that lives in a register for the
+  whole row; one horizontal sum per row;
+* ``R`` rows share each load of the activations;
+* a software prefetch runs ``PREFETCH`` bytes ahead of the codes (measured
+  here: 1.5-2x the memory throughput of the hardware prefetcher alone on a
+  matrix far larger than cache);
+* the bias term ``sum_g b_g * sum_{i in g} x_i`` is a separate short dot over
+  the row's groups (the group sums of x are computed once per token).
+
+The IR is target independent except for one instruction: with 8-bit
+activations the 32 byte products of a chunk go to ``vpdpbusd`` (AVX-512 VNNI
+or AVX-VNNI: unsigned codes times signed activations, summed in fours into
+int32, 32 products per 256-bit instruction) when numba compiles for a CPU that
+has it; elsewhere the same sums are built from widened multiplies and adds
+(LLVM maps them onto what the target has, e.g. NEON on Apple silicon).
+
+Storage the kernels read (see :class:`~hpcmac.llm.model.qkernels.NQWeight`):
+codes ``q`` (out, bytes) uint8, one byte per code (8 bits and the widened 2,
+3, 5 and 6 bits), or for 4 bits one byte per two codes where, within each run
+of 32 codes, byte ``j`` holds code ``j`` in its low and code ``j + 16`` in its
+high nibble (GGUF's own Q4_0 order); scales (out, groups) as float32, or as
+the bits of float16 (an ``int16`` view: numba has no float16 arrays) or of
+bfloat16 (a ``uint16`` view); biases the same, or derived (``bias = c *
+scale`` for the symmetric types: an empty array and the constant ``c``).
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+import numba as nb
+import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+#: rows of the weight multiplied together (they share the activation loads)
+R = 2
+#: bytes ahead of the codes being read that are prefetched (measured, see above)
+PREFETCH = 16384
+
+_F32, _I8, _I16, _I32, _I64 = (ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32),
+                               ir.IntType(64))
+
+
+def _vec(t, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _c64(v: int) -> ir.Constant:
+    return ir.Constant(_I64, v)
+
+
+def has_vnni() -> bool:
+    """Whether numba compiles for a CPU with 256-bit VNNI (``vpdpbusd`` on ymm)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if config.CPU_NAME not in (None, "host"):
+        feats = (config.CPU_FEATURES or "").split(",")
+        return "+avxvnni" in feats or ("+avx512vnni" in feats and "+avx512vl" in feats)
+    f = llvm.get_host_cpu_features()
+    return bool(f.get("avxvnni") or (f.get("avx512vnni") and f.get("avx512vl")))
+
+
+class _IR:
+    """Small helpers over an llvmlite IRBuilder."""
+
+    def __init__(self, builder: ir.IRBuilder):
+        self.b = builder
+
+    def fn(self, name: str, ret, args):
+        return cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, args), name)
+
+    def load(self, ptr, idx, vty):
+        """A vector ``vty`` from ``ptr[idx:]`` (element pointer, unaligned)."""
+        p = self.b.bitcast(self.b.gep(ptr, [idx]), vty.as_pointer())
+        return self.b.load(p, align=1)
+
+    def prefetch(self, ptr, idx):
+        f = self.fn("llvm.prefetch.p0", ir.VoidType(), [ptr.type, _I32, _I32, _I32])
+        self.b.call(f, [self.b.gep(ptr, [idx]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                        ir.Constant(_I32, 1)])
+
+    def splat(self, x, n: int):
+        v = self.b.insert_element(ir.Constant(_vec(x.type, n), None), x, ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
+
+    def halves(self, v):
+        n = v.type.count
+        lo = self.b.shuffle_vector(v, v, ir.Constant(_vec(_I32, n // 2), list(range(n // 2))))
+        hi = self.b.shuffle_vector(v, v, ir.Constant(_vec(_I32, n // 2), list(range(n // 2, n))))
+        return lo, hi
+
+    def fold(self, v, n: int):
+        """Sum halves of a vector until it has ``n`` lanes."""
+        while v.type.count > n:
+            lo, hi = self.halves(v)
+            v = self.b.fadd(lo, hi) if isinstance(v.type.element, ir.FloatType) else \
+                self.b.add(lo, hi)
+        return v
+
+    def hsum(self, v):
+        return self.b.extract_element(self.fold(v, 1), ir.Constant(_I32, 0))
+
+    def fma(self, a, b, c):
+        t = a.type
+        name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
+        return self.b.call(self.fn(name, t, [t, t, t]), [a, b, c])
+
+    def scale(self, ptr, idx, dtype):
+        """One scale/bias as float32 from its storage (float32, float16 or bfloat16 bits)."""
+        v = self.b.load(self.b.gep(ptr, [idx]))
+        return self.to_f32(v, dtype)
+
+    def to_f32(self, v, dtype):
+        if dtype == types.float32:
+            return v
+        if dtype == types.int16:  # float16 bits
+            return self.b.fpext(self.b.bitcast(v, _half_like(v.type)), _f32_like(v.type))
+        # bfloat16 bits: the high half of a float32
+        w = self.b.shl(self.b.zext(v, _i32_like(v.type)), _const_like(v.type, 16))
+        return self.b.bitcast(w, _f32_like(v.type))
+
+    def codes32(self, qp, idx, bits4: bool):
+        """32 codes of one chunk as ``<32 x i8>`` (4 bits: 16 bytes, low then high nibbles)."""
+        if not bits4:
+            return self.load(qp, idx, _vec(_I8, 32))
+        by = self.load(qp, idx, _vec(_I8, 16))
+        lo = self.b.and_(by, ir.Constant(_vec(_I8, 16), [15] * 16))
+        hi = self.b.lshr(by, ir.Constant(_vec(_I8, 16), [4] * 16))
+        return self.b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
+
+    def dot_u8i8(self, codes, xq, vnni: bool):
+        """``<32 x u8> . <32 x i8>`` as ``<8 x i32>`` partial sums (their total is the dot)."""
+        if vnni:
+            v8 = _vec(_I32, 8)
+            f = self.fn("llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8])
+            return self.b.call(f, [ir.Constant(v8, None), self.b.bitcast(codes, v8),
+                                   self.b.bitcast(xq, v8)])
+        p = self.b.mul(self.b.zext(codes, _vec(_I32, 32)), self.b.sext(xq, _vec(_I32, 32)))
+        return self.fold(p, 8)
+
+    def group_dot(self, sp, row_off, sdt, vp, G):
+        """``sum_g float(s[row_off + g]) * v[g]`` over ``G`` groups (float32 ``v``)."""
+        b = self.b
+        acc = cgutils.alloca_once_value(b, ir.Constant(_vec(_F32, 16), None))
+        tail = cgutils.alloca_once_value(b, ir.Constant(_F32, 0.0))
+        n16 = b.udiv(G, _c64(16))
+        with cgutils.for_range(b, n16) as lp:
+            g = b.mul(lp.index, _c64(16))
+            ety = _F32 if sdt == types.float32 else _I16
+            sv = self.to_f32(self.load(sp, b.add(row_off, g), _vec(ety, 16)), sdt)
+            b.store(self.fma(sv, self.load(vp, g, _vec(_F32, 16)), b.load(acc)), acc)
+        with cgutils.for_range(b, b.sub(G, b.mul(n16, _c64(16))), start=None) as lp:
+            g = b.add(b.mul(n16, _c64(16)), lp.index)
+            s = self.scale(sp, b.add(row_off, g), sdt)
+            b.store(self.fma(s, b.load(b.gep(vp, [g])), b.load(tail)), tail)
+        return b.fadd(self.hsum(b.load(acc)), b.load(tail))
+
+
+def _half_like(t):
+    return _vec(ir.HalfType(), t.count) if isinstance(t, ir.VectorType) else ir.HalfType()
+
+
+def _f32_like(t):
+    return _vec(_F32, t.count) if isinstance(t, ir.VectorType) else _F32
+
+
+def _i32_like(t):
+    return _vec(_I32, t.count) if isinstance(t, ir.VectorType) else _I32
+
+
+def _const_like(t, v):
+    return ir.Constant(_vec(_I32, t.count), [v] * t.count) if isinstance(t, ir.VectorType) \
+        else ir.Constant(_I32, v)
+
+
+def _data(context, builder, ty, val):
+    return context.make_array(ty)(context, builder, val).data
+
+
+def _check_types(q, s, b):
+    if not (isinstance(q, types.Array) and q.dtype == types.uint8):
+        raise TypeError("codes must be a uint8 array")
+    if s.dtype not in (types.float32, types.int16, types.uint16) or b.dtype != s.dtype:
+        raise TypeError("scales/biases: float32, or float16/bfloat16 bits as int16/uint16")
+
+
+def _emit(context, builder, sig, args, int8: bool):
+    """The body shared by the float and the 8-bit-activation kernels (see the module
+    docstring). Arguments, all local to this call:
+
+    float: q, s, b, x (M, K) f32, xs (M, G) f32, y (M, N) f32, bits4, bc
+    int8 : q, s, b, xq (M, K) i8, dx (M, K/32) f32, xs (M, G) f32, y, bits4, bc
+    ``xs``: the group sums of the activations (of the rounded ones for int8);
+    ``bc``: the constant of derived biases (used when ``b`` is empty).
+    """
+    if int8:
+        qa, sa, ba, xa, dxa, xsa, ya, bits4, bc = args
+        qt, st, bt, xt, dxt, xst, yt = sig.args[:7]
+    else:
+        qa, sa, ba, xa, xsa, ya, bits4, bc = args
+        qt, st, bt, xt, xst, yt = sig.args[:6]
+    sdt = st.dtype
+    bc = builder.fptrunc(bc, _F32) if bc.type != _F32 else bc
+    h = _IR(builder)
+    b = builder
+    q = context.make_array(qt)(context, builder, qa)
+    s = context.make_array(st)(context, builder, sa)
+    bb = context.make_array(bt)(context, builder, ba)
+    x = context.make_array(xt)(context, builder, xa)
+    xs = context.make_array(xst)(context, builder, xsa)
+    y = context.make_array(yt)(context, builder, ya)
+    dx = context.make_array(dxt)(context, builder, dxa) if int8 else None
+    shp = cgutils.unpack_tuple
+    N, nbytes = shp(b, q.shape, 2)
+    G = shp(b, s.shape, 2)[1]
+    M, K = shp(b, x.shape, 2)
+    nb_rows = shp(b, bb.shape, 2)[0]
+    derived = b.icmp_unsigned("==", nb_rows, _c64(0))
+    chunks = b.udiv(K, _c64(32))
+    cpg = b.udiv(chunks, G)  # chunks per group: 1, 2 or 4
+    shift = b.select(b.icmp_unsigned("==", cpg, _c64(1)), _c64(0),
+                     b.select(b.icmp_unsigned("==", cpg, _c64(2)), _c64(1), _c64(2)))
+    is4 = b.icmp_unsigned("!=", bits4, ir.Constant(bits4.type, 0))
+    lanes = 8 if int8 else 16
+    vnni = int8 and has_vnni()
+    accs = [cgutils.alloca_once(b, _vec(_F32, lanes)) for _ in range(R)]
+
+    def rows(o0, nr: int, bits4_static: bool):
+        """Rows ``[o0, o0 + nr)`` for every activation row."""
+        with cgutils.for_range(b, M) as lm:
+            m = lm.index
+            for a in accs[:nr]:
+                b.store(ir.Constant(_vec(_F32, lanes), None), a)
+            with cgutils.for_range(b, chunks) as lc:
+                c = lc.index
+                g = b.lshr(c, shift)  # the chunk's group
+                xo = b.add(b.mul(m, K), b.mul(c, _c64(32)))
+                if int8:
+                    xv = h.load(x.data, xo, _vec(_I8, 32))
+                    d = b.load(b.gep(dx.data, [b.add(b.mul(m, chunks), c)]))
+                else:
+                    xv = h.load(x.data, xo, _vec(_F32, 32))
+                for r in range(nr):
+                    o = b.add(o0, _c64(r))
+                    sc = h.scale(s.data, b.add(b.mul(o, G), g), sdt)
+                    qo = b.add(b.mul(o, nbytes), b.mul(c, _c64(16 if bits4_static else 32)))
+                    h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
+                    codes = h.codes32(q.data, qo, bits4_static)
+                    if int8:
+                        p = b.sitofp(h.dot_u8i8(codes, xv, vnni), _vec(_F32, 8))
+                        f = h.splat(b.fmul(sc, d), 8)
+                    else:
+                        p = h.fold(b.fmul(b.uitofp(codes, _vec(_F32, 32)), xv), 16)
+                        f = h.splat(sc, 16)
+                    b.store(h.fma(p, f, b.load(accs[r])), accs[r])
+            xs_row = b.gep(xs.data, [b.mul(m, G)])
+            for r in range(nr):
+                o = b.add(o0, _c64(r))
+                tot = h.hsum(b.load(accs[r]))
+                with b.if_else(derived) as (then, other):
+                    with then:
+                        bd = b.fmul(bc, h.group_dot(s.data, b.mul(o, G), sdt, xs_row, G))
+                        blk_d = b.block
+                    with other:
+                        be = h.group_dot(bb.data, b.mul(o, G), sdt, xs_row, G)
+                        blk_e = b.block
+                phi = b.phi(_F32)
+                phi.add_incoming(bd, blk_d)
+                phi.add_incoming(be, blk_e)
+                b.store(b.fadd(tot, phi), b.gep(y.data, [b.add(b.mul(m, N), o)]))
+
+    def all_rows(bits4_static: bool):
+        nfull = b.udiv(N, _c64(R))
+        with cgutils.for_range(b, nfull) as lo:
+            rows(b.mul(lo.index, _c64(R)), R, bits4_static)
+        with cgutils.for_range(b, b.sub(N, b.mul(nfull, _c64(R)))) as lo:
+            rows(b.add(b.mul(nfull, _c64(R)), lo.index), 1, bits4_static)
+
+    with b.if_else(is4) as (then, other):
+        with then:
+            all_rows(True)
+        with other:
+            all_rows(False)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def qgemv_f32(typingctx, q, s, b, x, xs, y, bits4, bc):
+    """y[m, o] = sum_i w[o, i] x[m, i] with float32 activations (see :func:`_emit`)."""
+    _check_types(q, s, b)
+    sig = types.void(q, s, b, x, xs, y, bits4, bc)
+    return sig, lambda ctx, bld, sg, args: _emit(ctx, bld, sg, args, int8=False)
+
+
+@intrinsic
+def qgemv_i8(typingctx, q, s, b, xq, dx, xs, y, bits4, bc):
+    """y[m, o] = sum_i w[o, i] xhat[m, i], xhat = dx * xq (8-bit activations)."""
+    _check_types(q, s, b)
+    sig = types.void(q, s, b, xq, dx, xs, y, bits4, bc)
+    return sig, lambda ctx, bld, sg, args: _emit(ctx, bld, sg, args, int8=True)
+
+
+# -- the callable kernels (numba caches them with this file: a change to the IR above
+# -- invalidates them) ------------------------------------------------------------------
+
+_opts = dict(cache=True, nogil=True, boundscheck=False, fastmath=True)
+
+
+@nb.njit(**_opts)
+def mv_f32(q, s, b, x, y, group, bits4, bc):
+    """y (M, N) = x (M, K) float32 times the codes; the group sums of x once per call."""
+    M, K = x.shape
+    G = K // group
+    xs = np.zeros((M, G), np.float32)
+    for m in range(M):
+        for g in range(G):
+            a = np.float32(0.0)
+            for i in range(g * group, (g + 1) * group):
+                a += x[m, i]
+            xs[m, g] = a
+    qgemv_f32(q, s, b, x, xs, y, bits4, bc)
+
+
+@nb.njit(**_opts)
+def quantize_x(x, group):
+    """x (M, K) -> int8 codes, one scale per 32 (max|x| / 127), and the group sums of
+    the rounded activations ``dx * xq`` (what the kernel multiplies)."""
+    M, K = x.shape
+    C = K // 32
+    cpg = group // 32
+    xq = np.empty((M, K), np.int8)
+    dx = np.empty((M, C), np.float32)
+    xs = np.zeros((M, C // cpg), np.float32)
+    for m in range(M):
+        for c in range(C):
+            amax = np.float32(0.0)
+            for i in range(c * 32, c * 32 + 32):
+                amax = max(amax, abs(x[m, i]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            isum = 0
+            for i in range(c * 32, c * 32 + 32):
+                v = np.int32(np.rint(x[m, i] * inv))
+                xq[m, i] = v
+                isum += v
+            dx[m, c] = d
+            xs[m, c // cpg] += d * np.float32(isum)
+    return xq, dx, xs
+
+
+@nb.njit(**_opts)
+def mv_i8(q, s, b, x, y, group, bits4, bc):
+    """As :func:`mv_f32` with the activations rounded to 8 bits per run of 32."""
+    xq, dx, xs = quantize_x(x, group)
+    qgemv_i8(q, s, b, xq, dx, xs, y, bits4, bc)
