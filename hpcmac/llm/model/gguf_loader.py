@@ -29,6 +29,10 @@ SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"
 
 #: bits of the GGUF types kept quantized (see gguf_quant)
 _BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5}
+#: bytes of scale and bias per 32 weights as the numpy backend holds them: the float16
+#: ``d`` alone for the symmetric types (bias derived), ``d`` and ``m`` for Q4_1/Q5_1,
+#: float32 for the K types (``d * sc`` needs up to 17 significant bits)
+_GROUP_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q5_0": 2, "Q4_1": 4, "Q5_1": 4, "Q4_K": 8, "Q5_K": 8}
 
 _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -367,26 +371,27 @@ class GGUFCheckpoint:
     def stored_nbytes(self, name: str) -> int:
         """Bytes ``name`` takes in memory as :meth:`get_weight` returns it."""
         from hpcmac.llm.model.gguf_quant import EXACT
-        from hpcmac.llm.model.quant import quantized_nbytes
+        from hpcmac.llm.model.quant import held_nbytes
 
         g = gguf_name(name)
         if g in self._tensors and self._tensors[g].type_name in EXACT:
             t = self._tensors[g]
-            return quantized_nbytes(self.numel(name), _BITS[t.type_name], 32)
+            return held_nbytes(self.numel(name), _BITS[t.type_name], 32,
+                               _GROUP_BYTES[t.type_name])
         return 4 * self.numel(name)
 
     def experts_nbytes(self, layer: int) -> int | None:
         """Bytes of one layer's routed experts as held (None: not all kept quantized)."""
         from hpcmac.llm.model.gguf_quant import EXACT
-        from hpcmac.llm.model.quant import quantized_nbytes
+        from hpcmac.llm.model.quant import held_nbytes
 
         total = 0
         for which in ("gate", "up", "down"):
             t = self._tensors.get(f"blk.{layer}.ffn_{which}_exps.weight")
             if t is None or t.type_name not in EXACT:
                 return None
-            total += quantized_nbytes(int(np.prod(t.shape)),
-                                      _BITS[t.type_name], 32)
+            total += held_nbytes(int(np.prod(t.shape)), _BITS[t.type_name], 32,
+                                 _GROUP_BYTES[t.type_name])
         return total
 
     def _keep(self, t, shape: tuple[int, ...]):

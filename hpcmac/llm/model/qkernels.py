@@ -44,7 +44,7 @@ import os
 
 import numpy as np
 
-from hpcmac.llm.model.quant import QuantTensor, unpack
+from hpcmac.llm.model.quant import QuantTensor, compact_scales, unpack, widen_scales
 
 #: rows of x above which a product goes through dequantized tiles and BLAS
 GEMM_ROWS = 16
@@ -93,27 +93,6 @@ def _compile():
     return _kernels
 
 
-def _compact(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-    """float32 arrays in the smallest storage that holds every value exactly, the same for
-    all: float16 bits (as int16), bfloat16 bits (as uint16) or float32."""
-    f16 = [a.astype(np.float16) for a in arrays]
-    if all(np.array_equal(h.astype(np.float32), a) for h, a in zip(f16, arrays)):
-        return tuple(np.ascontiguousarray(h).view(np.int16) for h in f16)
-    if all(not np.any(a.view(np.uint32) & np.uint32(0xFFFF)) for a in arrays):
-        return tuple(np.ascontiguousarray((a.view(np.uint32) >> np.uint32(16)).astype(np.uint16))
-                     for a in arrays)
-    return tuple(np.ascontiguousarray(a, dtype=np.float32) for a in arrays)
-
-
-def _as_f32(a: np.ndarray) -> np.ndarray:
-    """Stored scales/biases back to float32 (exactly)."""
-    if a.dtype == np.int16:
-        return a.view(np.float16).astype(np.float32)
-    if a.dtype == np.uint16:
-        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return a
-
-
 class NQWeight:
     """A quantized weight (out, in) for the numpy backend (see the module docstring)."""
 
@@ -132,16 +111,10 @@ class NQWeight:
                 c = codes.reshape(self.n, -1, 2, 16)
                 codes = (c[:, :, 0] | (c[:, :, 1] << np.uint8(4))).reshape(self.n, -1)
             self.q = np.ascontiguousarray(codes)
-        s = np.asarray(t.scales, np.float32)
-        b = np.asarray(t.biases, np.float32)
-        c = np.float32(-(1 << (t.bits - 1)))  # the symmetric types' bias / scale
-        if np.array_equal(b, s * c):
-            (self.scales,) = _compact(s)
-            self.biases = np.empty((0, s.shape[1]), self.scales.dtype)
-            self.bias_c = float(c)
-        else:
-            self.scales, self.biases = _compact(s, b)
-            self.bias_c = 0.0
+        self.scales, b, self.bias_c = compact_scales(t.scales, t.biases, t.bits)
+        # derived biases: an empty array tells the kernels to use bias_c * scale
+        self.biases = b if b is not None else np.empty((0, self.scales.shape[1]),
+                                                       self.scales.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -153,10 +126,10 @@ class NQWeight:
 
     def scales_biases(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """float32 scales and biases of rows ``[lo, hi)``."""
-        s = _as_f32(self.scales[lo:hi])
+        s = widen_scales(self.scales[lo:hi])
         if not self.biases.shape[0]:
             return s, s * np.float32(self.bias_c)
-        return s, _as_f32(self.biases[lo:hi])
+        return s, widen_scales(self.biases[lo:hi])
 
     def dequantize_rows(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``[lo, hi)`` as float32 (hi - lo, in)."""

@@ -183,6 +183,59 @@ def as_float(w) -> np.ndarray:
 
 
 def quantized_nbytes(numel: int, bits: int, group: int) -> int:
-    """Bytes of ``numel`` weights held quantized: packed codes, a float32 scale and bias
-    per group."""
+    """Bytes of ``numel`` weights held quantized by MLX: packed codes, a float32 scale and
+    bias per group."""
     return numel * bits // 8 + (numel // group) * 8
+
+
+def held_nbytes(numel: int, bits: int, group: int, group_bytes: int) -> int:
+    """Bytes of ``numel`` weights as the numpy backend holds them: codes (4 and 8 bits
+    packed, the other widths one byte a code) and ``group_bytes`` of scale and bias per
+    group (see :func:`compact_scales`)."""
+    return (numel * bits // 8 if bits in (4, 8) else numel) + (numel // group) * group_bytes
+
+
+def compact_scales(scales: np.ndarray, biases: np.ndarray, bits: int):
+    """Scales and biases (float32) in the smallest storage that holds them exactly.
+
+    Returns ``(scales, biases, c)``: when every bias is ``c * scale`` with
+    ``c = -2**(bits-1)`` exactly (GGUF's symmetric Q8_0, Q4_0, Q5_0) the biases
+    are not kept (None) and are derived; the arrays kept are float16 bits (as
+    int16: GGUF's ``d`` and ``m``, float16 checkpoints) or bfloat16 bits (as
+    uint16) when every value converts back exactly, else float32.
+    """
+    s = np.asarray(scales, np.float32)
+    b = np.asarray(biases, np.float32)
+    c = np.float32(-(1 << (bits - 1)))
+    if np.array_equal(b, s * c):
+        return _narrowest(s)[0], None, float(c)
+    s16, b16 = _narrowest(s, b)
+    return s16, b16, 0.0
+
+
+def _narrowest(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    f16 = [a.astype(np.float16) for a in arrays]
+    if all(np.array_equal(h.astype(np.float32), a) for h, a in zip(f16, arrays)):
+        return tuple(np.ascontiguousarray(h).view(np.int16) for h in f16)
+    if all(not np.any(a.view(np.uint32) & np.uint32(0xFFFF)) for a in arrays):
+        return tuple(np.ascontiguousarray((a.view(np.uint32) >> np.uint32(16)).astype(np.uint16))
+                     for a in arrays)
+    return tuple(np.ascontiguousarray(a, dtype=np.float32) for a in arrays)
+
+
+def widen_scales(a: np.ndarray) -> np.ndarray:
+    """Stored scales/biases (see :func:`compact_scales`) back to float32, exactly."""
+    if a.dtype == np.int16:
+        return a.view(np.float16).astype(np.float32)
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return a
+
+
+def numpy_held_nbytes(t: QuantTensor) -> int:
+    """Bytes the numpy backend holds for ``t`` (per 2-D matrix, as it stores them)."""
+    if t.ndim == 3:
+        return sum(numpy_held_nbytes(t[e]) for e in range(t.shape[0]))
+    s, b, _ = compact_scales(t.scales, t.biases, t.bits)
+    numel = int(np.prod(t.shape))
+    return held_nbytes(numel, t.bits, t.group, 0) + s.nbytes + (0 if b is None else b.nbytes)

@@ -25,7 +25,7 @@ from hpcmac.llm.model.cache import KVCache
 from hpcmac.llm.model.config import ModelConfig
 from hpcmac.llm.model.layers import attention, latent_attention, mlp, moe
 from hpcmac.llm.model.qkernels import NQWeight
-from hpcmac.llm.model.quant import QuantTensor, as_float, concat_rows
+from hpcmac.llm.model.quant import QuantTensor, as_float, concat_rows, numpy_held_nbytes
 from hpcmac.llm.model.rope import cos_sin, rope_frequencies, softmax_scale
 from hpcmac.llm.model.spec import Shard, TensorSpec
 from hpcmac.llm.model.weights import open_checkpoint
@@ -236,7 +236,10 @@ class _Loader:
         return w
 
     def _count(self, w) -> None:
-        self.nbytes += w.nbytes
+        if isinstance(w, QuantTensor) and self.be.name == "numpy":  # as NQWeight holds it
+            self.nbytes += numpy_held_nbytes(w)
+        else:
+            self.nbytes += w.nbytes
         if isinstance(w, QuantTensor):
             self.formats[w.source] = self.formats.get(w.source, 0) + 1
 

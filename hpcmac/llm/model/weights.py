@@ -26,7 +26,13 @@ import numpy as np
 from hpcmac.errors import UsageError
 from hpcmac.io.inputs import decode_text, parse_json, read_text
 from hpcmac.llm.model.config import ModelConfig, is_gguf, resolve_model
-from hpcmac.llm.model.quant import QuantTensor, as_float, check_format, quantized_nbytes
+from hpcmac.llm.model.quant import (
+    QuantTensor,
+    as_float,
+    check_format,
+    held_nbytes,
+    quantized_nbytes,
+)
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 #: every dtype a safetensors header may declare, with its item size
@@ -252,8 +258,12 @@ class SafetensorsCheckpoint:
 
     def stored_nbytes(self, name: str) -> int:
         """Bytes ``name`` takes in memory as :meth:`get_weight` returns it."""
-        if self.is_quantized(name):
-            return quantized_nbytes(self.numel(name), *self.quant_params(name))
+        if self.is_quantized(name):  # as the numpy backend holds it (see quant.held_nbytes)
+            base = name[:-len("weight")]
+            size = {"F32": 4, "F16": 2, "BF16": 2}
+            per_group = sum(size.get(self._info(base + p)[2]["dtype"], 4)
+                            for p in ("scales", "biases") if self.has(base + p))
+            return held_nbytes(self.numel(name), *self.quant_params(name), per_group)
         return 4 * self.numel(name)
 
     def get(self, name: str) -> np.ndarray:
