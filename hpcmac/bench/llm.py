@@ -199,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         from hpcmac.llm.model.fixtures import write_gguf
 
         path = write_gguf(model, work / f"llama-{qt}.gguf", qt)
-        held_rss = _load_rss(path, cfg.n_layers, args.backend)
+        rss = _load_rss(path, cfg.n_layers, args.backend)
         kept = load_stage(path, 0, cfg.n_layers, True, True, backend=args.backend)
         quant[qt] = {"path": path, "kept": kept, "file_bytes": path.stat().st_size,
-                     "held_bytes": kept.nbytes, "rss_bytes": held_rss,
+                     "held_bytes": kept.nbytes, "rss": rss,
                      "float": load_stage(path, 0, cfg.n_layers, True, True,
                                          backend=args.backend, keep_quantized=False)}
     rounds = []
@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                     r["llamacpp"] = llamacpp_rate(gguf_path, args.threads, args.steps, cfg.vocab)
             for qt, q in quant.items():
                 r[f"{qt}_kept"] = decode_rate(q["kept"], 1, args.steps)
+                if args.backend == "numpy":  # the same weights, 8-bit activations
+                    q["kept"].backend.int8 = True
+                    r[f"{qt}_i8"] = decode_rate(q["kept"], 1, args.steps)
+                    q["kept"].backend.int8 = False
                 r[f"{qt}_float"] = decode_rate(q["float"], 1, args.steps)
                 if not args.no_llamacpp:
                     with _quiet_stderr():
@@ -230,8 +234,12 @@ def main(argv: list[str] | None = None) -> int:
             r["vs_llamacpp"] = r["single"] / r["llamacpp"]
         for qt in quant:
             r[f"{qt}_vs_float"] = r[f"{qt}_kept"] / r[f"{qt}_float"]
+            if f"{qt}_i8" in r:
+                r[f"{qt}_i8_vs_float"] = r[f"{qt}_i8"] / r[f"{qt}_float"]
             if f"{qt}_llamacpp" in r:
                 r[f"{qt}_vs_llamacpp"] = r[f"{qt}_kept"] / r[f"{qt}_llamacpp"]
+                if f"{qt}_i8" in r:
+                    r[f"{qt}_i8_vs_llamacpp"] = r[f"{qt}_i8"] / r[f"{qt}_llamacpp"]
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     bound = med["bandwidth"] / per_token
     print(f"hpcmac.bench.llm: {platform.processor() or platform.machine()}, {os.cpu_count()} "
@@ -255,9 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         qbound = med["bandwidth"] / (held * per_token / stage.nbytes)
         rows.append((f"{qt}: memory held", f"{held / 1e6:.0f} MB",
                      f"file {q['file_bytes'] / 1e6:.0f} MB", f"{held / q['file_bytes']:.2f}"))
-        rows.append((f"{qt}: RSS after load", f"{q['rss_bytes'] / 1e6:.0f} MB",
-                     f"file {q['file_bytes'] / 1e6:.0f} MB",
-                     f"{q['rss_bytes'] / q['file_bytes']:.2f}"))
+        rss = q["rss"]
+        if rss:
+            rows.append((f"{qt}: RSS gained by load", f"{rss['load'] / 1e6:.0f} MB",
+                         f"file {q['file_bytes'] / 1e6:.0f} MB",
+                         f"{rss['load'] / q['file_bytes']:.2f}"))
+            rows.append((f"{qt}: RSS absolute", f"{rss['after_load'] / 1e6:.0f} MB",
+                         f"imports {rss['base'] / 1e6:.0f}, +1st step "
+                         f"{rss['step'] / 1e6:.0f}", ""))
         rows.append((f"{qt}: decode, kept", f"{med[qt + '_kept']:.1f} tok/s",
                      f"bound {qbound:.1f} tok/s", f"{med[qt + '_kept'] / qbound:.2f}"))
         rows.append((f"{qt}: vs float32 path", f"{med[qt + '_kept']:.1f} tok/s",
@@ -266,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"{qt}: vs llama.cpp", f"{med[qt + '_kept']:.1f} tok/s",
                          f"llama.cpp {med[qt + '_llamacpp']:.1f} tok/s",
                          f"{med[qt + '_vs_llamacpp']:.2f}"))
+        if qt + "_i8" in med:
+            rows.append((f"{qt}: int8 act. vs float32", f"{med[qt + '_i8']:.1f} tok/s",
+                         f"float32 {med[qt + '_float']:.1f} tok/s",
+                         f"{med[qt + '_i8_vs_float']:.2f}"))
+        if qt + "_i8_vs_llamacpp" in med:
+            rows.append((f"{qt}: int8 act. vs llama.cpp", f"{med[qt + '_i8']:.1f} tok/s",
+                         f"llama.cpp {med[qt + '_llamacpp']:.1f} tok/s",
+                         f"{med[qt + '_i8_vs_llamacpp']:.2f}"))
     print(f"{'measure':<28}{'value':>14}  {'reference':<28}{'ratio':>6}")
     for name, val, ref, ratio in rows:
         print(f"{name:<28}{val:>14}  {ref:<28}{ratio:>6}")
@@ -276,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                "batched_vs_single": med["batched_vs_single"],
                "vs_llamacpp": med.get("vs_llamacpp"),
                "quantized": {qt: {"file_bytes": q["file_bytes"], "held_bytes": q["held_bytes"],
-                                  "rss_bytes": q["rss_bytes"]} for qt, q in quant.items()}}
+                                  "rss": q["rss"]} for qt, q in quant.items()}}
         Path(args.json).write_text(json.dumps(out, indent=1))
     if tmp is not None:
         import shutil
@@ -299,17 +320,26 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def _load_rss(path: Path, n_layers: int, backend: str) -> int:
-    """Resident bytes a fresh process gains by loading the whole model (after its imports)."""
+def _load_rss(path: Path, n_layers: int, backend: str) -> dict | None:
+    """Resident bytes of a fresh process that loads the whole model as ``generate`` does
+    (load, then drop the GGUF reader's parsed metadata): ``base`` after the imports
+    (numpy, hpcmac, numba and LLVM), ``after_load``, ``load`` = the difference (what
+    the target is judged on: the model's own memory, not the interpreter's), and
+    ``step`` = what the first decode step adds (compiled kernels, LLVM's state)."""
     import subprocess
 
-    code = ("import sys; from hpcmac.bench.llm import _rss; "
-            "from hpcmac.llm.model.stage import load_stage; import numba; r0 = _rss(); "
+    code = ("import sys, json; from hpcmac.bench.llm import _rss, decode_rate; "
+            "from hpcmac.llm.model.stage import load_stage; "
+            "from hpcmac.llm.model.gguf_loader import forget_readers; import numba; "
+            "r0 = _rss(); "
             f"s = load_stage(sys.argv[1], 0, {n_layers}, True, True, backend={backend!r}); "
-            "print(_rss() - r0)")
+            "forget_readers(); r1 = _rss(); decode_rate(s, 1, 1); r2 = _rss(); "
+            "print(json.dumps(dict(base=r0, after_load=r1, load=r1 - r0, step=r2 - r1)))")
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
                        text=True, timeout=600)
-    return int(r.stdout.split()[-1]) if r.returncode == 0 and r.stdout.split() else 0
+    if r.returncode or not r.stdout.strip():
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _rss() -> int:

@@ -291,6 +291,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     from hpcmac.errors import world_size
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.generate import StopChecker
+    from hpcmac.llm.model.gguf_loader import forget_readers
     from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.model.tokenizer import load_tokenizer
 
@@ -349,6 +350,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
                                             group_size=args.q_group_size, shard=shard,
                                             reduce=tg.allreduce if tg else None,
                                             int8_activations=args.int8_activations))
+    forget_readers()  # tokenizer, plan and stage are read: drop the parsed GGUF metadata
     if group.rank == 0 and group.size > 1:
         if layout.tp == 1:
             print(f"pipeline: {group.size} stages, layers {[s.n_layers for s in plan.stages]} "

@@ -470,6 +470,7 @@ def run_serve(args, group=None) -> int:
     from hpcmac.errors import UsageError, world_size
     from hpcmac.llm.cli import check_arguments, context_length
     from hpcmac.llm.model.config import load_config, resolve_model
+    from hpcmac.llm.model.gguf_loader import forget_readers
     from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.model.tokenizer import load_tokenizer
     from hpcmac.llm.parallel.pipeline import run_pipeline
@@ -516,6 +517,7 @@ def run_serve(args, group=None) -> int:
                                             quantize=args.quantize,
                                             group_size=args.q_group_size,
                                             int8_activations=args.int8_activations))
+    forget_readers()  # tokenizer, plan and stage are read: drop the parsed GGUF metadata
     source, http, alive = None, None, threading.Event()
     if group.rank == 0:
         eos = tuple(tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids)
