@@ -47,7 +47,7 @@ import numpy as np
 from hpcmac.llm.model.quant import QuantTensor, compact_scales, unpack, widen_scales
 
 #: rows of x above which a product goes through dequantized tiles and BLAS
-GEMM_ROWS = 16
+GEMM_ROWS = 32
 #: output rows dequantized per tile on the BLAS path
 TILE = 32
 #: the environment switch for 8-bit activations (see the module docstring)
@@ -81,13 +81,14 @@ def _compile():
                 g = c * 32 // group
                 sc = s[o, g]
                 bi = b[o, g]
-                for j in range(32):
-                    if bits4:
-                        byte = np.int32(q[o, c * 16 + (j & 15)])
-                        code = (byte >> np.int32(4)) if j >= 16 else (byte & np.int32(15))
-                    else:
-                        code = np.int32(q[o, c * 32 + j])
-                    w[o, c * 32 + j] = sc * np.float32(code) + bi
+                if bits4:  # byte j: codes j (low nibble) and j + 16 (high)
+                    for j in range(16):
+                        byte = np.int32(q[o, c * 16 + j])
+                        w[o, c * 32 + j] = sc * np.float32(byte & np.int32(15)) + bi
+                        w[o, c * 32 + 16 + j] = sc * np.float32(byte >> np.int32(4)) + bi
+                else:
+                    for j in range(32):
+                        w[o, c * 32 + j] = sc * np.float32(np.int32(q[o, c * 32 + j])) + bi
 
     _kernels = dict(mv_f32=mv_f32, mv_i8=mv_i8, quantize_x=quantize_x, deq=deq)
     return _kernels

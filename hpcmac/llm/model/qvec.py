@@ -63,16 +63,26 @@ def _c64(v: int) -> ir.Constant:
     return ir.Constant(_I64, v)
 
 
-def has_vnni() -> bool:
-    """Whether numba compiles for a CPU with 256-bit VNNI (``vpdpbusd`` on ymm)."""
+def vnni_width() -> int:
+    """Widest ``vpdpbusd`` numba compiles for here: 512 (AVX-512 VNNI), 256 (AVX-VNNI, or
+    AVX-512 VNNI with VL) or 0 (none: portable IR)."""
     import llvmlite.binding as llvm
     from numba.core import config
 
     if config.CPU_NAME not in (None, "host"):
-        feats = (config.CPU_FEATURES or "").split(",")
-        return "+avxvnni" in feats or ("+avx512vnni" in feats and "+avx512vl" in feats)
-    f = llvm.get_host_cpu_features()
-    return bool(f.get("avxvnni") or (f.get("avx512vnni") and f.get("avx512vl")))
+        f = {k[1:]: k[0] == "+" for k in (config.CPU_FEATURES or "").split(",") if k}
+    else:
+        f = llvm.get_host_cpu_features()
+    if f.get("avx512vnni") and f.get("avx512bw"):
+        return 512
+    if f.get("avxvnni") or (f.get("avx512vnni") and f.get("avx512vl")):
+        return 256
+    return 0
+
+
+def has_vnni() -> bool:
+    """Whether numba compiles for a CPU with ``vpdpbusd`` (see :func:`vnni_width`)."""
+    return vnni_width() > 0
 
 
 class _IR:
@@ -143,15 +153,34 @@ class _IR:
         hi = self.b.lshr(by, ir.Constant(_vec(_I8, 16), [4] * 16))
         return self.b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
 
-    def dot_u8i8(self, codes, xq, vnni: bool):
-        """``<32 x u8> . <32 x i8>`` as ``<8 x i32>`` partial sums (their total is the dot)."""
-        if vnni:
-            v8 = _vec(_I32, 8)
-            f = self.fn("llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8])
-            return self.b.call(f, [ir.Constant(v8, None), self.b.bitcast(codes, v8),
-                                   self.b.bitcast(xq, v8)])
-        p = self.b.mul(self.b.zext(codes, _vec(_I32, 32)), self.b.sext(xq, _vec(_I32, 32)))
-        return self.fold(p, 8)
+    def dot_u8i8(self, codes, xq, width: int):
+        """``<n x u8> . <n x i8>`` (n = 32 or 64) as ``<n/4 x i32>``: lane j sums bytes
+        ``4j .. 4j+3``, as ``vpdpbusd`` does (``width``: see :func:`vnni_width`)."""
+        n = codes.type.count
+        if width:
+            w = min(width, 8 * n)  # bits per instruction
+            vt = _vec(_I32, w // 32)
+            f = self.fn(f"llvm.x86.avx512.vpdpbusd.{w}", vt, [vt, vt, vt])
+            parts = []
+            for k in range(0, n, w // 8):
+                sel = ir.Constant(_vec(_I32, w // 8), list(range(k, k + w // 8)))
+                cp = codes if n == w // 8 else self.b.shuffle_vector(codes, codes, sel)
+                xp = xq if n == w // 8 else self.b.shuffle_vector(xq, xq, sel)
+                parts.append(self.b.call(f, [ir.Constant(vt, None), self.b.bitcast(cp, vt),
+                                             self.b.bitcast(xp, vt)]))
+            while len(parts) > 1:
+                a, c = parts[0], parts[1]
+                m = a.type.count
+                parts = [self.b.shuffle_vector(a, c, ir.Constant(_vec(_I32, 2 * m),
+                                                                 list(range(2 * m))))] + parts[2:]
+            return parts[0]
+        p = self.b.mul(self.b.zext(codes, _vec(_I32, n)), self.b.sext(xq, _vec(_I32, n)))
+        out = None
+        for k in range(4):
+            t = self.b.shuffle_vector(p, p, ir.Constant(_vec(_I32, n // 4),
+                                                        list(range(k, n, 4))))
+            out = t if out is None else self.b.add(out, t)
+        return out
 
     def group_dot(self, sp, row_off, sdt, vp, G):
         """``sum_g float(s[row_off + g]) * v[g]`` over ``G`` groups (float32 ``v``)."""
@@ -203,17 +232,22 @@ def _emit(context, builder, sig, args, int8: bool):
     """The body shared by the float and the 8-bit-activation kernels (see the module
     docstring). Arguments, all local to this call:
 
-    float: q, s, b, x (M, K) f32, xs (M, G) f32, y (M, N) f32, bits4, bc
-    int8 : q, s, b, xq (M, K) i8, dx (M, K/32) f32, xs (M, G) f32, y, bits4, bc
+    float: q, s, b, x (M, K) f32, xs (M, G) f32, y (M, N) f32, sc, bits4, bc
+    int8 : q, s, b, xq (M, K) i8, dx (M, K/32) f32, xs (M, G) f32, y, sc, bits4, bc
     ``xs``: the group sums of the activations (of the rounded ones for int8);
+    ``sc`` (R, K/32) f32 scratch: each row's factor per chunk of 32 (its group's
+    scale, times the chunk's ``dx`` for int8), filled once per row, vectorised;
     ``bc``: the constant of derived biases (used when ``b`` is empty).
+    With int8 and 4-bit codes, ``xq`` comes in pairs of chunks as the codes unpack:
+    chunk c's first 16, chunk c+1's first 16, c's last 16, c+1's last 16
+    (:func:`quantize_x` with ``bits4``); a last odd chunk in plain order.
     """
     if int8:
-        qa, sa, ba, xa, dxa, xsa, ya, bits4, bc = args
-        qt, st, bt, xt, dxt, xst, yt = sig.args[:7]
+        qa, sa, ba, xa, dxa, xsa, ya, sca, bits4, bc = args
+        qt, st, bt, xt, dxt, xst, yt, sct = sig.args[:8]
     else:
-        qa, sa, ba, xa, xsa, ya, bits4, bc = args
-        qt, st, bt, xt, xst, yt = sig.args[:6]
+        qa, sa, ba, xa, xsa, ya, sca, bits4, bc = args
+        qt, st, bt, xt, xst, yt, sct = sig.args[:7]
     sdt = st.dtype
     bc = builder.fptrunc(bc, _F32) if bc.type != _F32 else bc
     h = _IR(builder)
@@ -224,6 +258,7 @@ def _emit(context, builder, sig, args, int8: bool):
     x = context.make_array(xt)(context, builder, xa)
     xs = context.make_array(xst)(context, builder, xsa)
     y = context.make_array(yt)(context, builder, ya)
+    scr = context.make_array(sct)(context, builder, sca)
     dx = context.make_array(dxt)(context, builder, dxa) if int8 else None
     shp = cgutils.unpack_tuple
     N, nbytes = shp(b, q.shape, 2)
@@ -236,38 +271,100 @@ def _emit(context, builder, sig, args, int8: bool):
     shift = b.select(b.icmp_unsigned("==", cpg, _c64(1)), _c64(0),
                      b.select(b.icmp_unsigned("==", cpg, _c64(2)), _c64(1), _c64(2)))
     is4 = b.icmp_unsigned("!=", bits4, ir.Constant(bits4.type, 0))
-    lanes = 8 if int8 else 16
-    vnni = int8 and has_vnni()
-    accs = [cgutils.alloca_once(b, _vec(_F32, lanes)) for _ in range(R)]
+    width = vnni_width() if int8 else 0
+    f16 = _vec(_F32, 16)
+    accs = [cgutils.alloca_once(b, f16) for _ in range(R)]
+    ety = _F32 if sdt == types.float32 else _I16
+    done = cgutils.alloca_once(b, _I64)  # chunks filled by the vector loop
+
+    def fill(r: int, o, m):
+        """scratch row r = row o's factor per chunk (times dx[m] for int8)."""
+        base = b.mul(_c64(r), chunks)
+        n16 = b.udiv(chunks, _c64(16))
+        b.store(_c64(0), done)
+        with b.if_then(b.icmp_unsigned("==", shift, _c64(0))):  # one scale a chunk: 16 at once
+            with cgutils.for_range(b, n16) as lp:
+                c = b.mul(lp.index, _c64(16))
+                v = h.to_f32(h.load(s.data, b.add(b.mul(o, G), c), _vec(ety, 16)), sdt)
+                if int8:
+                    v = b.fmul(v, h.load(dx.data, b.add(b.mul(m, chunks), c), f16))
+                p = b.bitcast(b.gep(scr.data, [b.add(base, c)]), f16.as_pointer())
+                b.store(v, p, align=1)
+            b.store(b.mul(n16, _c64(16)), done)
+        st0 = b.load(done)
+        with cgutils.for_range(b, b.sub(chunks, st0)) as lp:
+            c = b.add(st0, lp.index)
+            v = h.scale(s.data, b.add(b.mul(o, G), b.lshr(c, shift)), sdt)
+            if int8:
+                v = b.fmul(v, b.load(b.gep(dx.data, [b.add(b.mul(m, chunks), c)])))
+            b.store(v, b.gep(scr.data, [b.add(base, c)]))
+
+    def factor(r: int, c, n: int):
+        return b.load(b.gep(scr.data, [b.add(b.mul(_c64(r), chunks), c)]))
 
     def rows(o0, nr: int, bits4_static: bool):
         """Rows ``[o0, o0 + nr)`` for every activation row."""
+        cb = 16 if bits4_static else 32  # code bytes per chunk
         with cgutils.for_range(b, M) as lm:
             m = lm.index
-            for a in accs[:nr]:
-                b.store(ir.Constant(_vec(_F32, lanes), None), a)
-            with cgutils.for_range(b, chunks) as lc:
-                c = lc.index
-                g = b.lshr(c, shift)  # the chunk's group
-                xo = b.add(b.mul(m, K), b.mul(c, _c64(32)))
-                if int8:
-                    xv = h.load(x.data, xo, _vec(_I8, 32))
-                    d = b.load(b.gep(dx.data, [b.add(b.mul(m, chunks), c)]))
-                else:
-                    xv = h.load(x.data, xo, _vec(_F32, 32))
-                for r in range(nr):
-                    o = b.add(o0, _c64(r))
-                    sc = h.scale(s.data, b.add(b.mul(o, G), g), sdt)
-                    qo = b.add(b.mul(o, nbytes), b.mul(c, _c64(16 if bits4_static else 32)))
-                    h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
-                    codes = h.codes32(q.data, qo, bits4_static)
-                    if int8:
-                        p = b.sitofp(h.dot_u8i8(codes, xv, vnni), _vec(_F32, 8))
-                        f = h.splat(b.fmul(sc, d), 8)
-                    else:
-                        p = h.fold(b.fmul(b.uitofp(codes, _vec(_F32, 32)), xv), 16)
-                        f = h.splat(sc, 16)
-                    b.store(h.fma(p, f, b.load(accs[r])), accs[r])
+            for r in range(nr):
+                fill(r, b.add(o0, _c64(r)), m)
+                b.store(ir.Constant(f16, None), accs[r])
+            if int8:
+                pairs = b.udiv(chunks, _c64(2))
+                pat = [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4 if bits4_static else \
+                    [0] * 8 + [1] * 8
+                with cgutils.for_range(b, pairs) as lp:
+                    c = b.mul(lp.index, _c64(2))
+                    xv = h.load(x.data, b.add(b.mul(m, K), b.mul(c, _c64(32))), _vec(_I8, 64))
+                    for r in range(nr):
+                        qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
+                        h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
+                        if bits4_static:
+                            by = h.load(q.data, qo, _vec(_I8, 32))
+                            lo = b.and_(by, ir.Constant(_vec(_I8, 32), [15] * 32))
+                            hi = b.lshr(by, ir.Constant(_vec(_I8, 32), [4] * 32))
+                            codes = b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 64),
+                                                                         list(range(64))))
+                        else:
+                            codes = h.load(q.data, qo, _vec(_I8, 64))
+                        p = b.sitofp(h.dot_u8i8(codes, xv, width), f16)
+                        fp = b.bitcast(b.gep(scr.data, [b.add(b.mul(_c64(r), chunks), c)]),
+                                       _vec(_F32, 2).as_pointer())
+                        f2 = b.load(fp, align=1)
+                        f = b.shuffle_vector(f2, f2, ir.Constant(_vec(_I32, 16), pat))
+                        b.store(h.fma(p, f, b.load(accs[r])), accs[r])
+                odd = b.icmp_unsigned("!=", b.and_(chunks, _c64(1)), _c64(0))
+                with b.if_then(odd):  # the last chunk alone, in plain order
+                    c = b.sub(chunks, _c64(1))
+                    xv = h.load(x.data, b.add(b.mul(m, K), b.mul(c, _c64(32))), _vec(_I8, 32))
+                    for r in range(nr):
+                        qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
+                        codes = h.codes32(q.data, qo, bits4_static)
+                        p8 = b.sitofp(h.dot_u8i8(codes, xv, width), _vec(_F32, 8))
+                        p = b.shuffle_vector(p8, ir.Constant(_vec(_F32, 8), None),
+                                             ir.Constant(_vec(_I32, 16), list(range(16))))
+                        b.store(h.fma(p, h.splat(factor(r, c, 1), 16), b.load(accs[r])),
+                                accs[r])
+            else:
+                with cgutils.for_range(b, chunks) as lc:
+                    c = lc.index
+                    xo = b.add(b.mul(m, K), b.mul(c, _c64(32)))
+                    x_lo = h.load(x.data, xo, f16)
+                    x_hi = h.load(x.data, b.add(xo, _c64(16)), f16)
+                    for r in range(nr):
+                        qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
+                        h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
+                        if bits4_static:
+                            by = h.load(q.data, qo, _vec(_I8, 16))
+                            lo = b.and_(by, ir.Constant(_vec(_I8, 16), [15] * 16))
+                            hi = b.lshr(by, ir.Constant(_vec(_I8, 16), [4] * 16))
+                        else:
+                            lo = h.load(q.data, qo, _vec(_I8, 16))
+                            hi = h.load(q.data, b.add(qo, _c64(16)), _vec(_I8, 16))
+                        p = h.fma(b.uitofp(lo, f16), x_lo, b.fmul(b.uitofp(hi, f16), x_hi))
+                        b.store(h.fma(p, h.splat(factor(r, c, 1), 16), b.load(accs[r])),
+                                accs[r])
             xs_row = b.gep(xs.data, [b.mul(m, G)])
             for r in range(nr):
                 o = b.add(o0, _c64(r))
@@ -300,18 +397,18 @@ def _emit(context, builder, sig, args, int8: bool):
 
 
 @intrinsic
-def qgemv_f32(typingctx, q, s, b, x, xs, y, bits4, bc):
+def qgemv_f32(typingctx, q, s, b, x, xs, y, sc, bits4, bc):
     """y[m, o] = sum_i w[o, i] x[m, i] with float32 activations (see :func:`_emit`)."""
     _check_types(q, s, b)
-    sig = types.void(q, s, b, x, xs, y, bits4, bc)
+    sig = types.void(q, s, b, x, xs, y, sc, bits4, bc)
     return sig, lambda ctx, bld, sg, args: _emit(ctx, bld, sg, args, int8=False)
 
 
 @intrinsic
-def qgemv_i8(typingctx, q, s, b, xq, dx, xs, y, bits4, bc):
+def qgemv_i8(typingctx, q, s, b, xq, dx, xs, y, sc, bits4, bc):
     """y[m, o] = sum_i w[o, i] xhat[m, i], xhat = dx * xq (8-bit activations)."""
     _check_types(q, s, b)
-    sig = types.void(q, s, b, xq, dx, xs, y, bits4, bc)
+    sig = types.void(q, s, b, xq, dx, xs, y, sc, bits4, bc)
     return sig, lambda ctx, bld, sg, args: _emit(ctx, bld, sg, args, int8=True)
 
 
@@ -333,13 +430,15 @@ def mv_f32(q, s, b, x, y, group, bits4, bc):
             for i in range(g * group, (g + 1) * group):
                 a += x[m, i]
             xs[m, g] = a
-    qgemv_f32(q, s, b, x, xs, y, bits4, bc)
+    sc = np.empty((R, K // 32), np.float32)
+    qgemv_f32(q, s, b, x, xs, y, sc, bits4, bc)
 
 
 @nb.njit(**_opts)
-def quantize_x(x, group):
+def quantize_x(x, group, bits4=False):
     """x (M, K) -> int8 codes, one scale per 32 (max|x| / 127), and the group sums of
-    the rounded activations ``dx * xq`` (what the kernel multiplies)."""
+    the rounded activations ``dx * xq`` (what the kernel multiplies). ``bits4``: the
+    codes in the order the 4-bit kernel pairs chunks (see :func:`_emit`)."""
     M, K = x.shape
     C = K // 32
     cpg = group // 32
@@ -356,7 +455,11 @@ def quantize_x(x, group):
             isum = 0
             for i in range(c * 32, c * 32 + 32):
                 v = np.int32(np.rint(x[m, i] * inv))
-                xq[m, i] = v
+                j = i
+                if bits4 and c < C - C % 2:  # pairs (c even, c + 1): 16-wide halves
+                    k = i - c * 32
+                    j = (c - c % 2) * 32 + (c % 2) * 16 + (k // 16) * 32 + k % 16
+                xq[m, j] = v
                 isum += v
             dx[m, c] = d
             xs[m, c // cpg] += d * np.float32(isum)
@@ -366,5 +469,6 @@ def quantize_x(x, group):
 @nb.njit(**_opts)
 def mv_i8(q, s, b, x, y, group, bits4, bc):
     """As :func:`mv_f32` with the activations rounded to 8 bits per run of 32."""
-    xq, dx, xs = quantize_x(x, group)
-    qgemv_i8(q, s, b, xq, dx, xs, y, bits4, bc)
+    xq, dx, xs = quantize_x(x, group, bits4 != 0)
+    sc = np.empty((R, x.shape[1] // 32), np.float32)
+    qgemv_i8(q, s, b, xq, dx, xs, y, sc, bits4, bc)
