@@ -151,7 +151,7 @@ def qmatmul(x: np.ndarray, w: NQWeight, int8: bool = False) -> np.ndarray:
     """``x @ W.T`` for a quantized weight: x (M, in) float32 -> (M, out) float32.
 
     ``int8``: round the activations to 8 bits per run of 32 first (see the module
-    docstring); only for few rows (decode): prefill always multiplies float32.
+    docstring); only up to ``GEMM_ROWS`` rows (decode): more rows (prefill) multiply float32.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     m = x.shape[0]
