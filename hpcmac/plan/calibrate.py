@@ -10,7 +10,10 @@
 * hpcmac's own panel factorisation (the HPL panel, one process) at two panel
   heights: its fixed cost per column and its flop rate;
 * hpcmac's decoder on two tiny random Llamas (2 and 10 layers, weights in
-  cache): its fixed cost per layer and per decode step (needs the llm extra).
+  cache): its fixed cost per layer and per decode step (needs the llm extra);
+* hpcmac's tensor runtime on the same tiny Llamas, a 2-rank job against one
+  rank (:mod:`hpcmac.plan.tensor_cost`): its cost per all-reduce beyond the
+  link, and per decode step (needs the llm extra and mpi4py).
 
 Each figure is the median of a few repeats, so a briefly busy machine does
 not decide it. The JSON it writes is what ``--calibration FILE`` reads.
@@ -268,6 +271,11 @@ def calibrate(quick: bool = False) -> dict:
         fixed = llm_fixed_costs()
     except ImportError:  # the llm extra is not installed: no decoder to measure
         fixed = {}
+    tensor = {}
+    if fixed:
+        from hpcmac.plan.tensor_cost import measure
+
+        tensor = measure()  # empty when no 2-rank job can start here
     return {
         "name": "this node", "cores": nc, "memory_gb": round(memory_gb(), 2),
         "dgemm_gflops": {str(k): round(v, 3) for k, v in dgemm.items()},
@@ -277,6 +285,7 @@ def calibrate(quick: bool = False) -> dict:
         "sgemm_gflops": {str(k): round(v, 3) for k, v in sg.items()},
         **{k: round(v, 9) for k, v in fixed.items()},
         **({"stream_eff": round(min(1.0, fixed["decode_bw_gbs"] / rd[1]), 4)} if fixed else {}),
+        **({"tensor": {k: round(v, 9) for k, v in tensor.items()}} if tensor else {}),
         "panel": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in panel.items()},
         "seconds": round(time.perf_counter() - t0, 2),
     }

@@ -269,6 +269,11 @@ def cmd_calibrate(args) -> int:
         lines.append(f"hpcmac decoder: {cal['layer_s'] * 1e6:.1f} us per layer + "
                      f"{cal['token_s'] * 1e6:.1f} us per step, fixed; weights streamed at "
                      f"{cal['decode_bw_gbs']:.1f} GB/s ({cal['stream_eff']:.0%} of a plain read)")
+    if "tensor" in cal:
+        t = cal["tensor"]
+        lines.append(f"hpcmac tensor runtime at {t['ranks']} ranks, beyond one rank: "
+                     f"{t['reduce_s'] * 1e6:.1f} us per all-reduce (beyond the link) + "
+                     f"{t['step_s'] * 1e6:.1f} us per step")
     _emit(args, cal, lines)  # type: ignore[arg-type]
     return 0
 

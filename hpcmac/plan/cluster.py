@@ -11,6 +11,7 @@ reading those files; every problem is one :class:`~hpcmac.errors.UsageError` lin
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -99,6 +100,18 @@ def _calibrated(rates: Rates, cal: dict[str, Any], where: str) -> Rates:
     for key in ("layer_s", "token_s", "stream_eff"):
         if key in cal:
             kw[key] = float(cal[key])
+    tensor = cal.get("tensor")
+    if tensor is not None:
+        try:
+            kw["reduce_s"] = float(tensor["reduce_s"])
+            kw["tp_step_s"] = float(tensor["step_s"])
+        except (TypeError, ValueError, KeyError):
+            raise UsageError(f"{where}: field 'tensor' should be an object with numbers "
+                             "'reduce_s' and 'step_s' (write it with: python -m hpcmac.plan "
+                             "calibrate --json FILE)") from None
+        if not all(math.isfinite(kw[k]) and kw[k] >= 0 for k in ("reduce_s", "tp_step_s")):
+            raise UsageError(f"{where}: field 'tensor': 'reduce_s' and 'step_s' must be "
+                             "seconds >= 0")
     for key, name in (("read_bw_gbs", "read_bw"), ("sgemm_gflops", "sgemm")):
         if key in cal:
             kw[name] = table(key)

@@ -14,7 +14,10 @@ decode step of ``B`` sequences, stage ``s`` costs
 * a fixed cost per layer of the runtime (kernel launches, Python): measured
   by ``calibrate``, unknown (0) for a table part;
 * with tp > 1, two all-reduces of ``B x hidden`` activations per layer over the
-  tensor group's link (ring or recursive doubling, the cheaper);
+  tensor group's link (ring or recursive doubling, the cheaper), plus the
+  tensor runtime's own cost per all-reduce and per step as ``calibrate``
+  measured it at 2 ranks (:mod:`hpcmac.plan.tensor_cost`; ``tp - 1`` times
+  that, each rank posting a message to every other; 0 for a table part);
 * with pp > 1, one hop per stage boundary and one back to the first stage
   with the tokens (``star``: two hops per remote stage).
 
@@ -166,6 +169,9 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
         fixed = (hi - lo) * node_of[s].rates.layer_s
         link = _group_link(cluster, where, stages[s])
         ar = (hi - lo) * 2 * allreduce_s(link, tp, tokens * shape.hidden * case.act_bytes)
+        if tp > 1:  # the runtime's own cost (measured at 2 ranks; one more peer each rank)
+            rt = node_of[s].rates
+            ar += (tp - 1) * ((hi - lo) * 2 * rt.reduce_s + rt.tp_step_s)
         return work, fixed, ar
 
     def hops(b: int) -> float:

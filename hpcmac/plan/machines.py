@@ -121,7 +121,11 @@ class Rates:
     curve). ``mem_bw`` maps busy cores -> GB/s. ``panel_col_s`` and
     ``panel_gflops`` are the panel factorisation's per-column cost and rate.
     ``layer_s`` and ``token_s`` are the LLM runtime's fixed costs per layer and
-    per decode step (kernel launches, Python), 0 when unknown.
+    per decode step (kernel launches, Python), 0 when unknown. ``reduce_s`` and
+    ``tp_step_s`` are what hpcmac's tensor runtime pays beyond one rank, measured
+    at 2 ranks of this node (:mod:`hpcmac.plan.tensor_cost`): per all-reduce,
+    beyond the link's alpha and beta, and per decode step (the leader's step
+    messages, the embedding's all-reduce, the head's max-loc); 0 when unknown.
     """
 
     name: str
@@ -134,6 +138,8 @@ class Rates:
     panel_gflops: float | None = None
     layer_s: float = 0.0
     token_s: float = 0.0                 # the LLM runtime's fixed cost per decode step
+    reduce_s: float = 0.0                # tensor runtime: cost per all-reduce beyond the link
+    tp_step_s: float = 0.0               # tensor runtime: cost per decode step beyond one rank
     stream_eff: float = 1.0              # decode's matrix-vector bandwidth / a plain read's
     flops_fp32: float | None = None      # Gflop/s for prefill (matrix-matrix), FP32/FP16 path
     read_bw: dict[int, float] = field(default_factory=dict)   # GB/s reading, by busy cores
