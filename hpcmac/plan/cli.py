@@ -273,7 +273,8 @@ def cmd_calibrate(args) -> int:
         t = cal["tensor"]
         lines.append(f"hpcmac tensor runtime at {t['ranks']} ranks, beyond one rank: "
                      f"{t['reduce_s'] * 1e6:.1f} us per all-reduce (beyond the link) + "
-                     f"{t['step_s'] * 1e6:.1f} us per step")
+                     f"{t['step_s'] * 1e6:.1f} us per step; streaming meeting at every "
+                     f"all-reduce {t['sync_frac']:.1%} slower")
     _emit(args, cal, lines)  # type: ignore[arg-type]
     return 0
 

@@ -105,13 +105,15 @@ def _calibrated(rates: Rates, cal: dict[str, Any], where: str) -> Rates:
         try:
             kw["reduce_s"] = float(tensor["reduce_s"])
             kw["tp_step_s"] = float(tensor["step_s"])
+            kw["tp_sync_frac"] = float(tensor["sync_frac"])
         except (TypeError, ValueError, KeyError):
             raise UsageError(f"{where}: field 'tensor' should be an object with numbers "
-                             "'reduce_s' and 'step_s' (write it with: python -m hpcmac.plan "
-                             "calibrate --json FILE)") from None
-        if not all(math.isfinite(kw[k]) and kw[k] >= 0 for k in ("reduce_s", "tp_step_s")):
-            raise UsageError(f"{where}: field 'tensor': 'reduce_s' and 'step_s' must be "
-                             "seconds >= 0")
+                             "'reduce_s', 'step_s' and 'sync_frac' (write it with: python -m "
+                             "hpcmac.plan calibrate --json FILE)") from None
+        if not all(math.isfinite(kw[k]) and kw[k] >= 0
+                   for k in ("reduce_s", "tp_step_s", "tp_sync_frac")):
+            raise UsageError(f"{where}: field 'tensor': 'reduce_s', 'step_s' and "
+                             "'sync_frac' must be numbers >= 0")
     for key, name in (("read_bw_gbs", "read_bw"), ("sgemm_gflops", "sgemm")):
         if key in cal:
             kw[name] = table(key)

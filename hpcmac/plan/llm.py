@@ -17,7 +17,9 @@ decode step of ``B`` sequences, stage ``s`` costs
   tensor group's link (ring or recursive doubling, the cheaper), plus the
   tensor runtime's own cost per all-reduce and per step as ``calibrate``
   measured it at 2 ranks (:mod:`hpcmac.plan.tensor_cost`; ``tp - 1`` times
-  that, each rank posting a message to every other; 0 for a table part);
+  that, each rank posting a message to every other; 0 for a table part), and
+  the streaming stretched by ``log2(tp)`` times the measured ``sync_frac``
+  (the slowest rank sets each segment's pace);
 * with pp > 1, one hop per stage boundary and one back to the first stage
   with the tokens (``star``: two hops per remote stage).
 
@@ -169,9 +171,13 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
         fixed = (hi - lo) * node_of[s].rates.layer_s
         link = _group_link(cluster, where, stages[s])
         ar = (hi - lo) * 2 * allreduce_s(link, tp, tokens * shape.hidden * case.act_bytes)
-        if tp > 1:  # the runtime's own cost (measured at 2 ranks; one more peer each rank)
+        if tp > 1:  # the tensor runtime's own costs, measured at 2 ranks (calibrate)
             rt = node_of[s].rates
+            # each rank posts to, and adds the part of, every other rank
             ar += (tp - 1) * ((hi - lo) * 2 * rt.reduce_s + rt.tp_step_s)
+            # the slowest of tp ranks sets each segment's pace: the expected maximum
+            # of tp draws grows about as log2(tp) times that of two
+            ar += work * rt.tp_sync_frac * math.log2(tp)
         return work, fixed, ar
 
     def hops(b: int) -> float:

@@ -125,7 +125,9 @@ class Rates:
     ``tp_step_s`` are what hpcmac's tensor runtime pays beyond one rank, measured
     at 2 ranks of this node (:mod:`hpcmac.plan.tensor_cost`): per all-reduce,
     beyond the link's alpha and beta, and per decode step (the leader's step
-    messages, the embedding's all-reduce, the head's max-loc); 0 when unknown.
+    messages, the embedding's all-reduce, the head's max-loc); ``tp_sync_frac``
+    how much longer two ranks streaming their shards take when they meet at
+    every all-reduce (the slower sets the pace); 0 when unknown.
     """
 
     name: str
@@ -140,6 +142,7 @@ class Rates:
     token_s: float = 0.0                 # the LLM runtime's fixed cost per decode step
     reduce_s: float = 0.0                # tensor runtime: cost per all-reduce beyond the link
     tp_step_s: float = 0.0               # tensor runtime: cost per decode step beyond one rank
+    tp_sync_frac: float = 0.0            # tensor runtime: streaming stretched by meeting peers
     stream_eff: float = 1.0              # decode's matrix-vector bandwidth / a plain read's
     flops_fp32: float | None = None      # Gflop/s for prefill (matrix-matrix), FP32/FP16 path
     read_bw: dict[int, float] = field(default_factory=dict)   # GB/s reading, by busy cores

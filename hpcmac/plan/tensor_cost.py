@@ -12,18 +12,30 @@ same scheduler (:func:`~hpcmac.llm.parallel.pipeline.run_pipeline`). Per
 decode step of one sequence:
 
 * ``reduce_s``: tensor 2's time per layer minus one rank's, over the layer's
-  two all-reduces, minus the hop of one message of the reduced size (the
-  link's alpha and beta, which the model adds separately): the runtime's cost
-  per all-reduce (Python, the non-blocking calls and their waits, the sum, the
-  two ranks arriving at different moments);
+  two all-reduces: the runtime's cost per all-reduce (Python, the non-blocking
+  calls and their waits, the sum, the two ranks arriving at different
+  moments). It holds the message's own hop through this node's shared memory
+  too (about 1 us here, which the model's link term adds again: left in,
+  as a hop measured apart from the rounds is the scheduler's on a busy host);
 * ``step_s``: tensor 2's time per step minus one rank's, everything the
   group pays once a step: the leader's step messages to the follower, the
   embedding's all-reduce (hpcmac splits the embedding by vocabulary; other
-  runtimes need not), the head's max-loc.
+  runtimes need not), the head's max-loc;
+* ``sync_frac``: weights past the cache this time. Each rank multiplies a
+  vector by its own matrices (a layer's shard: 4 then 12 MiB of float32, at
+  least twice the largest cache in all), both ranks at once, first each on
+  its own, then meeting at the runtime's all-reduce after every product. The
+  second takes longer even beyond ``reduce_s`` per all-reduce: the slower
+  rank sets each segment's pace (two cores sharing the memory, another job
+  taking one for a moment). ``sync_frac`` is that excess over the time on
+  their own (the slower rank's, both times).
 
-Each time is the median over rounds; the slope and intercept come from the
-two layer counts. Pure launcher apart from :func:`worker`, which runs inside
-the job; nothing here imports MPI at import time.
+A run's time per step is the median gap between its tokens (as
+``calibrate``'s one-rank decoder costs are medians of steps: a step in which
+another job took a core does not decide it), and each layout's the median
+over rounds; the slope and intercept come from the two layer counts. Pure
+launcher apart from :func:`worker`, which runs inside the job; nothing here
+imports MPI at import time.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ LAYERS = (2, 10)
 HIDDEN = 64
 PROMPT, NEW = 8, 32
 ROUNDS = 7
+SYNC_ROUNDS = 9
 TAG_WAKE = 95
 
 
@@ -84,23 +97,46 @@ class _Sleeper:
             self.wd.wait(w.irecv(buf, 0, TAG_WAKE), 0, "")
 
 
-def _hop_s(world, nbytes: int, iters: int = 300) -> float:
-    """Half the median round trip of one ``nbytes`` message between ranks 0 and 1."""
+def _stream_s(world, mats, reduce) -> float:
+    """One pass over this rank's matrices, a product with a vector each, the two of a
+    layer summed over the group by ``reduce`` when given: the slower rank's seconds."""
     import numpy as np
 
-    buf = np.zeros(max(1, nbytes // 4), dtype=np.float32)
-    times = []
-    for i in range(iters + 20):
-        t = time.perf_counter()
-        if world.rank == 0:
-            world.send(buf, 1, 96)
-            world.recv(buf, 1, 97)
-        else:
-            world.recv(buf, 0, 96)
-            world.send(buf, 0, 97)
-        if i >= 20:
-            times.append((time.perf_counter() - t) / 2)
-    return statistics.median(times)
+    world.barrier()
+    t = time.perf_counter()
+    h = np.ones((1, mats[0][0].shape[1]), dtype=np.float32)
+    for a, b in mats:
+        y = h @ a.T
+        if reduce is not None:
+            y = reduce(y)
+        y = (y / (1.0 + np.abs(y).max())) @ b.T
+        if reduce is not None:
+            y = reduce(y)
+        h = y[:, :h.shape[1]] / (1.0 + np.abs(y).max())
+    return max(world.allgather_obj(time.perf_counter() - t))
+
+
+def _sync_frac(world, reduce, reduce_s: float) -> float:
+    """How much longer two ranks streaming their shards at once take when they meet at
+    an all-reduce after each product (the slower one sets every segment's pace) than
+    each on its own, over the time on their own (rank 0; both ranks call)."""
+    import numpy as np
+
+    from hpcmac.plan.calibrate import last_cache_bytes
+
+    rng = np.random.default_rng(world.rank)
+    seg = 16 << 20  # a layer's shard: 4 MiB then 12 MiB of float32 weights
+    n = max(4, -(-2 * last_cache_bytes() // seg))
+    mats = [(rng.standard_normal((1024, 1024), dtype=np.float32),
+             rng.standard_normal((3072, 1024), dtype=np.float32)) for _ in range(n)]
+    alone, met = [], []
+    for rnd in range(SYNC_ROUNDS + 1):
+        a, m = _stream_s(world, mats, None), _stream_s(world, mats, reduce)
+        if rnd:
+            alone.append(a)
+            met.append(m)
+    a, m = statistics.median(alone), statistics.median(met)
+    return max(0.0, (m - a - 2 * n * reduce_s) / a)
 
 
 def worker(out: str, tmp: str) -> int:
@@ -137,18 +173,23 @@ def worker(out: str, tmp: str) -> int:
         tens = load_stage(path, 0, n, shard=shards[world.rank], reduce=tg.allreduce)
         loaded.append((cfg, S.stages_from_counts([n])[0], tg, full, tens))
     prompt = [3 + (7 * i) % 250 for i in range(PROMPT)]
-    kw = dict(max_batch=1, max_len=PROMPT + NEW, timeout=60.0)
+    kw: dict = dict(max_batch=1, max_len=PROMPT + NEW, timeout=60.0)
 
     def step_s(layout: str, i: int) -> float:
+        """The median time between two decoded tokens (rank 0; 0 elsewhere)."""
         cfg, spec, tg, full, tens = loaded[i]
         reqs = [Request(list(prompt), NEW)] if world.rank == 0 else None
+        stamps: list[float] = []
+        kw["on_token"] = lambda seq, tok: stamps.append(time.perf_counter())
         if layout == "one":
-            res = run_pipeline(one, full, spec, cfg.hidden, reqs, hosts=hosts[:1], **kw) \
-                if world.rank == 0 else None
+            if world.rank == 0:
+                run_pipeline(one, full, spec, cfg.hidden, reqs, hosts=hosts[:1], **kw)
         else:
-            res = run_tensor_pipeline(groups, tg, tens, spec, cfg.hidden, reqs, **kw)
+            run_tensor_pipeline(groups, tg, tens, spec, cfg.hidden, reqs, **kw)
         sleeper.sync()
-        return 1.0 / res.decode_tok_s() if world.rank == 0 else 0.0
+        if world.rank:
+            return 0.0
+        return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
     times: dict[tuple[str, int], list[float]] = {}
     for rnd in range(ROUNDS + 1):  # round 0 warms up
@@ -157,20 +198,23 @@ def worker(out: str, tmp: str) -> int:
                 t = step_s(layout, i)
                 if rnd:
                     times.setdefault((layout, i), []).append(t)
-    hop = _hop_s(world, HIDDEN * 4)
+    fit = {}
+    reduce_s = 0.0
     if world.rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         (l1, l2) = LAYERS
-        fit = {}
         for layout in ("one", "tensor"):
             slope = (med[(layout, 1)] - med[(layout, 0)]) / (l2 - l1)
             fit[layout] = (slope, med[(layout, 0)] - l1 * slope)
-        reduce_s = (fit["tensor"][0] - fit["one"][0]) / 2 - hop
-        step = fit["tensor"][1] - fit["one"][1]
+        reduce_s = max(0.0, (fit["tensor"][0] - fit["one"][0]) / 2)
+    reduce_s = world.bcast_obj(reduce_s, 0)
+    sync = _sync_frac(world, loaded[0][2].allreduce, reduce_s)
+    if world.rank == 0:
         Path(out).write_text(json.dumps({
-            "ranks": 2, "reduce_s": max(0.0, reduce_s), "step_s": max(0.0, step),
-            "hop_s": hop, "one_layer_s": fit["one"][0], "tensor_layer_s": fit["tensor"][0],
-            "one_step_s": fit["one"][1], "tensor_step_s": fit["tensor"][1]}))
+            "ranks": 2, "reduce_s": reduce_s, "step_s": max(0.0, fit["tensor"][1] - fit["one"][1]),
+            "sync_frac": sync, "one_layer_s": fit["one"][0],
+            "tensor_layer_s": fit["tensor"][0], "one_step_s": fit["one"][1],
+            "tensor_step_s": fit["tensor"][1]}))
     return 0
 
 

@@ -108,6 +108,29 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, hosts, top, expect):
     assert expect in lines[0]
 
 
+@pytest.mark.parametrize("tensor, expect", [
+    ("fast", "field 'tensor' should be an object with numbers 'reduce_s', 'step_s' and "
+             "'sync_frac'"),
+    ({"reduce_s": 1e-4, "step_s": 0}, "field 'tensor' should be an object with numbers"),
+    ({"reduce_s": "x", "step_s": 0, "sync_frac": 0},
+     "field 'tensor' should be an object with numbers"),
+    ({"reduce_s": -1e-4, "step_s": 0, "sync_frac": 0},
+     "'reduce_s', 'step_s' and 'sync_frac' must be numbers >= 0"),
+    ({"reduce_s": 1e-4, "step_s": float("nan"), "sync_frac": 0}, "must be numbers >= 0"),
+    ({"reduce_s": 1e-4, "step_s": 0, "sync_frac": float("inf")}, "must be numbers >= 0"),
+])
+def test_bad_tensor_runtime_figures_are_one_line(tmp_path, tensor, expect):
+    f = tmp_path / "node.json"
+    f.write_text(json.dumps({"cores": 2, "memory_gb": 8, "dgemm_gflops": {"1": 40},
+                             "mem_bw_gbs": {"1": 10}, "tensor": tensor}))
+    model = ROOT / "tests" / "unit" / "data" / "plan_qwen3_small.json"
+    p = run("llm", str(model), "--calibration", str(f), "--slots", "2", cwd=tmp_path)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert str(f) in lines[0] and expect in lines[0]
+
+
 def test_bad_comm_json_says_how_to_measure(tmp_path):
     f = tmp_path / "comm.json"
     f.write_text(json.dumps({"latency": [], "bandwidth": []}))

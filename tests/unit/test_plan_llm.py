@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -210,6 +211,49 @@ def test_more_of_anything_never_predicts_slower(a, f):
     # fewer bits per weight, more sequences in flight: never slower in aggregate
     assert _tok_s(bw, alpha, beta, bits / f, layer_s, k, tp, b) * eps >= base
     assert _tok_s(bw, alpha, beta, bits, layer_s, k, tp, b * 2) * eps >= base
+
+
+def _runtime_cluster(k: int, reduce_s: float, step_s: float,
+                     sync: float = 0.0) -> clmod.Cluster:
+    rates = mc.Rates("x", cores=8, memory_gb=512, dgemm={1: 50.0, 8: 400.0},
+                     mem_bw={1: 400.0, 8: 400.0}, layer_s=2e-5, token_s=1e-5,
+                     flops_fp32=20000.0, reduce_s=reduce_s, tp_step_s=step_s,
+                     tp_sync_frac=sync)
+    return clmod.Cluster(tuple(clmod.Node(f"n{i}", rates, slots=4) for i in range(k)),
+                         mc.LINKS["tb5-rdma"])
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (1, 2), (2, 1), (4, 1), (2, 2), (4, 2)])
+def test_tensor_runtime_cost_per_all_reduce_and_step(tp, pp):
+    """The tensor runtime's measured cost: (tp - 1) x (2 per layer x reduce_s + step_s per
+    stage) and log2(tp) x sync_frac of the streaming on each token, nothing for a
+    pipeline; the rest of the prediction unchanged."""
+    shape = load_shape(str(ROOT / "tests" / "unit" / "data" / "plan_qwen3_small.json"))
+    case = llm.LlmCase(tp=tp, pp=pp, batch=1)
+    r, q, f = 7e-5, 2e-4, 0.08
+    base = llm.predict(_runtime_cluster(2, 0.0, 0.0), shape, case)
+    with_rt = llm.predict(_runtime_cluster(2, r, q, f), shape, case)
+    added = 1 / with_rt.decode_tok_s - 1 / base.decode_tok_s
+    want = 0.0 if tp == 1 else ((tp - 1) * (2 * shape.n_layers * r + pp * q)
+                                + math.log2(tp) * f * base.stream_s)
+    assert added == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert with_rt.allreduce_s - base.allreduce_s == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert (with_rt.stream_s, with_rt.fixed_s, with_rt.hops_s) == (
+        base.stream_s, base.fixed_s, base.hops_s)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.floats(0, 1e-3), st.floats(0, 1e-2), st.floats(0, 0.5), st.floats(1.01, 8),
+       st.sampled_from([(2, 1), (4, 1), (2, 2)]), st.sampled_from([1, 4, 16]))
+def test_cheaper_tensor_runtime_never_predicts_slower(r, q, y, f, layout, batch):
+    shape = load_shape(str(ROOT / "tests" / "unit" / "data" / "plan_qwen3_small.json"))
+    case = llm.LlmCase(tp=layout[0], pp=layout[1], batch=batch)
+    base = llm.predict(_runtime_cluster(2, r, q, y), shape, case)
+    for cheaper in (_runtime_cluster(2, r / f, q, y), _runtime_cluster(2, r, q / f, y),
+                    _runtime_cluster(2, r, q, y / f)):
+        got = llm.predict(cheaper, shape, case)
+        assert got.batch_tok_s * (1 + 1e-12) >= base.batch_tok_s
+        assert got.decode_tok_s * (1 + 1e-12) >= base.decode_tok_s
 
 
 # --------------------------------------------------------------------- CLI
