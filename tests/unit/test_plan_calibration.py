@@ -173,4 +173,9 @@ def test_llm_decode_within_20_percent(measured, layout, tp, pp):
           f"(load {measured['load']:.1f}; predicted ms a token: stream {pred.stream_s * 1e3:.2f}, "
           f"fixed {pred.fixed_s * 1e3:.2f}, all-reduce {pred.allreduce_s * 1e3:.2f}, hops "
           f"{pred.hops_s * 1e3:.2f})")
+    if tp > 1:
+        t = [measured[k]["tensor"] for k in ("before", "after")]
+        print("  tensor runtime (before / after): " + " / ".join(
+            f"{x['reduce_s'] * 1e6:.1f} us a reduction, {x['step_s'] * 1e6:.1f} us a step, "
+            f"sync {x['sync_frac']:.1%}" for x in t))
     assert pred.decode_tok_s == pytest.approx(got, rel=0.20), (pred, got)
