@@ -116,7 +116,10 @@ def measured(tmp_path_factory):
         after = calibrate(quick=True)
         cal = tmp / f"node{i}.json"
         cal.write_text(json.dumps(average(before, after)))
+        for name, c in (("before", before), ("after", after)):
+            (tmp / f"node{i}-{name}.json").write_text(json.dumps(c))
         attempts.append({"cal": str(cal), "comm": str(comm), "hpl": runs, "llm": llm_runs,
+                         "cals": [str(tmp / f"node{i}-{n}.json") for n in ("before", "after")],
                          "model": str(model), "load": load, "before": before, "after": after,
                          "moved": drift(before, after)})
         if attempts[-1]["moved"][0] <= STEADY:
@@ -155,27 +158,39 @@ def test_hpl_prediction_within_20_percent(measured, grid):
                                             ("tensor 2", 2, 1)])
 def test_llm_decode_within_20_percent(measured, layout, tp, pp):
     """Single-sequence decode of bench.llm's model: one rank, a 2-stage pipeline, tensor 2."""
+    if tp > 1:  # the tensor runtime's own cost must have been measured (calibrate's job)
+        assert "tensor" in measured["before"] and "tensor" in measured["after"]
+    shape = load_shape(measured["model"]).with_bits(32.0, "numpy float32")
+    case = llm.LlmCase(tp=tp, pp=pp, batch=1, prompt=PROMPT, context=PROMPT + NEW,
+                       act_bytes=4, kv_bytes=4)
+
+    def predict(cal: str) -> llm.LlmPrediction:
+        cl = clmod.build(calibration=cal, comm=measured["comm"], slots=tp * pp)
+        return llm.predict(cl, shape, case)
+
+    pred = predict(measured["cal"])
+    pb, pa = (predict(c).decode_tok_s for c in measured["cals"])
+    got = measured["llm"][layout]["single"]["decode_tok_s"]
+    print(f"decode {layout}: predicted {pred.decode_tok_s:.2f} tok/s, measured {got:.2f} "
+          f"(load {measured['load']:.1f}; predicted ms a token: stream {pred.stream_s * 1e3:.2f}, "
+          f"fixed {pred.fixed_s * 1e3:.2f}, all-reduce {pred.allreduce_s * 1e3:.2f}, hops "
+          f"{pred.hops_s * 1e3:.2f}; from the calibration before / after alone {pb:.2f} / "
+          f"{pa:.2f})")
+    if tp > 1:
+        t = [measured[k]["tensor"] for k in ("before", "after")]
+        print("  tensor runtime (before / after): " + " / ".join(
+            f"{x['reduce_s'] * 1e6:.1f} us a reduction, {x['step_s'] * 1e6:.1f} us a step, "
+            f"sync {x['sync_frac']:.1%}" for x in t))
     cores = os.cpu_count() or 1
     if tp * pp > 1 and measured["load"] > cores:
         pytest.skip(f"load average {measured['load']:.1f} on {cores} cores before the test: "
                     "other jobs hold the cores, and a 2-rank decode then waits on the "
                     "scheduler at every hop and all-reduce, which the model does not describe")
     steady(measured, (("read_bw_gbs", "1"), ("read_bw_gbs", str(tp * pp))))
-    if tp > 1:  # the tensor runtime's own cost must have been measured (calibrate's job)
-        assert "tensor" in measured["before"] and "tensor" in measured["after"]
-    cl = clmod.build(calibration=measured["cal"], comm=measured["comm"], slots=tp * pp)
-    shape = load_shape(measured["model"]).with_bits(32.0, "numpy float32")
-    case = llm.LlmCase(tp=tp, pp=pp, batch=1, prompt=PROMPT, context=PROMPT + NEW,
-                       act_bytes=4, kv_bytes=4)
-    pred = llm.predict(cl, shape, case)
-    got = measured["llm"][layout]["single"]["decode_tok_s"]
-    print(f"decode {layout}: predicted {pred.decode_tok_s:.2f} tok/s, measured {got:.2f} "
-          f"(load {measured['load']:.1f}; predicted ms a token: stream {pred.stream_s * 1e3:.2f}, "
-          f"fixed {pred.fixed_s * 1e3:.2f}, all-reduce {pred.allreduce_s * 1e3:.2f}, hops "
-          f"{pred.hops_s * 1e3:.2f})")
-    if tp > 1:
-        t = [measured[k]["tensor"] for k in ("before", "after")]
-        print("  tensor runtime (before / after): " + " / ".join(
-            f"{x['reduce_s'] * 1e6:.1f} us a reduction, {x['step_s'] * 1e6:.1f} us a step, "
-            f"sync {x['sync_frac']:.1%}" for x in t))
+    # every figure the prediction uses at once: the tensor runtime's are measured in
+    # seconds of a 2-rank job and move with the scheduler as the bandwidths do
+    if abs(pa / pb - 1) > STEADY:
+        pytest.skip(f"the prediction from the calibration before the runs ({pb:.1f} tok/s) "
+                    f"and after ({pa:.1f}) differ by {abs(pa / pb - 1):.0%} (a shared, busy "
+                    "machine): a prediction cannot match runs made on a different machine")
     assert pred.decode_tok_s == pytest.approx(got, rel=0.20), (pred, got)
