@@ -61,6 +61,21 @@ INT8_ENV = "HPCMAC_INT8_ACTIVATIONS"
 _kernels = None
 
 
+def aligned(a: np.ndarray, align: int = 64) -> np.ndarray:
+    """A C-contiguous copy of ``a`` whose data starts on an ``align``-byte boundary (a
+    cache line). The kernels read 64 bytes of codes at a time: from a heap array that
+    is only 16-byte aligned, three of every four loads span two cache lines
+    (measured: 8-bit activations on Q8_0 ran ~25% slower in a loaded model than on the
+    same matrices allocated page-aligned)."""
+    if a.ctypes.data % align == 0 and a.flags.c_contiguous:
+        return a
+    buf = np.empty(a.nbytes + align, np.uint8)
+    off = -buf.ctypes.data % align
+    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def int8_default() -> bool:
     """Whether ``HPCMAC_INT8_ACTIVATIONS`` asks for 8-bit activations (default: no)."""
     return os.environ.get(INT8_ENV, "").strip().lower() in ("1", "true", "yes", "on")
@@ -110,13 +125,13 @@ class NQWeight:
         self.n, self.k = t.shape
         self.bits, self.group, self.source = t.bits, t.group, t.source
         if t.bits == 8:
-            self.q = np.ascontiguousarray(t.words).view(np.uint8).reshape(self.n, self.k)
+            self.q = aligned(np.asarray(t.words).view(np.uint8).reshape(self.n, self.k))
         else:
             codes = unpack(t.words, t.bits, self.k)  # (out, in) one byte per code
             if t.bits == 4:  # runs of 32: byte j = code j | code j + 16 << 4
                 c = codes.reshape(self.n, -1, 2, 16)
                 codes = (c[:, :, 0] | (c[:, :, 1] << np.uint8(4))).reshape(self.n, -1)
-            self.q = np.ascontiguousarray(codes)
+            self.q = aligned(codes)
         self.scales, b, self.bias_c = compact_scales(t.scales, t.biases, t.bits)
         # derived biases: an empty array tells the kernels to use bias_c * scale
         self.biases = b if b is not None else np.empty((0, self.scales.shape[1]),
