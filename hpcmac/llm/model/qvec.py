@@ -23,8 +23,9 @@ with vector types directly (``<32 x i8>``, ``<16 x float>``), so:
 The IR is target independent except for one instruction: with 8-bit
 activations the 32 byte products of a chunk go to ``vpdpbusd`` (AVX-512 VNNI
 or AVX-VNNI: unsigned codes times signed activations, summed in fours into
-int32, 32 products per 256-bit instruction) when numba compiles for a CPU that
-has it; elsewhere the same sums are built from widened multiplies and adds
+int32, 32 products per 256-bit instruction; 4-bit codes go two chunks at a time
+through the 512-bit form where the CPU has it) when numba compiles for a CPU
+that has it; elsewhere the same sums are built from widened multiplies and adds
 (LLVM maps them onto what the target has, e.g. NEON on Apple silicon).
 
 Storage the kernels read (see :class:`~hpcmac.llm.model.qkernels.NQWeight`):
