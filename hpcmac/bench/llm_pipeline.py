@@ -107,33 +107,55 @@ class _Sleeper:
 class _Stream:
     """Memory bandwidth of the first k ranks reading memory at once (GB/s, all of them).
 
-    Each of the k ranks sums its own ``mib`` MiB array ``reps`` times, starting
+    Each of the k ranks reads its own ``mib`` MiB array ``reps`` times, starting
     together; the rate is all the bytes over the slowest rank's time. Decode of
     a few sequences per micro-batch streams the weights, so the k-rank rate
     over the 1-rank rate is the most a k-stage pipeline can gain while decode
     is memory-bound (ranks on one machine share its memory bandwidth, and on
     a shared virtual machine that share changes from minute to minute: it is
     measured in every round, next to the pipelines).
+
+    Two ways to read: ``"sum"`` (``numpy.sum``; on a core that sums slower
+    than memory delivers, e.g. 18-21 GB/s against 31 GB/s for decode on the
+    AMD EPYC VM, its 2-rank ratio is the cores', not the memory's) and
+    ``"matvec"``: the array as 1024 x 32 panels multiplied by a vector with
+    the decoder's own kernel (:meth:`~hpcmac.llm.model.backend.NumpyBackend.linear`),
+    the access pattern of a decode step.
     """
 
     def __init__(self, mib: int = 256):
         import numpy as np
 
+        from hpcmac.llm.model.backend import NumpyBackend, Panels
+
         self.a = np.ones(mib << 18, dtype=np.float32)
         self.a.sum()  # touch every page once
+        self.be = NumpyBackend()
+        r, inp = self.be.panel, 1024
+        nb = self.a.size // (inp * r)
+        self.w = Panels.__new__(Panels)  # a view of the same memory, no copy
+        self.w.p, self.w.n = self.a[:nb * inp * r].reshape(nb, inp, r), nb * r
+        self.x = np.ones((1, inp), dtype=np.float32)
 
-    def measure(self, world, sleeper, k: int, reps: int = 8) -> float:
+    def _read(self, pattern: str) -> int:
+        if pattern == "matvec":
+            self.be.linear(self.x, self.w)
+            return self.w.p.nbytes
+        self.a.sum()
+        return self.a.nbytes
+
+    def measure(self, world, sleeper, k: int, reps: int = 8, pattern: str = "sum") -> float:
         sleeper.sync()
         world.barrier()  # start together (the sync above wakes ranks up to 20 ms apart)
-        dt = 0.0
+        dt, nbytes = 0.0, 0
         if world.rank < k:
             t0 = time.perf_counter()
             for _ in range(reps):
-                self.a.sum()
+                nbytes += self._read(pattern)
             dt = time.perf_counter() - t0
         sleeper.sync()  # ranks beyond k wait here sleeping, not in a spinning collective
-        times = world.allgather_obj(dt)
-        return k * reps * self.a.nbytes / max(times[:k]) / 1e9
+        times = world.allgather_obj((dt, nbytes))
+        return k * times[0][1] / max(t for t, _ in times[:k]) / 1e9
 
 
 def worker(args) -> int:

@@ -17,7 +17,9 @@ rank and host named):
 
 * all-reduce, tag ``TAG_SUM``: every rank sends its float32 partial to every
   other rank; each sums the parts in rank order, so every rank holds the same
-  bits (greedy tokens and expert routing agree on every rank).
+  bits (greedy tokens and expert routing agree on every rank). When the whole
+  group is on one x86-64 host, partials of up to 64 KB (decode) go through a
+  shared mapping instead (:mod:`.shmsum`: same parts, same order, same bits).
 * leader -> followers, tag ``TAG_STEP``: ``int32[4] = (kind, n, T, mode)``,
   then for ``FWD`` the meta rows ``int32 (n, 5)`` and the token ids (int64,
   first stage) or hidden states (float32 ``(T, hidden)``); for ``CTRL`` a
@@ -108,7 +110,10 @@ class TensorGroup:
 
     def __init__(self, group: Group, hosts: Sequence[str], timeout: float,
                  ranks: Sequence[int] | None = None):
-        """``hosts``, ``ranks``: host and job rank of each rank of ``group`` (messages)."""
+        """Collective over ``group``. ``hosts``, ``ranks``: host and job rank of each
+        rank of ``group`` (global; messages, and whether the group shares a host)."""
+        from hpcmac.llm.parallel import shmsum
+
         self.group = group
         self.rank, self.size = group.rank, group.size
         self.wd = Watchdog(group, hosts, timeout, ranks=ranks)
@@ -116,6 +121,11 @@ class TensorGroup:
         self._bufs: dict[tuple, dict[int, np.ndarray]] = {}
         self.peers = [r for r in range(self.size) if r != self.rank]
         self.stats = TensorStats()
+        self.shm = None
+        if self.size > 1 and shmsum.eligible(list(hosts)[:self.size]):
+            shm = shmsum.ShmSum(group)
+            self.shm = shm if shm.ok else None
+        self._shm_max = shmsum.MAX_BYTES
 
     # -- the model's reduction -------------------------------------------------------
 
@@ -126,6 +136,13 @@ class TensorGroup:
             return a
         t0 = time.perf_counter()
         a = np.ascontiguousarray(a, dtype=np.float32)
+        st = self.stats
+        if self.shm is not None and a.nbytes <= self._shm_max:
+            out = self.shm.sum(a, self._wait_part)
+            st.reduces += 1
+            st.sent_bytes += a.nbytes * len(self.peers)
+            st.wait_s += time.perf_counter() - t0
+            return out
         bufs = self._bufs.get(a.shape)
         if bufs is None:  # receive buffers reused step after step (the sum is a new array)
             bufs = self._bufs[a.shape] = {r: np.empty_like(a) for r in self.peers}
@@ -139,11 +156,13 @@ class TensorGroup:
         out = parts[0] + parts[1]
         for p in parts[2:]:
             out += p
-        st = self.stats
         st.reduces += 1
         st.sent_bytes += a.nbytes * len(self.peers)
         st.wait_s += time.perf_counter() - t0
         return out
+
+    def _wait_part(self, test, peer: int) -> None:
+        self.wd.wait(test, peer, "to send its part of an all-reduce")
 
     # -- leader -> followers -----------------------------------------------------------
 
