@@ -37,3 +37,7 @@ def test_small_run_end_to_end(tmp_path):
     assert t["reduces_per_step"] == pytest.approx(5)
     assert t["reduce_bytes_per_token"] > 0 and t["reduce_ms"] > 0
     assert "of the ceiling" in proc.stdout and "tensor 2 |" in proc.stdout
+    # both ways of measuring the bandwidth ceiling: numpy.sum and decode's matvec kernel
+    for key in ("mem_gb_s", "mem_gb_s_matvec"):
+        assert all(v > 0 for v in doc[key].values()), key
+    assert "decode's matvec" in proc.stdout

@@ -36,15 +36,20 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     q = qkv[:, :Hq * d].reshape(T, Hq, d)
     k = qkv[:, Hq * d:(Hq + KV) * d].reshape(T, KV, d)
     v = qkv[:, (Hq + KV) * d:].reshape(T, KV, d)
-    if "q_pad" in w:
-        q = xp.concatenate([q, be.zeros((T, 1, d))], axis=1)[:, w["q_pad"]]  # (T, H, d)
-    if cfg.qk_norm:
-        q = be.rms_norm(q, w["q_norm"], cfg.norm_eps)
-        k = be.rms_norm(k, w["k_norm"], cfg.norm_eps)
-    q = apply_rope(q, cos, sin, False, xp) * scale
-    k = apply_rope(k, cos, sin, False, xp)
-    if be.name == "numpy" and len(seqs) > 1 and T == len(seqs):
-        o = _decode_attention(be, q, k, v, seqs, ck, cv, g)
+    if "q_pad" not in w and not cfg.qk_norm:  # one rotation for q and k: the same bits
+        qk = apply_rope(qkv[:, :(Hq + KV) * d].reshape(T, Hq + KV, d), cos, sin, False, xp)
+        q, k = qk[:, :Hq] * scale, qk[:, Hq:]  # (T, H, d), (T, KV, d)
+    else:
+        if "q_pad" in w:
+            q = xp.concatenate([q, be.zeros((T, 1, d))], axis=1)[:, w["q_pad"]]  # (T, H, d)
+        if cfg.qk_norm:
+            q = be.rms_norm(q, w["q_norm"], cfg.norm_eps)
+            k = be.rms_norm(k, w["k_norm"], cfg.norm_eps)
+        q = apply_rope(q, cos, sin, False, xp) * scale
+        k = apply_rope(k, cos, sin, False, xp)
+    if be.name == "numpy" and T == len(seqs):
+        o = (_decode_one(be, q, k, v, seqs[0], ck, cv, g) if T == 1 else
+             _decode_attention(be, q, k, v, seqs, ck, cv, g))
     else:
         o = _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g)
     if "o_take" in w:
@@ -53,6 +58,17 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     if "bo" in w:
         o = o + w["bo"]
     return o
+
+
+def _decode_one(be, q, k, v, seq, ck, cv, g: int):
+    """Decode step of one sequence (one new token): the per-sequence attention's
+    arithmetic (the same bits) with its reshapes and copies for a single row left out."""
+    slot, _, _, pos = seq
+    KV, d = k.shape[1], k.shape[2]
+    ck[slot, :, pos] = k[0]  # (KV, d)
+    cv[slot, :, pos] = v[0]
+    s = q.reshape(KV, g, d) @ ck[slot, :, :pos + 1].swapaxes(-1, -2)  # (KV, g, L)
+    return (be.softmax(s) @ cv[slot, :, :pos + 1]).reshape(1, KV * g * d)  # (1, H*d)
 
 
 def _decode_attention(be, q, k, v, seqs, ck, cv, g: int):
