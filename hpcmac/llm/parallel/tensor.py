@@ -117,6 +117,11 @@ class TensorGroup:
         self.group = group
         self.rank, self.size = group.rank, group.size
         self.wd = Watchdog(group, hosts, timeout, ranks=ranks)
+        # a follower's wait for the next step (the leader's sampling and scheduling
+        # between two tokens) is longer than an all-reduce's: its own waiting
+        # statistics, so that its poll budget does not follow the short waits into
+        # sleeping (and waking late) every token
+        self.wd_step = Watchdog(group, hosts, timeout, ranks=ranks)
         self._slices: list[int] = []
         self._bufs: dict[tuple, dict[int, np.ndarray]] = {}
         self.peers = [r for r in range(self.size) if r != self.rank]
@@ -195,9 +200,9 @@ class TensorGroup:
             self._send_all([np.array([STOP, 0, 0, 0], dtype=np.int32)])
 
     def _recv(self, buf: np.ndarray, tag: int, src: int, what: str,
-              grace: float = 0.0) -> np.ndarray:
+              grace: float = 0.0, wd: Watchdog | None = None) -> np.ndarray:
         req = self.group.irecv(buf, src, tag)
-        self.wd.wait(req, src, what, grace=grace)
+        (wd or self.wd).wait(req, src, what, grace=grace)
         return buf
 
     # -- the head ------------------------------------------------------------------------
@@ -252,7 +257,8 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
     cache = stage.new_cache(max_slots, max_len)
     v0 = stage.vocab[0]
     while True:
-        hdr = tg._recv(np.empty(4, dtype=np.int32), TAG_STEP, 0, "to send a step", grace)
+        hdr = tg._recv(np.empty(4, dtype=np.int32), TAG_STEP, 0, "to send a step", grace,
+                       wd=tg.wd_step)
         kind, n, T, mode = (int(v) for v in hdr)
         if kind == STOP:
             return
