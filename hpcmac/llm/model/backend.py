@@ -193,8 +193,15 @@ class QWeight:
 
     def __init__(self, mx, w: np.ndarray | QuantTensor, bits: int, group: int):
         if isinstance(w, QuantTensor):  # already quantized: the stored codes, as they are
-            self.wq, self.scales, self.biases = (mx.array(np.ascontiguousarray(a)) for a in
-                                                 (w.words, w.scales, w.biases))
+            from hpcmac.llm.model.quant import narrowest
+
+            # scales and biases in float16/bfloat16 where exact (GGUF's d and m, mlx-community's
+            # checkpoints): quantized_matmul gives the same float32 products bit for bit
+            s, b = narrowest(np.asarray(w.scales, np.float32), np.asarray(w.biases, np.float32))
+            kind = {np.dtype(np.int16): mx.float16, np.dtype(np.uint16): mx.bfloat16}
+            self.wq = mx.array(np.ascontiguousarray(w.words))
+            self.scales, self.biases = (mx.array(a).view(kind[a.dtype]) if a.dtype in kind
+                                        else mx.array(a) for a in (s, b))
             bits, group, self.source = w.bits, w.group, w.source
         else:
             self.wq, self.scales, self.biases = mx.quantize(mx.array(w), group_size=group,
@@ -258,8 +265,9 @@ class MLXBackend:
     def rows(self, w: QWeight, idx: np.ndarray) -> np.ndarray:
         """Rows ``idx`` of a quantized (out, in) weight, dequantized: (len(idx), in) float32."""
         i = self.mx.array(np.asarray(idx, dtype=np.int32))
-        out = self.mx.dequantize(w.wq[i], w.scales[i], w.biases[i], group_size=w.group,
-                                 bits=w.bits)
+        f32 = self.mx.float32  # dequantized in float32 (16-bit scales would round the result)
+        out = self.mx.dequantize(w.wq[i], w.scales[i].astype(f32), w.biases[i].astype(f32),
+                                 group_size=w.group, bits=w.bits)
         return np.array(out, dtype=np.float32)
 
     def linear(self, x, wt):

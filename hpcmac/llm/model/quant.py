@@ -208,12 +208,14 @@ def compact_scales(scales: np.ndarray, biases: np.ndarray, bits: int):
     b = np.asarray(biases, np.float32)
     c = np.float32(-(1 << (bits - 1)))
     if np.array_equal(b, s * c):
-        return _narrowest(s)[0], None, float(c)
-    s16, b16 = _narrowest(s, b)
+        return narrowest(s)[0], None, float(c)
+    s16, b16 = narrowest(s, b)
     return s16, b16, 0.0
 
 
-def _narrowest(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+def narrowest(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """float32 arrays in the smallest storage holding every value exactly, the same for
+    all: float16 bits (as int16), bfloat16 bits (as uint16), else float32."""
     f16 = [a.astype(np.float16) for a in arrays]
     if all(np.array_equal(h.astype(np.float32), a) for h, a in zip(f16, arrays)):
         return tuple(np.ascontiguousarray(h).view(np.int16) for h in f16)
@@ -230,6 +232,15 @@ def widen_scales(a: np.ndarray) -> np.ndarray:
     if a.dtype == np.uint16:
         return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
     return a
+
+
+def mlx_held_nbytes(t: QuantTensor) -> int:
+    """Bytes the MLX backend holds for ``t``: the packed words, and scales and biases both
+    (``mx.quantized_matmul`` needs biases) in the narrowest exact storage."""
+    if t.ndim == 3:
+        return sum(mlx_held_nbytes(t[e]) for e in range(t.shape[0]))
+    s, b = narrowest(np.asarray(t.scales, np.float32), np.asarray(t.biases, np.float32))
+    return int(t.words.nbytes + s.nbytes + b.nbytes)
 
 
 def numpy_held_nbytes(t: QuantTensor) -> int:

@@ -25,7 +25,13 @@ from hpcmac.llm.model.cache import KVCache
 from hpcmac.llm.model.config import ModelConfig
 from hpcmac.llm.model.layers import attention, latent_attention, mlp, moe
 from hpcmac.llm.model.qkernels import NQWeight
-from hpcmac.llm.model.quant import QuantTensor, as_float, concat_rows, numpy_held_nbytes
+from hpcmac.llm.model.quant import (
+    QuantTensor,
+    as_float,
+    concat_rows,
+    mlx_held_nbytes,
+    numpy_held_nbytes,
+)
 from hpcmac.llm.model.rope import cos_sin, rope_frequencies, softmax_scale
 from hpcmac.llm.model.spec import Shard, TensorSpec
 from hpcmac.llm.model.weights import open_checkpoint
@@ -238,6 +244,8 @@ class _Loader:
     def _count(self, w) -> None:
         if isinstance(w, QuantTensor) and self.be.name == "numpy":  # as NQWeight holds it
             self.nbytes += numpy_held_nbytes(w)
+        elif isinstance(w, QuantTensor) and self.be.name == "mlx":  # as QWeight holds it
+            self.nbytes += mlx_held_nbytes(w)
         else:
             self.nbytes += w.nbytes
         if isinstance(w, QuantTensor):
