@@ -256,3 +256,23 @@ def test_smollm2_same_tokens_as_float32_path():
     lf = f.logits(f.forward(f.embed(prompt), b, f.new_cache(1, 16)))
     np.testing.assert_allclose(lq, lf, rtol=0, atol=1e-4 * np.abs(lf).max())
     assert _greedy(q, prompt, 16) == _greedy(f, prompt, 16)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_mlx_holds_16_bit_scales_with_the_same_products(qtype):
+    """The MLX backend keeps GGUF's float16 scales (and biases) as float16: the products
+    equal those with float32 scales and biases bit for bit, and the bytes shrink."""
+    from hpcmac.llm.model.backend import MLXBackend, QWeight
+
+    rng = np.random.default_rng(7)
+    t = to_quant(_random_blocks(qtype, 64, 512, rng), qtype, (64, 512))
+    qw = QWeight(mx, t, t.bits, t.group)
+    assert qw.scales.dtype == mx.float16 and qw.biases.dtype == mx.float16
+    assert qw.nbytes < t.nbytes
+    x = mx.array(rng.standard_normal((3, 512)).astype(np.float32))
+    ref = mx.quantized_matmul(x, mx.array(t.words), mx.array(t.scales), mx.array(t.biases),
+                              transpose=True, group_size=32, bits=t.bits)
+    got = MLXBackend().linear(x, qw)
+    assert got.dtype == mx.float32 and np.array_equal(np.array(got), np.array(ref))
+    rows = MLXBackend().rows(qw, np.array([0, 5, 63]))
+    assert np.array_equal(rows, t.dequantize()[[0, 5, 63]])
