@@ -160,14 +160,14 @@ class _StageState:
 
         c0 = time.process_time()
         t0 = time.perf_counter()
+        idxs = [int(i) for i in meta[meta[:, 4] != 0, 0]]
+        mode = self._head_mode(idxs)
+        if self.tensor is not None:  # first: the followers wait for it
+            self.tensor.send_step(meta, x, mode)
         slots = [int(s) for s in meta[:, 1]]
         lengths = [int(n) for n in meta[:, 2]]
         batch = Batch(slots=slots, lengths=lengths, positions=[int(p) for p in meta[:, 3]])
         self.used_slots.update(slots)
-        idxs = [int(i) for i in meta[meta[:, 4] != 0, 0]]
-        mode = self._head_mode(idxs)
-        if self.tensor is not None:
-            self.tensor.send_step(meta, x, mode)
         h = self.stage.embed(x) if self.spec.first else x
         h = self.stage.forward(h, batch, self.cache)
         toks = None
