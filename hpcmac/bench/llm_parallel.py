@@ -119,10 +119,15 @@ def worker(args) -> int:
                 bw_matvec[k].append(gb_mv)
         for key, prompts in work.items():
             for lay in LAYOUTS:
+                busy0, cpu0, wall0 = _busy_s(), time.process_time(), time.perf_counter()
                 res = run(lay, prompts)
+                busy1, wall = _busy_s(), time.perf_counter() - wall0
+                ours = sum(world.allgather_obj(time.process_time() - cpu0))
                 sleeper.sync()
                 if world.rank == 0 and rep > 0:
                     got = _measure(res)
+                    if busy0 is not None and busy1 is not None:
+                        got["other_cores"] = max(0.0, busy1 - busy0 - ours) / wall
                     if res.tensor:
                         tokens = res.generated + sum(len(s.prompt_tokens) for s in res.seqs)
                         t0 = res.tensor[0]
@@ -141,6 +146,19 @@ def worker(args) -> int:
             "results": {lay: {k: _median(v) for k, v in r.items()} for lay, r in rows.items()},
         }, indent=1))
     return 0
+
+
+def _busy_s() -> float | None:
+    """CPU seconds all cores of this machine have been busy (Linux ``/proc/stat``:
+    user, nice, system, irq, softirq and steal time), None where unknown. Over a
+    run, this less our ranks' own CPU time is what other processes (and the
+    hypervisor) took: the benchmark's measure of how quiet the machine was."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the driver -------------------------------------------------------------------------
@@ -186,7 +204,7 @@ def table(doc: dict, batch: int) -> str:
     head = ["layout", "1 seq decode tok/s (x)", "of the ceiling",
             "of the matvec ceiling", f"{batch} seqs agg tok/s (x)",
             "prefill tok/s", "CPU-bound x", "all-reduces/step", "bytes/token sent",
-            "ms/all-reduce"]
+            "ms/all-reduce", "other cores"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for lay in LAYOUTS:
         s, b = res[lay]["single"], res[lay][f"batch{batch}"]
@@ -202,6 +220,7 @@ def table(doc: dict, batch: int) -> str:
                     f"{s['reduce_ms']:.3f}"]
         else:
             row += ["-", "-", "-"]
+        row.append(f"{s['other_cores']:.2f}" if "other_cores" in s else "-")
         lines.append(" | ".join(row))
     lines.append(f"memory GB/s (numpy.sum): 1 rank {bw['1']:.1f}, 2 ranks {bw['2']:.1f} "
                  f"({bwr:.2f}x): ceiling of a 2-rank single stream {ref * bwr:.1f} tok/s")
@@ -243,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
           "CPU-bound x: one rank's CPU seconds per token (1 sequence) over the busiest "
           "stage's (tensor 2: rank 0's), the ratio if every rank had a core of its own "
           "(derived, not a wall-clock rate); all-reduces/step and bytes/token: tensor 2's "
-          "rank 0 (prompt tokens included)")
+          "rank 0 (prompt tokens included); other cores: CPU time taken by other processes "
+          "during the 1-sequence runs, in cores (0: the machine was quiet; loaded rows "
+          "include the benchmark's own spinning process)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -41,3 +41,5 @@ def test_small_run_end_to_end(tmp_path):
     for key in ("mem_gb_s", "mem_gb_s_matvec"):
         assert all(v > 0 for v in doc[key].values()), key
     assert "decode's matvec" in proc.stdout
+    if sys.platform.startswith("linux"):  # other processes' CPU during the runs, in cores
+        assert 0 <= t["other_cores"] <= (os.cpu_count() or 1)
