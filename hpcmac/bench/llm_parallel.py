@@ -122,8 +122,9 @@ def worker(args) -> int:
                 busy0, cpu0, wall0 = _busy_s(), time.process_time(), time.perf_counter()
                 res = run(lay, prompts)
                 busy1, wall = _busy_s(), time.perf_counter() - wall0
-                ours = sum(world.allgather_obj(time.process_time() - cpu0))
-                sleeper.sync()
+                mine = time.process_time() - cpu0
+                sleeper.sync()  # first: a rank that did not compute waits asleep, not here
+                ours = sum(world.allgather_obj(mine))
                 if world.rank == 0 and rep > 0:
                     got = _measure(res)
                     if busy0 is not None and busy1 is not None:
