@@ -17,7 +17,9 @@ reduction ``s``: two slots are enough.
 
 Ordering: the data stores must be visible before the sequence number. x86-64
 keeps stores in program order and loads in program order (TSO), and the two
-numpy calls are opaque to the compiler; other processors (arm64: Apple
+numpy calls are opaque to the compiler (a part is at most 64 KB, so its copy uses
+ordinary stores: memcpy's non-temporal ones, which x86 may reorder, start at
+megabytes); other processors (arm64: Apple
 silicon) reorder, so there the group keeps using MPI. So does a group spread
 over several hosts, a message over :data:`MAX_BYTES`, or
 ``HPCMAC_TP_SHM=0``.
