@@ -167,8 +167,13 @@ class Rates:
         return _interp(self.mem_bw, busy) * 1e9
 
     def read_bw_at(self, busy: int) -> float:
-        """Bytes/s the node reads with ``busy`` cores streaming (weights in decode)."""
-        return _interp(self.read_bw or self.mem_bw, busy) * 1e9 * self.stream_eff
+        """Bytes/s the node's decoders read with ``busy`` cores streaming (weights in
+        decode): each core at most what one core's decoder reaches alone (a plain
+        read's rate times ``stream_eff``, a limit of the core), all of them at most
+        what the node's memory gives ``busy`` cores reading at once."""
+        table = self.read_bw or self.mem_bw
+        one_core = _interp(table, 1) * self.stream_eff
+        return min(busy * one_core, _interp(table, busy)) * 1e9
 
     def matrix_flops(self, busy: int) -> float:
         """Flop/s of the node's matrix products for the LLM (GPU FP32, or measured SGEMM)."""
