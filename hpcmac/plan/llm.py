@@ -9,8 +9,9 @@ decode step of ``B`` sequences, stage ``s`` costs
 * its layers' weight bytes (routed experts: only those the B tokens pick,
   ``E (1 - (1 - k/E)^B)`` of E) plus, on the last stage, the head, split over
   the tensor group by the largest share of attention heads any rank holds,
-  over the rank's memory bandwidth; or the flops at the node's rate if that
-  is longer (prefill);
+  over the rank's memory bandwidth (each core at most what one core's decoder
+  reaches alone, the node's ranks together at most its read bandwidth at that
+  many cores); or the flops at the node's rate if that is longer (prefill);
 * a fixed cost per layer of the runtime (kernel launches, Python): measured
   by ``calibrate``, unknown (0) for a table part;
 * with tp > 1, two all-reduces of ``B x hidden`` activations per layer over the
