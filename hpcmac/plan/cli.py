@@ -272,7 +272,7 @@ def cmd_calibrate(args) -> int:
     if "tensor" in cal:
         t = cal["tensor"]
         lines.append(f"hpcmac tensor runtime at {t['ranks']} ranks, beyond one rank: "
-                     f"{t['reduce_s'] * 1e6:.1f} us per all-reduce (beyond the link) + "
+                     f"{t['reduce_s'] * 1e6:.1f} us per all-reduce + "
                      f"{t['step_s'] * 1e6:.1f} us per step; streaming meeting at every "
                      f"all-reduce {t['sync_frac']:.1%} slower")
     _emit(args, cal, lines)  # type: ignore[arg-type]
