@@ -238,6 +238,8 @@ def _measure(res) -> dict:
 def _median(runs: list[dict]) -> dict:
     out = {}
     for k, v in runs[0].items():
+        if any(k not in r for r in runs[1:]):  # a measure some rounds lack (other_cores)
+            continue
         if isinstance(v, list) and v and isinstance(v[0], (int, float)):
             out[k] = [statistics.median(r[k][i] for r in runs) for i in range(len(v))]
         elif isinstance(v, (int, float)):

@@ -41,5 +41,11 @@ def test_small_run_end_to_end(tmp_path):
     for key in ("mem_gb_s", "mem_gb_s_matvec"):
         assert all(v > 0 for v in doc[key].values()), key
     assert "decode's matvec" in proc.stdout
-    if sys.platform.startswith("linux"):  # other processes' CPU during the runs, in cores
-        assert 0 <= t["other_cores"] <= (os.cpu_count() or 1)
+    # other processes' CPU during the runs, in cores: only for rows long enough for
+    # /proc/stat's 10 ms ticks (a tiny run's row may be shorter and then has none)
+    from hpcmac.bench.llm_parallel import OTHER_MIN_WALL_S
+
+    cores = os.cpu_count() or 1
+    slack = cores * 0.02 / OTHER_MIN_WALL_S  # two ticks per core over the shortest row
+    rows = [r for lay in doc["results"].values() for r in lay.values() if "other_cores" in r]
+    assert all(0 <= r["other_cores"] <= cores + slack for r in rows), rows
