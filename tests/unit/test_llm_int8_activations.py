@@ -37,6 +37,7 @@ pytest.importorskip("gguf")
 
 from hpcmac.errors import UsageError  # noqa: E402
 from hpcmac.llm.model.backend import get_backend  # noqa: E402
+from hpcmac.llm.model.fixtures import stage_greedy  # noqa: E402
 from hpcmac.llm.model.qkernels import (  # noqa: E402
     INT8_ENV,
     NQWeight,
@@ -136,21 +137,11 @@ def test_option_is_off_by_default_and_numpy_only(monkeypatch):
         get_backend("mlx", int8_activations=True)
 
 
-def _greedy(stage, prompt, n):
-    cache = stage.new_cache(1, len(prompt) + n)
-    x = stage.forward(stage.embed(prompt), Batch([0], [len(prompt)], [0]), cache)
-    out = [int(stage.logits(x[-1:]).argmax())]
-    for pos in range(len(prompt), len(prompt) + n - 1):
-        x = stage.forward(stage.embed(out[-1:]), Batch([0], [1], [pos]), cache)
-        out.append(int(stage.logits(x).argmax()))
-    return out
-
-
 def test_smollm2_same_greedy_tokens_as_float_path():
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
     f = load_stage("smollm2", 0, 30, int8_activations=False)
     i = load_stage("smollm2", 0, 30, int8_activations=True)
-    assert _greedy(i, prompt, 12) == _greedy(f, prompt, 12)
+    assert stage_greedy(i, prompt, 12) == stage_greedy(f, prompt, 12)
     # the head on the float path's final hidden states: within the rounding bound
     b = Batch([0], [len(prompt)], [0])
     h = f.forward(f.embed(prompt), b, f.new_cache(1, 16))
@@ -220,4 +211,4 @@ def test_random_llama_same_greedy_tokens_as_float_path(qtype, tmp_path):
     i = load_stage(path, 0, 2, int8_activations=True)
     assert f.formats == {f"gguf {qtype}": 16} == i.formats
     prompt = [3, 4, 100, 200]
-    assert _greedy(i, prompt, 16) == _greedy(f, prompt, 16)
+    assert stage_greedy(i, prompt, 16) == stage_greedy(f, prompt, 16)

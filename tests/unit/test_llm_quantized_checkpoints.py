@@ -30,6 +30,7 @@ from hpcmac.llm.model.fixtures import (  # noqa: E402
     mlx_lm_greedy,
     mlx_lm_quantize,
     random_checkpoint,
+    stage_greedy,
 )
 from hpcmac.llm.model.gguf_quant import EXACT, to_quant  # noqa: E402
 from hpcmac.llm.model.qkernels import NQWeight, qmatmul  # noqa: E402
@@ -67,17 +68,6 @@ def quantized(tmp_path_factory):
         return made[name]
 
     return get
-
-
-def _greedy(stage, prompt, n):
-    """n greedy tokens, not stopping at EOS (as mlx-lm's generate_step)."""
-    cache = stage.new_cache(1, len(prompt) + n)
-    x = stage.forward(stage.embed(prompt), Batch([0], [len(prompt)], [0]), cache)
-    out = [int(stage.logits(x[-1:]).argmax())]
-    for pos in range(len(prompt), len(prompt) + n - 1):
-        x = stage.forward(stage.embed(out[-1:]), Batch([0], [1], [pos]), cache)
-        out.append(int(stage.logits(x).argmax()))
-    return out
 
 
 # -- the format itself ------------------------------------------------------------------
@@ -158,7 +148,7 @@ def test_mlx_lm_checkpoint_same_tokens_as_mlx_lm(name, backend, quantized):
     n_layers = cfg["num_hidden_layers"]
     q = load_stage(folder, 0, n_layers, backend=backend)
     assert q.formats and all(k.startswith("mlx q") for k in q.formats)
-    assert _greedy(q, PROMPT, N_TOKENS) == mlx_lm_greedy(folder, PROMPT, N_TOKENS)
+    assert stage_greedy(q, PROMPT, N_TOKENS) == mlx_lm_greedy(folder, PROMPT, N_TOKENS)
     f = load_stage(folder, 0, n_layers, backend="numpy", keep_quantized=False)
     assert not f.formats
     b = Batch([0], [len(PROMPT)], [0])
@@ -255,7 +245,7 @@ def test_smollm2_same_tokens_as_float32_path():
     lq = q.logits(q.forward(q.embed(prompt), b, q.new_cache(1, 16)))
     lf = f.logits(f.forward(f.embed(prompt), b, f.new_cache(1, 16)))
     np.testing.assert_allclose(lq, lf, rtol=0, atol=1e-4 * np.abs(lf).max())
-    assert _greedy(q, prompt, 16) == _greedy(f, prompt, 16)
+    assert stage_greedy(q, prompt, 16) == stage_greedy(f, prompt, 16)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])

@@ -218,3 +218,17 @@ def mlx_lm_greedy(folder: str | Path, prompt: list[int], n: int) -> list[int]:
     steps = generate_step(mx.array(prompt), model, max_tokens=n,
                           sampler=lambda logits: mx.argmax(logits, axis=-1))
     return [int(tok) for (tok, _), _ in zip(steps, range(n))]
+
+
+def stage_greedy(stage, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of one whole-model ``stage``, not stopping at EOS (as
+    mlx-lm's generate_step)."""
+    from hpcmac.llm.model.stage import Batch
+
+    cache = stage.new_cache(1, len(prompt) + n)
+    x = stage.forward(stage.embed(prompt), Batch([0], [len(prompt)], [0]), cache)
+    out = [int(stage.logits(x[-1:]).argmax())]
+    for pos in range(len(prompt), len(prompt) + n - 1):
+        x = stage.forward(stage.embed(out[-1:]), Batch([0], [1], [pos]), cache)
+        out.append(int(stage.logits(x).argmax()))
+    return out
