@@ -15,7 +15,11 @@ when only one computes), so that compared runs are seconds apart:
   array (the issue's ceiling) and the decoder's own matrix-vector kernel over
   panels (the access pattern of decode); both ceilings are printed;
 * for tensor 2: all-reduces per token, the bytes each rank sends per token,
-  and the median time inside one all-reduce.
+  and the median time inside one all-reduce;
+* with ``--read-rates``, ``calibrate``'s own read bandwidth at 1 and 2 threads
+  just before and just after each round's 1-sequence runs: what the planner's
+  calibration test predicts each round from (on a shared VM the bandwidth
+  two cores get moves within seconds). The JSON keeps every round's figures.
 
 The driver runs the job twice: on the machine as it is ("quiet"), and with a
 process of its own spinning on one core for the whole job ("loaded"), to show
@@ -36,6 +40,7 @@ import time
 from pathlib import Path
 
 from hpcmac.bench.llm_pipeline import ROOT, _measure, _median, _prompts, _Sleeper, _Stream
+from hpcmac.bench.quiet import busy_s, settle
 
 LAYOUTS = ("one rank", "pipeline 2", "tensor 2")
 
@@ -54,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-load", action="store_true", help="skip the loaded run")
     p.add_argument("--stream-mib", type=int, default=256, help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--read-rates", action="store_true",
+                   help="also run calibrate's read bandwidth (1 and 2 threads) before and "
+                        "after each round's 1-sequence runs, for the planner's test")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     return p
 
@@ -104,31 +112,56 @@ def worker(args) -> int:
         res.tensor = world.allgather_obj(d)
         return res
 
+    probes = {}
+    if args.read_rates and world.rank == 0:
+        from hpcmac.plan.calibrate import ReadProbe
+
+        probes = {k: ReadProbe(k) for k in (1, 2)}
+
+    def read_rates() -> dict[str, float] | None:
+        """``calibrate``'s read bandwidth at 1 and 2 threads on rank 0, the other asleep."""
+        sleeper.sync()
+        got = {str(k): p.gbs() for k, p in probes.items()} if probes else None
+        sleeper.sync()
+        return got
+
     stream = _Stream(args.stream_mib)
+    # loading freed memory: let the kernel's work on it end before measuring (bench.quiet)
+    settle()
+    sleeper.sync()
     work = {"single": _prompts(cfg.vocab, 1, args.prompt_len, 1),
             f"batch{args.batch}": _prompts(cfg.vocab, args.batch, args.prompt_len, 2)}
     rows = {lay: {k: [] for k in work} for lay in LAYOUTS}
     bandwidth: dict[int, list[float]] = {1: [], 2: []}
     bw_matvec: dict[int, list[float]] = {1: [], 2: []}
+    rounds: list[dict] = []
     for rep in range(args.repeats + 1):  # round 0 warms up
+        this: dict = {"t": time.time(), "mem_gb_s": {}, "mem_gb_s_matvec": {}}
         for k in (1, 2):
             gb_s = stream.measure(world, sleeper, k)
             gb_mv = stream.measure(world, sleeper, k, pattern="matvec")
             if rep > 0:
                 bandwidth[k].append(gb_s)
                 bw_matvec[k].append(gb_mv)
+            this["mem_gb_s"][str(k)], this["mem_gb_s_matvec"][str(k)] = gb_s, gb_mv
         for key, prompts in work.items():
+            # calibrate's reads just before and just after each 1-sequence run
+            reading = args.read_rates and key == "single"
+            last = read_rates() if reading else None
             for lay in LAYOUTS:
-                busy0, cpu0, wall0 = _busy_s(), time.process_time(), time.perf_counter()
+                busy0, cpu0, wall0 = busy_s(), time.process_time(), time.perf_counter()
                 res = run(lay, prompts)
-                busy1, wall = _busy_s(), time.perf_counter() - wall0
+                busy1, wall = busy_s(), time.perf_counter() - wall0
                 mine = time.process_time() - cpu0
                 sleeper.sync()  # first: a rank that did not compute waits asleep, not here
                 ours = sum(world.allgather_obj(mine))
+                if reading:
+                    pair = {"before": last, "after": (last := read_rates())}
                 if world.rank == 0 and rep > 0:
                     got = _measure(res)
                     if busy0 is not None and busy1 is not None and wall >= OTHER_MIN_WALL_S:
-                        got["other_cores"] = max(0.0, busy1 - busy0 - ours) / wall
+                        got["other_cores"] = max(0.0, busy1[0] - busy0[0] - ours) / wall
+                        got["steal_cores"] = (busy1[1] - busy0[1]) / wall
                     if res.tensor:
                         tokens = res.generated + sum(len(s.prompt_tokens) for s in res.seqs)
                         t0 = res.tensor[0]
@@ -136,7 +169,12 @@ def worker(args) -> int:
                             1, res.decode_tokens // len(prompts) + 1)
                         got["reduce_bytes_per_token"] = t0["sent_bytes"] / max(tokens, 1)
                         got["reduce_ms"] = 1e3 * t0["wait_s"] / max(t0["reduces"], 1)
+                    if reading:
+                        this.setdefault("read_gb_s", {})[lay] = pair
                     rows[lay][key].append(got)
+                    this.setdefault(key, {})[lay] = got
+        if rep > 0:
+            rounds.append(this)
     if world.rank == 0:
         Path(args.worker).write_text(json.dumps({
             "model": args.model, "hidden": cfg.hidden, "layers": cfg.n_layers,
@@ -144,6 +182,7 @@ def worker(args) -> int:
             "weights_mb": full.nbytes / 1e6,
             "mem_gb_s": {k: statistics.median(v) for k, v in bandwidth.items()},
             "mem_gb_s_matvec": {k: statistics.median(v) for k, v in bw_matvec.items()},
+            "rounds": rounds,  # each round's own figures: what the medians are taken of
             "results": {lay: {k: _median(v) for k, v in r.items()} for lay, r in rows.items()},
         }, indent=1))
     return 0
@@ -153,19 +192,6 @@ def worker(args) -> int:
 #: the other processes' share is known to about ``cores * 0.02 / wall`` cores: below
 #: this wall time a row says nothing rather than a number that can exceed the cores
 OTHER_MIN_WALL_S = 0.25
-
-
-def _busy_s() -> float | None:
-    """CPU seconds all cores of this machine have been busy (Linux ``/proc/stat``:
-    user, nice, system, irq, softirq and steal time), None where unknown. Over a
-    run, this less our ranks' own CPU time is what other processes (and the
-    hypervisor) took: the benchmark's measure of how quiet the machine was."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the driver -------------------------------------------------------------------------
@@ -185,7 +211,7 @@ def launch(args, model: str, out: str, loaded: bool) -> dict:
            "hpcmac.bench.llm_parallel", "--worker", out, "--model", model,
            "--prompt-len", str(args.prompt_len), "--new", str(args.new), "--batch",
            str(args.batch), "--repeats", str(args.repeats), "--stream-mib",
-           str(args.stream_mib)]
+           str(args.stream_mib)] + (["--read-rates"] if args.read_rates else [])
     spinner = None
     if loaded:  # another job holding one core for the whole run
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])

@@ -261,20 +261,24 @@ def cmd_calibrate(args) -> int:
              + ", ".join(f"{k}: {v}" for k, v in cal["mem_bw_gbs"].items()),
              f"HPL panel: {cal['panel']['col_s'] * 1e6:.1f} us per column + "
              f"{cal['panel']['gflops']:.1f} Gflop/s"]
-    lines.append("read GB/s by busy cores: "
+    lines.append("read GB/s by busy cores (the decoder's matrix-vector kernel): "
                  + ", ".join(f"{k}: {v}" for k, v in cal["read_bw_gbs"].items()))
     lines.append("SGEMM Gflop/s by busy cores: "
                  + ", ".join(f"{k}: {v}" for k, v in cal["sgemm_gflops"].items()))
     if "layer_s" in cal:
         lines.append(f"hpcmac decoder: {cal['layer_s'] * 1e6:.1f} us per layer + "
                      f"{cal['token_s'] * 1e6:.1f} us per step, fixed; weights streamed at "
-                     f"{cal['decode_bw_gbs']:.1f} GB/s ({cal['stream_eff']:.0%} of a plain read)")
+                     f"{cal['decode_bw_gbs']:.1f} GB/s ({cal['stream_eff']:.0%} of its "
+                     "matrix-vector kernel alone)")
     if "tensor" in cal:
         t = cal["tensor"]
         lines.append(f"hpcmac tensor runtime at {t['ranks']} ranks, beyond one rank: "
                      f"{t['reduce_s'] * 1e6:.1f} us per all-reduce + "
                      f"{t['step_s'] * 1e6:.1f} us per step; streaming meeting at every "
                      f"all-reduce {t['sync_frac']:.1%} slower")
+        if "hop_s" in t:
+            lines.append(f"hpcmac pipeline runtime, beyond one rank: {t['hop_s'] * 1e6:.1f} "
+                         "us per hop")
     _emit(args, cal, lines)  # type: ignore[arg-type]
     return 0
 

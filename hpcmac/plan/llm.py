@@ -22,7 +22,9 @@ decode step of ``B`` sequences, stage ``s`` costs
   the streaming stretched by ``log2(tp)`` times the measured ``sync_frac``
   (the slowest rank sets each segment's pace);
 * with pp > 1, one hop per stage boundary and one back to the first stage
-  with the tokens (``star``: two hops per remote stage).
+  with the tokens (``star``: two hops per remote stage): the link's time, plus
+  the pipeline runtime's own cost per hop as ``calibrate`` measured it
+  (``hop_s``; 0 for a table part).
 
 Single stream: the stages run in turn. B sequences: in the pipeline as ``pp``
 micro-batches, the step takes the longer of one pass and ``pp`` times the
@@ -189,11 +191,13 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
         for s in range(pp):
             nxt = (s + 1) % pp
             link = _group_link(cluster, where, [stages[s][0], stages[nxt][0]])
+            # the runtime's own cost per hop (calibrate; 0 for a table part)
+            rt = node_of[nxt].rates.hop_s
             if case.star:
                 if s > 0:  # main host -> stage s -> main host
-                    t += 2 * link.time(msg)
+                    t += 2 * (link.time(msg) + rt)
             else:
-                t += link.time(msg if nxt else 8.0 * b)
+                t += link.time(msg if nxt else 8.0 * b) + rt
         return t
 
     def active(s_all: bool) -> int:

@@ -127,7 +127,10 @@ class Rates:
     beyond the link's alpha and beta, and per decode step (the leader's step
     messages, the embedding's all-reduce, the head's max-loc); ``tp_sync_frac``
     how much longer two ranks streaming their shards take when they meet at
-    every all-reduce (the slower sets the pace); 0 when unknown.
+    every all-reduce (the slower sets the pace); ``hop_s`` what a pipeline step of
+    hpcmac's runtime pays per hop beyond one rank's step and the link (the stages'
+    scheduling, the receiving stage's wake-up), measured in the same 2-rank job;
+    0 when unknown.
     """
 
     name: str
@@ -143,7 +146,8 @@ class Rates:
     reduce_s: float = 0.0                # tensor runtime: cost per all-reduce beyond the link
     tp_step_s: float = 0.0               # tensor runtime: cost per decode step beyond one rank
     tp_sync_frac: float = 0.0            # tensor runtime: streaming stretched by meeting peers
-    stream_eff: float = 1.0              # decode's matrix-vector bandwidth / a plain read's
+    hop_s: float = 0.0                   # pipeline runtime: cost per hop beyond the link
+    stream_eff: float = 1.0              # one core's whole-decoder read rate / read_bw[1]
     flops_fp32: float | None = None      # Gflop/s for prefill (matrix-matrix), FP32/FP16 path
     read_bw: dict[int, float] = field(default_factory=dict)   # GB/s reading, by busy cores
     sgemm: dict[int, float] = field(default_factory=dict)     # Gflop/s FP32, by busy cores
@@ -168,9 +172,10 @@ class Rates:
 
     def read_bw_at(self, busy: int) -> float:
         """Bytes/s the node's decoders read with ``busy`` cores streaming (weights in
-        decode): each core at most what one core's decoder reaches alone (a plain
-        read's rate times ``stream_eff``, a limit of the core), all of them at most
-        what the node's memory gives ``busy`` cores reading at once."""
+        decode): each core at most what one core's decoder reaches alone (the one-core
+        read rate times ``stream_eff``, a limit of the core), all of them at most what
+        the node's memory gives ``busy`` cores reading at once (``read_bw``: calibrate
+        measures it with the decoder's matrix-vector kernel at each core count)."""
         table = self.read_bw or self.mem_bw
         one_core = _interp(table, 1) * self.stream_eff
         return min(busy * one_core, _interp(table, busy)) * 1e9

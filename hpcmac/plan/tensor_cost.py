@@ -54,6 +54,7 @@ HIDDEN = 64
 PROMPT, NEW = 8, 32
 ROUNDS = 7
 SYNC_ROUNDS = 9
+LAYOUTS = ("one", "tensor", "pipeline")
 TAG_WAKE = 95
 
 
@@ -181,19 +182,23 @@ def worker(out: str, tmp: str) -> int:
         tg.set_vocab_slices([s.vocab[1] - s.vocab[0] for s in shards])
         full = load_stage(path, 0, n) if world.rank == 0 else None
         tens = load_stage(path, 0, n, shard=shards[world.rank], reduce=tg.allreduce)
-        loaded.append((cfg, S.stages_from_counts([n])[0], tg, full, tens))
+        spec2 = S.stages_from_counts(S.even_counts(n, 2))[world.rank]
+        piped = (spec2, load_stage(path, spec2.start, spec2.end, spec2.first, spec2.last))
+        loaded.append((cfg, S.stages_from_counts([n])[0], tg, full, tens, piped))
     prompt = [3 + (7 * i) % 250 for i in range(PROMPT)]
     kw: dict = dict(max_batch=1, max_len=PROMPT + NEW, timeout=60.0)
 
     def step_s(layout: str, i: int) -> float:
         """The median time between two decoded tokens (rank 0; 0 elsewhere)."""
-        cfg, spec, tg, full, tens = loaded[i]
+        cfg, spec, tg, full, tens, (spec2, piped) = loaded[i]
         reqs = [Request(list(prompt), NEW)] if world.rank == 0 else None
         stamps: list[float] = []
         kw["on_token"] = lambda seq, tok: stamps.append(time.perf_counter())
         if layout == "one":
             if world.rank == 0:
                 run_pipeline(one, full, spec, cfg.hidden, reqs, hosts=hosts[:1], **kw)
+        elif layout == "pipeline":
+            run_pipeline(world, piped, spec2, cfg.hidden, reqs, hosts=hosts, **kw)
         else:
             run_tensor_pipeline(groups, tg, tens, spec, cfg.hidden, reqs, **kw)
         sleeper.sync()
@@ -204,7 +209,7 @@ def worker(out: str, tmp: str) -> int:
     times: dict[tuple[str, int], list[float]] = {}
     for rnd in range(ROUNDS + 1):  # round 0 warms up
         for i in range(len(LAYERS)):
-            for layout in ("one", "tensor"):
+            for layout in LAYOUTS:
                 t = step_s(layout, i)
                 if rnd:
                     times.setdefault((layout, i), []).append(t)
@@ -213,7 +218,7 @@ def worker(out: str, tmp: str) -> int:
     if world.rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         (l1, l2) = LAYERS
-        for layout in ("one", "tensor"):
+        for layout in LAYOUTS:
             slope = (med[(layout, 1)] - med[(layout, 0)]) / (l2 - l1)
             fit[layout] = (slope, med[(layout, 0)] - l1 * slope)
         reduce_s = max(0.0, (fit["tensor"][0] - fit["one"][0]) / 2)
@@ -224,7 +229,11 @@ def worker(out: str, tmp: str) -> int:
             "ranks": 2, "reduce_s": reduce_s, "step_s": max(0.0, fit["tensor"][1] - fit["one"][1]),
             "sync_frac": sync, "one_layer_s": fit["one"][0],
             "tensor_layer_s": fit["tensor"][0], "one_step_s": fit["one"][1],
-            "tensor_step_s": fit["tensor"][1]}))
+            "tensor_step_s": fit["tensor"][1],
+            # a 2-stage pipeline's step holds two hops (to the second stage, and the
+            # token back): what each costs beyond one rank's step, layer costs apart
+            "hop_s": max(0.0, (fit["pipeline"][1] - fit["one"][1]) / 2),
+            "pipeline_layer_s": fit["pipeline"][0], "pipeline_step_s": fit["pipeline"][1]}))
     return 0
 
 

@@ -26,7 +26,7 @@ def test_small_run_end_to_end(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hpcmac.bench.llm_parallel", "--model",
                            str(model), "--prompt-len", "4", "--new", "3", "--batch", "3",
                            "--repeats", "1", "--no-load", "--stream-mib", "8",
-                           "--json", str(out)],
+                           "--read-rates", "--json", str(out)],
                           capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())["runs"]["quiet"]
@@ -49,3 +49,12 @@ def test_small_run_end_to_end(tmp_path):
     slack = cores * 0.02 / OTHER_MIN_WALL_S  # two ticks per core over the shortest row
     rows = [r for lay in doc["results"].values() for r in lay.values() if "other_cores" in r]
     assert all(0 <= r["other_cores"] <= cores + slack for r in rows), rows
+    # --read-rates: calibrate's read bandwidth at 1 and 2 threads just before and just
+    # after each 1-sequence run, a pair per layout in every round (the planner's test)
+    (rnd,) = doc["rounds"]
+    for lay in ("one rank", "pipeline 2", "tensor 2"):
+        pair = rnd["read_gb_s"][lay]
+        assert all(pair[w][k] > 0 for w in ("before", "after") for k in ("1", "2")), pair
+        assert rnd["single"][lay]["decode_tok_s"] > 0
+    # consecutive runs share a reading: one's after is the next one's before
+    assert rnd["read_gb_s"]["one rank"]["after"] == rnd["read_gb_s"]["pipeline 2"]["before"]

@@ -7,22 +7,40 @@ before and once after the runs, averaged), and ``python -m hpcmac.hpl`` on
 random float32 Llama of 623 MB) on one rank, a 2-stage pipeline and tensor 2
 (``python -m hpcmac.bench.llm_parallel``). The model, given only the measured
 inputs, must land within 20% of each measured rate. No number here is
-hard-coded. On a shared machine whose speed moves by more than 15% between
-the two calibrations the runs are measured again (three times at most, no
-new attempt after 150 s); the attempt that moved least is kept, and a test
-whose own figures (DGEMM and bandwidth at its rank count) still moved by more
-than 15% is skipped, saying so: a prediction cannot match runs made on a
-different machine.
+hard-coded. HPL runs between two calibrations; on a shared machine where the
+prediction from the calibration before the runs and from the one after differ
+by more than 15%, the runs are measured again (three times at most, no new
+attempt after 150 s); the attempt that moved least is kept, and an HPL test
+whose own prediction still moved by more than 15% is skipped, saying so: a
+prediction cannot match runs made on a different machine.
+
+Decode is bound by the memory bandwidth, and what two cores of this shared
+VM get from memory moves within seconds (calibrate's 2-thread read: 47, 73,
+49 GB/s in three readings 2 s apart, one core's staying at 36-40). So the
+decode runs in rounds, and ``calibrate``'s own read bandwidth measure (1 and
+2 threads, under a second) runs just before and just after each 1-sequence
+decode (``bench.llm_parallel --read-rates``); each decode is predicted from
+its own readings and the calibration's other figures, and the median of the
+rounds' predicted / measured ratios must be within 20%. A decode during which
+other processes or the hypervisor took more than 0.1 of a core is left out
+of the median (at least 3 must be left), and every measurement waits first
+until the kernel's work on the memory freed before it has ended
+(``hpcmac.bench.quiet``: on this VM freed memory goes back to the host, and
+kernel workers take a quarter of a core for seconds after a GiB is freed).
 
 N = 4000 (the issue names 8000): the two HPL runs then cost seconds, not a
 minute, in CI; at 4000 the panel, row swaps and broadcasts are a larger share
 of the time than at 8000, so the model's overhead terms are tested harder.
+A factorisation at 1 x 2 then takes 0.45 s, and a moment in which the VM takes
+a core from it (0.3 s seen) halves its rate: each job factorises three times
+and the median is compared.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +48,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcmac.bench.quiet import settle
 from hpcmac.plan import cluster as clmod
 from hpcmac.plan import hpl, llm
 from hpcmac.plan.calibrate import calibrate
@@ -37,7 +56,9 @@ from hpcmac.plan.shape import load_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 N, NB = 4000, 256
-PROMPT, NEW = 16, 16
+HPL_RUNS = 3  # one job factorises N three times (HPL.dat's Ns): the median is compared
+PROMPT, NEW = 16, 32   # 32 new tokens: a decode row lasts long enough (> 0.25 s) for
+ROUNDS = 7             # bench.llm_parallel to tell the CPU other processes took meanwhile
 
 
 def mpirun(np_: int | None, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -61,15 +82,24 @@ def average(a: dict, b: dict) -> dict:
     return a
 
 
-FIGURES = (("dgemm_gflops", "1"), ("dgemm_gflops", "2"), ("mem_bw_gbs", "1"),
-           ("mem_bw_gbs", "2"), ("read_bw_gbs", "1"), ("read_bw_gbs", "2"))
+GRIDS = ((1, 1), (1, 2))
 
 
-def drift(a: dict, b: dict, figures=FIGURES) -> tuple[float, str]:
-    """The largest relative change of the named figures between two calibrations, and
-    which figure it was (figures a one-core machine lacks are left out)."""
-    return max(((abs(b[key][k] / a[key][k] - 1), f"{key}[{k}]") for key, k in figures
-                if k in a[key] and k in b[key]), default=(0.0, "none"))
+def hpl_gflops(cal: str, comm: str, grid: tuple[int, int]) -> float:
+    """HPL's predicted Gflops at ``grid`` from the calibration file ``cal``."""
+    p, q = grid
+    cl = clmod.build(calibration=cal, comm=comm, slots=p * q, blas_threads=1)
+    return hpl.predict(cl, hpl.HplCase(N, NB, p, q)).gflops
+
+
+def drift(cals: list[str], comm: str, grids=GRIDS) -> tuple[float, str]:
+    """How far HPL's predictions from the calibration before the runs alone and from
+    the one after alone lie apart (the largest over ``grids``), and where: every figure
+    a prediction uses weighted by how much it decides it (the 2-thread copy bandwidth
+    of this VM moves 60-80% between calibrations; the row swaps it prices are a few
+    percent of the time)."""
+    return max((abs(hpl_gflops(cals[1], comm, g) / hpl_gflops(cals[0], comm, g) - 1),
+                f"HPL {g[0]}x{g[1]}") for g in grids)
 
 
 STEADY = 0.15   # a comparison only means something while the machine keeps its speed
@@ -77,12 +107,17 @@ ATTEMPTS = 3
 BUDGET_S = 150  # no new attempt after this long: the test stays bounded on a busy machine
 
 
+def write(path: Path, doc) -> str:
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Calibrate, measure the link, run HPL and decode, calibrate again; again (at most 3
-    times) while some figure moved by more than 15% meanwhile (other jobs on a shared
-    host). The attempt that moved least is kept; each test then checks the figures its
-    prediction uses."""
+    """Measure the link; calibrate, run HPL, calibrate again, again (at most 3 times)
+    while HPL's prediction moved by more than 15% meanwhile (other jobs on a shared
+    host), keeping the attempt that moved least; then decode in rounds, with one more
+    calibration after it (the one before is the last HPL attempt's)."""
     pytest.importorskip("safetensors")
     from hpcmac.bench.llm import write_random_llama
 
@@ -90,53 +125,57 @@ def measured(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan")
     # bench.llm's model: a random float32 Llama, 8 layers, hidden 1024 (623 MB)
     model = write_random_llama(tmp / "llama", 1024, 8, 2816, 32000, heads=16, kv_heads=4)
-    comm = tmp / "comm.json"
+    comm = str(tmp / "comm.json")
     mpirun(2, "-m", "hpcmac.bench.comm", "--quick", "--transports", "mpi", "--rounds", "3",
            "--max-bandwidth", "16M", "--max-latency", "64", "--max-collective", "8",
-           "--json", str(comm))
+           "--json", comm)
     attempts = []
     t0 = time.monotonic()
     for i in range(ATTEMPTS):
         if attempts and time.monotonic() - t0 > BUDGET_S:
             break
+        settle()  # each measurement after the kernel's work on the memory freed before it
         before = calibrate(quick=True)
+        settle()
         runs = {}
-        for p, q in ((1, 1), (1, 2)):
-            out = tmp / f"hpl{p}x{q}.json"
-            mpirun(p * q, "-m", "hpcmac.hpl", "-N", str(N), "--nb", str(NB), "-P", str(p),
-                   "-Q", str(q), "--blas-threads", "1", "--json", str(out))
-            (rec,) = json.loads(out.read_text())
-            assert rec["passed"]
-            runs[(p, q)] = rec
-        decode = tmp / "decode.json"
-        mpirun(None, "-m", "hpcmac.bench.llm_parallel", "--model", str(model), "--no-load",
-               "--batch", "2", "--new", str(NEW), "--prompt-len", str(PROMPT),
-               "--repeats", "3", "--json", str(decode), timeout=400)
-        llm_runs = json.loads(decode.read_text())["runs"]["quiet"]["results"]
+        for p, q in GRIDS:
+            out = tmp / f"hpl{i}-{p}x{q}.json"
+            mpirun(p * q, "-m", "hpcmac.hpl", "-N", *[str(N)] * HPL_RUNS, "--nb", str(NB),
+                   "-P", str(p), "-Q", str(q), "--blas-threads", "1", "--json", str(out))
+            recs = json.loads(out.read_text())
+            assert len(recs) == HPL_RUNS and all(r["passed"] for r in recs)
+            runs[(p, q)] = [r["gflops"] for r in recs]
+        settle()
         after = calibrate(quick=True)
-        cal = tmp / f"node{i}.json"
-        cal.write_text(json.dumps(average(before, after)))
-        for name, c in (("before", before), ("after", after)):
-            (tmp / f"node{i}-{name}.json").write_text(json.dumps(c))
-        attempts.append({"cal": str(cal), "comm": str(comm), "hpl": runs, "llm": llm_runs,
-                         "cals": [str(tmp / f"node{i}-{n}.json") for n in ("before", "after")],
-                         "model": str(model), "load": load, "before": before, "after": after,
-                         "moved": drift(before, after)})
+        cals = [write(tmp / f"node{i}-{n}.json", c) for n, c in (("before", before),
+                                                                 ("after", after))]
+        attempts.append({"cal": write(tmp / f"node{i}.json", average(before, after)),
+                         "cals": cals, "comm": comm, "hpl": runs, "load": load,
+                         "moved": drift(cals, comm)})
         if attempts[-1]["moved"][0] <= STEADY:
             break
     best = min(attempts, key=lambda a: a["moved"][0])
     best["tries"] = [a["moved"] for a in attempts]
+    decode = tmp / "decode.json"
+    mpirun(None, "-m", "hpcmac.bench.llm_parallel", "--model", str(model), "--no-load",
+           "--batch", "2", "--new", str(NEW), "--prompt-len", str(PROMPT),
+           "--repeats", str(ROUNDS), "--read-rates", "--json", str(decode), timeout=400)
+    best["llm"] = json.loads(decode.read_text())["runs"]["quiet"]["rounds"]
+    best["model"] = str(model)
+    settle()
+    best["before"], best["after"] = after, calibrate(quick=True)
     return best
 
 
-def steady(measured: dict, figures) -> None:
-    """Skip, saying why, when a figure this prediction uses moved during the runs."""
-    d, what = drift(measured["before"], measured["after"], figures)
+def steady(measured: dict, grid: tuple[int, int]) -> None:
+    """Skip, saying why, when the prediction moved between the calibrations."""
+    d, what = drift(measured["cals"], measured["comm"], [grid])
     if d > STEADY:
         shown = ", ".join(f"{x:.0%} ({w})" for x, w in measured["tries"])
-        pytest.skip(f"{what} moved by {d:.0%} during the runs (every attempt: {shown}; a "
-                    "shared, busy machine): a prediction cannot match runs made on a "
-                    "different machine")
+        pytest.skip(f"the {what} prediction from the calibration before the runs and from "
+                    f"the one after differ by {d:.0%} (every attempt: {shown}; a shared, "
+                    "busy machine): a prediction cannot match runs made on a different "
+                    "machine")
 
 
 # the fixture's measurements take ~1 minute on a quiet machine, at most ~4 on a busy one
@@ -144,60 +183,88 @@ def steady(measured: dict, figures) -> None:
 @pytest.mark.parametrize("grid", [(1, 1), (1, 2)])
 def test_hpl_prediction_within_20_percent(measured, grid):
     p, q = grid
-    steady(measured, (("dgemm_gflops", str(p * q)), ("mem_bw_gbs", str(p * q))))
-    cl = clmod.build(calibration=measured["cal"], comm=measured["comm"], slots=p * q,
-                     blas_threads=1)
-    pred = hpl.predict(cl, hpl.HplCase(N, NB, p, q))
-    got = measured["hpl"][grid]["gflops"]
-    print(f"HPL N={N} {p}x{q}: predicted {pred.gflops:.2f} Gflops, measured {got:.2f}")
-    assert pred.gflops == pytest.approx(got, rel=0.20), (pred, got)
+    pred = hpl_gflops(measured["cal"], measured["comm"], grid)
+    pb, pa = (hpl_gflops(c, measured["comm"], grid) for c in measured["cals"])
+    each = measured["hpl"][grid]
+    got = statistics.median(each)
+    print(f"HPL N={N} {p}x{q}: predicted {pred:.2f} Gflops, measured {got:.2f} (median of "
+          + ", ".join(f"{g:.2f}" for g in each) + f"; from the calibration before / after "
+          f"alone {pb:.2f} / {pa:.2f})")
+    steady(measured, grid)
+    assert pred == pytest.approx(got, rel=0.20), (pred, got)
+
+
+def with_reads(cal: dict, read: dict) -> dict:
+    """``cal`` with the read bandwidth of one decode: the mean of calibrate's readings
+    just before and just after it."""
+    return dict(cal, read_bw_gbs={k: (read["before"][k] + read["after"][k]) / 2
+                                  for k in read["before"]})
+
+
+#: a decode during which other processes (or the hypervisor: steal time) took more
+#: than this many cores ran on a different machine than the one calibrated; quiet
+#: decodes here read 0.00-0.07, disturbed ones 0.17-0.34
+OTHER_CORES = 0.1
+MIN_ROUNDS = 3  # undisturbed decodes a layout needs to be compared
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout, tp, pp", [
-    ("one rank", 1, 1), ("pipeline 2", 1, 2),
-    # issue #15, open: on this shared 2-core VM the tensor-2 row was within 20% each of
-    # the 3 times it was compared in 15 runs, then 21% high in a quiet fresh-clone CI run
-    # (90.1 predicted, 74.5 measured, load 1.5, steady calibrations). What two decoders
-    # get from memory moves 1.2-1.8x one core's from minute to minute (docs/llm.md,
-    # tensor 2), more than the tolerance; the row still runs and prints its numbers.
-    pytest.param("tensor 2", 2, 1, marks=pytest.mark.xfail(
-        strict=False, reason="#15: the 2-core bandwidth decode gets varies beyond 20%"))])
-def test_llm_decode_within_20_percent(measured, layout, tp, pp):
-    """Single-sequence decode of bench.llm's model: one rank, a 2-stage pipeline, tensor 2."""
+    ("one rank", 1, 1), ("pipeline 2", 1, 2), ("tensor 2", 2, 1)])
+def test_llm_decode_within_20_percent(measured, layout, tp, pp, tmp_path):
+    """Single-sequence decode of bench.llm's model: one rank, a 2-stage pipeline, tensor 2;
+    each round predicted from its own read bandwidth, the median ratio compared."""
     if tp > 1:  # the tensor runtime's own cost must have been measured (calibrate's job)
         assert "tensor" in measured["before"] and "tensor" in measured["after"]
     shape = load_shape(measured["model"]).with_bits(32.0, "numpy float32")
     case = llm.LlmCase(tp=tp, pp=pp, batch=1, prompt=PROMPT, context=PROMPT + NEW,
                        act_bytes=4, kv_bytes=4)
 
-    def predict(cal: str) -> llm.LlmPrediction:
-        cl = clmod.build(calibration=cal, comm=measured["comm"], slots=tp * pp)
+    def predict(cal: dict) -> llm.LlmPrediction:
+        path = tmp_path / "calibration.json"
+        path.write_text(json.dumps(cal))
+        cl = clmod.build(calibration=str(path), comm=measured["comm"], slots=tp * pp)
         return llm.predict(cl, shape, case)
 
-    pred = predict(measured["cal"])
-    pb, pa = (predict(c).decode_tok_s for c in measured["cals"])
-    got = measured["llm"][layout]["single"]["decode_tok_s"]
-    print(f"decode {layout}: predicted {pred.decode_tok_s:.2f} tok/s, measured {got:.2f} "
-          f"(load {measured['load']:.1f}; predicted ms a token: stream {pred.stream_s * 1e3:.2f}, "
-          f"fixed {pred.fixed_s * 1e3:.2f}, all-reduce {pred.allreduce_s * 1e3:.2f}, hops "
-          f"{pred.hops_s * 1e3:.2f}; from the calibration before / after alone {pb:.2f} / "
-          f"{pa:.2f})")
+    mean = average(measured["before"], measured["after"])
+    ratios, moved, disturbed = [], [], 0
+    print(f"\ndecode {layout} (load {measured['load']:.1f}), a round a line:")
+    for rnd in measured["llm"]:
+        got, read = rnd["single"][layout], rnd["read_gb_s"][layout]
+        pred = predict(with_reads(mean, read))
+        pb, pa = (predict(with_reads(measured[k], read)).decode_tok_s
+                  for k in ("before", "after"))
+        quiet = got.get("other_cores", 0.0) <= OTHER_CORES
+        if quiet:
+            ratios.append(pred.decode_tok_s / got["decode_tok_s"])
+            moved.append(abs(pa / pb - 1))
+        else:
+            disturbed += 1
+        other = got.get("other_cores", float("nan"))
+        print(f"  read GB/s at 1 / 2 threads {read['before']['1']:.1f}-{read['after']['1']:.1f}"
+              f" / {read['before']['2']:.1f}-{read['after']['2']:.1f}: predicted "
+              f"{pred.decode_tok_s:.2f} tok/s, measured {got['decode_tok_s']:.2f} "
+              f"({pred.decode_tok_s / got['decode_tok_s'] - 1:+.0%}; ms a token: stream "
+              f"{pred.stream_s * 1e3:.2f}, fixed {pred.fixed_s * 1e3:.2f}, all-reduce "
+              f"{pred.allreduce_s * 1e3:.2f}, hops {pred.hops_s * 1e3:.2f}; from the "
+              f"calibration before / after alone {pb:.2f} / {pa:.2f}; other processes "
+              f"{other:.2f} cores, of which steal {got.get('steal_cores', float('nan')):.2f}"
+              f"{'' if quiet else ': left out'})")
     if tp > 1:
         t = [measured[k]["tensor"] for k in ("before", "after")]
         print("  tensor runtime (before / after): " + " / ".join(
             f"{x['reduce_s'] * 1e6:.1f} us a reduction, {x['step_s'] * 1e6:.1f} us a step, "
             f"sync {x['sync_frac']:.1%}" for x in t))
-    cores = os.cpu_count() or 1
-    if tp * pp > 1 and measured["load"] > cores:
-        pytest.skip(f"load average {measured['load']:.1f} on {cores} cores before the test: "
-                    "other jobs hold the cores, and a 2-rank decode then waits on the "
-                    "scheduler at every hop and all-reduce, which the model does not describe")
-    steady(measured, (("read_bw_gbs", "1"), ("read_bw_gbs", str(tp * pp))))
-    # every figure the prediction uses at once: the tensor runtime's are measured in
-    # seconds of a 2-rank job and move with the scheduler as the bandwidths do
-    if abs(pa / pb - 1) > STEADY:
-        pytest.skip(f"the prediction from the calibration before the runs ({pb:.1f} tok/s) "
-                    f"and after ({pa:.1f}) differ by {abs(pa / pb - 1):.0%} (a shared, busy "
+    if len(ratios) < MIN_ROUNDS:
+        pytest.skip(f"other processes took more than {OTHER_CORES} cores during "
+                    f"{disturbed} of {disturbed + len(ratios)} decodes: a decode then waits "
+                    "on the scheduler, which the model does not describe")
+    ratio = statistics.median(ratios)
+    print(f"  median predicted / measured over {len(ratios)} undisturbed decodes: {ratio:.3f}")
+    # the calibration's other figures (fixed costs, the tensor runtime's: seconds of a
+    # 2-rank job) move with the scheduler too
+    if statistics.median(moved) > STEADY:
+        pytest.skip(f"the predictions from the calibration before the runs and from the one "
+                    f"after differ by {statistics.median(moved):.0%} (a shared, busy "
                     "machine): a prediction cannot match runs made on a different machine")
-    assert pred.decode_tok_s == pytest.approx(got, rel=0.20), (pred, got)
+    assert ratio == pytest.approx(1.0, abs=0.20), ratios

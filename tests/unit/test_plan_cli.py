@@ -118,6 +118,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, hosts, top, expect):
      "'reduce_s', 'step_s' and 'sync_frac' must be numbers >= 0"),
     ({"reduce_s": 1e-4, "step_s": float("nan"), "sync_frac": 0}, "must be numbers >= 0"),
     ({"reduce_s": 1e-4, "step_s": 0, "sync_frac": float("inf")}, "must be numbers >= 0"),
+    ({"reduce_s": 1e-4, "step_s": 0, "sync_frac": 0, "hop_s": "x"},
+     "field 'tensor': 'hop_s' must be a number >= 0"),
+    ({"reduce_s": 1e-4, "step_s": 0, "sync_frac": 0, "hop_s": -1e-5},
+     "field 'tensor': 'hop_s' must be a number >= 0"),
 ])
 def test_bad_tensor_runtime_figures_are_one_line(tmp_path, tensor, expect):
     f = tmp_path / "node.json"

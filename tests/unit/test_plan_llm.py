@@ -214,11 +214,11 @@ def test_more_of_anything_never_predicts_slower(a, f):
 
 
 def _runtime_cluster(k: int, reduce_s: float, step_s: float,
-                     sync: float = 0.0) -> clmod.Cluster:
+                     sync: float = 0.0, hop_s: float = 0.0) -> clmod.Cluster:
     rates = mc.Rates("x", cores=8, memory_gb=512, dgemm={1: 50.0, 8: 400.0},
                      mem_bw={1: 400.0, 8: 400.0}, layer_s=2e-5, token_s=1e-5,
                      flops_fp32=20000.0, reduce_s=reduce_s, tp_step_s=step_s,
-                     tp_sync_frac=sync)
+                     tp_sync_frac=sync, hop_s=hop_s)
     return clmod.Cluster(tuple(clmod.Node(f"n{i}", rates, slots=4) for i in range(k)),
                          mc.LINKS["tb5-rdma"])
 
@@ -240,6 +240,23 @@ def test_tensor_runtime_cost_per_all_reduce_and_step(tp, pp):
     assert with_rt.allreduce_s - base.allreduce_s == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert (with_rt.stream_s, with_rt.fixed_s, with_rt.hops_s) == (
         base.stream_s, base.fixed_s, base.hops_s)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (1, 2), (1, 4), (2, 2)])
+def test_pipeline_runtime_cost_per_hop(tp, pp):
+    """The pipeline runtime's measured cost per hop: pp hops a token (pp - 1 boundaries
+    and the tokens back), nothing without a pipeline; the rest unchanged."""
+    shape = load_shape(str(ROOT / "tests" / "unit" / "data" / "plan_qwen3_small.json"))
+    case = llm.LlmCase(tp=tp, pp=pp, batch=1)
+    h = 3e-5
+    base = llm.predict(_runtime_cluster(2, 0.0, 0.0), shape, case)
+    with_rt = llm.predict(_runtime_cluster(2, 0.0, 0.0, hop_s=h), shape, case)
+    want = 0.0 if pp == 1 else pp * h
+    assert 1 / with_rt.decode_tok_s - 1 / base.decode_tok_s == pytest.approx(
+        want, rel=1e-9, abs=1e-12)
+    assert with_rt.hops_s - base.hops_s == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert (with_rt.stream_s, with_rt.fixed_s, with_rt.allreduce_s) == (
+        base.stream_s, base.fixed_s, base.allreduce_s)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
