@@ -255,6 +255,10 @@ def test_llm_decode_within_20_percent(measured, layout, tp, pp, tmp_path):
         print("  tensor runtime (before / after): " + " / ".join(
             f"{x['reduce_s'] * 1e6:.1f} us a reduction, {x['step_s'] * 1e6:.1f} us a step, "
             f"sync {x['sync_frac']:.1%}" for x in t))
+    if pp > 1:
+        print("  pipeline runtime (before / after): " + " / ".join(
+            f"{measured[k].get('tensor', {}).get('hop_s', 0) * 1e6:.1f} us a hop"
+            for k in ("before", "after")))
     if len(ratios) < MIN_ROUNDS:
         pytest.skip(f"other processes took more than {OTHER_CORES} cores during "
                     f"{disturbed} of {disturbed + len(ratios)} decodes: a decode then waits "
