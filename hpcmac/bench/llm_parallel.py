@@ -17,9 +17,14 @@ when only one computes), so that compared runs are seconds apart:
 * for tensor 2: all-reduces per token, the bytes each rank sends per token,
   and the median time inside one all-reduce;
 * with ``--read-rates``, ``calibrate``'s own read bandwidth at 1 and 2 threads
-  just before and just after each round's 1-sequence runs: what the planner's
-  calibration test predicts each round from (on a shared VM the bandwidth
-  two cores get moves within seconds). The JSON keeps every round's figures.
+  (:class:`~hpcmac.plan.calibrate.ReadProbe`, 2 GiB kept on rank 0) just before
+  and just after each 1-sequence run: what the planner's calibration test
+  predicts each run from (on a shared VM the bandwidth two cores get moves
+  within seconds). The JSON keeps every round's figures.
+
+Before the first round the job waits until the machine is quiet
+(:func:`hpcmac.bench.quiet.settle`: loading freed memory, and the kernel's
+work on it takes a core part of the time for seconds on some VMs).
 
 The driver runs the job twice: on the machine as it is ("quiet"), and with a
 process of its own spinning on one core for the whole job ("loaded"), to show

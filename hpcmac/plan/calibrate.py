@@ -212,7 +212,7 @@ def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24) -> dict[
     twice the largest cache: what is left of its step once the fixed costs are
     taken off is the weights streamed, so bytes read over that time is the
     bandwidth the decoder's matrix-vector products reach (``decode_bw_gbs``);
-    :func:`read_gbs` on one core, in turn with its decodes, gives the kernel's own
+    :class:`ReadProbe` on one core, in turn with its decodes, gives the kernel's own
     rate in the same seconds (``kernel_bw_gbs``).
     """
     import tempfile
@@ -229,10 +229,10 @@ def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24) -> dict[
     def big_step_s(stage) -> tuple[float, float]:
         """The big model's step time and the kernel's one-core read rate, measured in
         turn three times (medians): the same seconds for both."""
-        times, reads = [], []
+        times, reads, probe = [], [], ReadProbe(1)
         for _ in range(3):
             times.append(1.0 / decode_rate(stage, 1, steps))
-            reads.append(read_gbs(1, repeats=3))
+            reads.append(probe.gbs(repeats=3))
         return statistics.median(times), statistics.median(reads)
 
     times = []
