@@ -28,7 +28,10 @@ decode step of one sequence:
   second takes longer even beyond ``reduce_s`` per all-reduce: the slower
   rank sets each segment's pace (two cores sharing the memory, another job
   taking one for a moment). ``sync_frac`` is that excess over the time on
-  their own (the slower rank's, both times).
+  their own (the slower rank's, both times): the median over 25 adjacent
+  pairs of passes, each pair compared within itself (the medians of 9 passes
+  of each kind, compared with each other, once read 45% on this VM; the pairs
+  read 1-10% in six calibrations in a row).
 
 A run's time per step is the median gap between its tokens (as
 ``calibrate``'s one-rank decoder costs are medians of steps: a step in which
@@ -53,7 +56,7 @@ LAYERS = (2, 10)
 HIDDEN = 64
 PROMPT, NEW = 8, 32
 ROUNDS = 7
-SYNC_ROUNDS = 9
+SYNC_ROUNDS = 25
 LAYOUTS = ("one", "tensor", "pipeline")
 TAG_WAKE = 95
 
@@ -140,14 +143,17 @@ def _sync_frac(world, reduce, reduce_s: float) -> float:
     n = max(4, -(-2 * last_cache_bytes() // seg))
     mats = [(rng.standard_normal((1024, 1024), dtype=np.float32),
              rng.standard_normal((3072, 1024), dtype=np.float32)) for _ in range(n)]
-    alone, met = [], []
+    excess = []
     for rnd in range(SYNC_ROUNDS + 1):
-        a, m = _stream_s(world, mats, None), _stream_s(world, mats, reduce)
+        # a pair a few ms long, in either order: what two cores get from memory moves
+        # within a second on a shared VM, and a pass is compared with its neighbour only
+        if rnd % 2:
+            m, a = _stream_s(world, mats, reduce), _stream_s(world, mats, None)
+        else:
+            a, m = _stream_s(world, mats, None), _stream_s(world, mats, reduce)
         if rnd:
-            alone.append(a)
-            met.append(m)
-    a, m = statistics.median(alone), statistics.median(met)
-    return max(0.0, (m - a - 2 * n * reduce_s) / a)
+            excess.append((m - a - 2 * n * reduce_s) / a)
+    return max(0.0, statistics.median(excess))
 
 
 def worker(out: str, tmp: str) -> int:
