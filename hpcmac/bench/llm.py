@@ -130,6 +130,21 @@ def llamacpp_rate(gguf_path: Path, threads: int, steps: int, vocab: int) -> floa
     return rates[-1]
 
 
+#: the GGUF types the gguf package's writer quantizes (the quantized rows' files)
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+def quant_types(text: str) -> list[str]:
+    """``--quant``'s comma-separated GGUF types, upper-cased; one clear line for a type
+    this benchmark cannot write."""
+    out = [q.strip().upper() for q in text.split(",") if q.strip()]
+    for q in out:
+        if q not in QUANT_TYPES:
+            raise UsageError(f"--quant: {q!r} is not a GGUF type this benchmark can write "
+                             f"(one of {', '.join(QUANT_TYPES)}, comma-separated; '' for none)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m hpcmac.bench.llm",
                         description=__doc__.split("\n")[0])
@@ -166,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         return ttft(args.model, args.prompt_words, args.rounds, args.timeout, args.json)
     if args.threads < 1 or args.steps < 1 or args.batch < 1 or args.rounds < 1:
         raise UsageError("--threads, --steps, --batch and --rounds must be >= 1")
+    args.quant = ",".join(quant_types(args.quant))
     from threadpoolctl import threadpool_limits
 
     from hpcmac.llm.model.stage import load_stage

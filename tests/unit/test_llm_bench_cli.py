@@ -1,0 +1,44 @@
+"""``python -m hpcmac.bench.llm``'s arguments: bad input is one line and exit 2, before any
+model is written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcmac.bench.llm import QUANT_TYPES, quant_types
+from hpcmac.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quant_types_are_upper_cased_and_empty_means_none():
+    assert quant_types("q8_0, Q4_0") == ["Q8_0", "Q4_0"]
+    assert quant_types("") == [] and quant_types(",") == []
+    assert set(quant_types(",".join(QUANT_TYPES))) == set(QUANT_TYPES)
+
+
+@pytest.mark.parametrize("value", ["Q4_K", "q3", "Q8_0,F16"])
+def test_unknown_quant_type_is_a_usage_error(value):
+    with pytest.raises(UsageError, match="is not a GGUF type this benchmark can write"):
+        quant_types(value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv, expect", [
+    (["--quant", "Q4_K"], "--quant: 'Q4_K' is not a GGUF type this benchmark can write"),
+    (["--steps", "0"], "--threads, --steps, --batch and --rounds must be >= 1"),
+])
+def test_bad_arguments_are_one_line(tmp_path, argv, expect):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "hpcmac.bench.llm", "--workdir", str(tmp_path),
+                        *argv], capture_output=True, text=True, timeout=100, env=env)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert expect in lines[0]
+    assert not any(tmp_path.iterdir())  # refused before writing a model
