@@ -133,8 +133,7 @@ class _Stream:
         self.be = NumpyBackend()
         r, inp = self.be.panel, 1024
         nb = self.a.size // (inp * r)
-        self.w = Panels.__new__(Panels)  # a view of the same memory, no copy
-        self.w.p, self.w.n = self.a[:nb * inp * r].reshape(nb, inp, r), nb * r
+        self.w = Panels.of(self.a[:nb * inp * r].reshape(nb, inp, r))  # the same memory
         self.x = np.ones((1, inp), dtype=np.float32)
 
     def _read(self, pattern: str) -> int:

@@ -155,11 +155,7 @@ class ReadProbe:
         self.be = NumpyBackend()
         inp, r = 1024, self.be.panel
         nb = _per_thread(threads, 64 << 20) // (4 * inp * r)
-        self.weights = []
-        for _ in range(threads):
-            w = Panels.__new__(Panels)  # filled in place: no (out, in) copy to pack from
-            w.p, w.n = np.ones((nb, inp, r), np.float32), nb * r
-            self.weights.append(w)
+        self.weights = [Panels.of(np.ones((nb, inp, r), np.float32)) for _ in range(threads)]
         self.x = np.ones((1, inp), np.float32)
 
     def _run(self) -> None:

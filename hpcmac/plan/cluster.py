@@ -116,11 +116,12 @@ def _calibrated(rates: Rates, cal: dict[str, Any], where: str) -> Rates:
                              "'sync_frac' must be numbers >= 0")
         if "hop_s" in tensor:  # the pipeline's, from the same job (absent in older files)
             try:
-                kw["hop_s"] = float(tensor["hop_s"])
+                hop = float(tensor["hop_s"])
             except (TypeError, ValueError):
-                kw["hop_s"] = -1.0
-            if not (math.isfinite(kw["hop_s"]) and kw["hop_s"] >= 0):
+                hop = math.nan
+            if not (math.isfinite(hop) and hop >= 0):
                 raise UsageError(f"{where}: field 'tensor': 'hop_s' must be a number >= 0")
+            kw["hop_s"] = hop
     for key, name in (("read_bw_gbs", "read_bw"), ("sgemm_gflops", "sgemm")):
         if key in cal:
             kw[name] = table(key)

@@ -39,6 +39,14 @@ class Panels:
         self.p = np.ascontiguousarray(w.reshape(nb, r, inp).transpose(0, 2, 1))
         self.n = out
 
+    @classmethod
+    def of(cls, p: np.ndarray) -> Panels:
+        """Panels (nb, in, r) already in this layout, kept as they are (no copy): every
+        column a real output, ``nb * r`` of them."""
+        w = cls.__new__(cls)
+        w.p, w.n = p, p.shape[0] * p.shape[2]
+        return w
+
     @property
     def nbytes(self) -> int:
         return self.p.nbytes
