@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from hpcmac.errors import run_cli
+    from hpcmac.lifecycle import run_cli
 
     def _cli(argv: list[str] | None) -> int:
         main(argv)

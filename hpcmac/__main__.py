@@ -6,7 +6,7 @@ import importlib
 import sys
 
 from hpcmac import __version__
-from hpcmac.errors import run_cli
+from hpcmac.lifecycle import run_cli
 
 # command -> (module whose main(argv) runs it, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {

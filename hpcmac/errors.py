@@ -1,25 +1,16 @@
-"""Errors meant for people, and the one way every command reports them.
+"""Errors meant for people: the error type bad input raises, and the parser.
 
 A :class:`UsageError` is bad input: a file, a line or a field, what was
-expected and what was found. Commands raise it; :func:`run_cli` turns it into
-one line on stderr and exit code 2, with no traceback.
-
-Rules that keep ranks from hanging:
-
-* Input that every rank reads (HPL.dat, a hostfile, CLI flags) is validated
-  identically on every rank, so every rank raises the same error before any
-  collective starts; they all exit 2 and rank 0 alone prints.
-* An error that happens on some ranks only, once collectives are under way,
-  must abort the whole job: :func:`run_cli` calls ``abort`` for anything that
-  is not a UsageError raised before the first collective (``collective_started``).
+expected and what was found. Commands raise it; :func:`hpcmac.lifecycle.run_cli`
+turns it into one line on stderr and exit code 2, with no traceback. This
+module imports nothing of hpcmac's, so any module may raise a UsageError
+without an import circle; the process lifecycle lives in :mod:`hpcmac.lifecycle`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from collections.abc import Callable
 
 
 class UsageError(Exception):
@@ -55,97 +46,3 @@ def world_size() -> int:
         if value is not None and value.isdigit():
             return int(value)
     return 1
-
-
-def fail(message: str, code: int = 2) -> None:
-    """Print ``error: message`` once (rank 0) and exit with ``code``.
-
-    Meant to be reached by every rank with the same message (input validated
-    identically everywhere). Under MPI the ranks first agree that they are all
-    here (a non-blocking barrier, at most ``HPCMAC_FAIL_WAIT`` seconds, else the
-    job is aborted), finalize MPI, and only rank 0 exits non-zero, last: then
-    mpirun reports no crash banner and no rank is killed mid-exit.
-    """
-    if world_rank() == 0:
-        # one line whatever the message holds (a name read from a damaged file, say)
-        line = message.replace("\r", "\\r").replace("\n", "\\n")
-        print(f"error: {line}", file=sys.stderr, flush=True)
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None and _mpi_launched():
-        # the input was refused before MPI started; start it only to leave together,
-        # else mpirun sees rank 0 exit non-zero first and prints its crash banner
-        try:
-            from mpi4py import MPI as mpi
-        except Exception:  # no usable MPI here: exit as we are
-            mpi = None
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
-        raise SystemExit(code)
-    world = mpi.COMM_WORLD
-    if world.Get_size() == 1:
-        raise SystemExit(code)
-    import time
-
-    request = world.Ibarrier()
-    deadline = time.monotonic() + float(os.environ.get("HPCMAC_FAIL_WAIT", "20"))
-    while not request.Test():
-        if time.monotonic() > deadline:  # some rank is elsewhere: end the job
-            world.Abort(code)
-        time.sleep(0.005)
-    rank = world.Get_rank()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    from hpcmac.comm.cleanup import finalize
-
-    finalize()  # MPI_Finalize, then remove what Open MPI leaves in /dev/shm
-    if rank != 0:
-        os._exit(0)
-    time.sleep(0.5)  # let the other ranks leave first
-    os._exit(code)
-
-
-def _mpi_launched() -> bool:
-    """Started by mpirun/mpiexec (Open MPI or PMI) with more than one rank."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 1:
-            return True
-    return False
-
-
-def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """Run a command's ``main(argv)``; bad input becomes one line and exit 2.
-
-    Any other exception on any rank aborts the whole MPI job (when MPI is
-    initialised), so no rank is left waiting in a collective. SIGINT and SIGTERM
-    end the process with ``interrupted, rank R`` and exit 130 / 143
-    (:mod:`hpcmac.interrupts`).
-    """
-    from hpcmac import interrupts
-
-    interrupts.install()
-    try:
-        code = main(argv)
-    except UsageError as exc:
-        fail(str(exc), 2)
-    except KeyboardInterrupt:  # a handler of the command's own raised it (finally blocks ran)
-        import signal
-
-        interrupts.end(signal.SIGINT)
-        raise SystemExit(130) from None
-    except SystemExit:
-        raise
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        _abort_if_parallel(1)
-        raise
-    return int(code or 0)
-
-
-def _abort_if_parallel(code: int) -> None:
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        if mpi.COMM_WORLD.Get_size() > 1:
-            mpi.COMM_WORLD.Abort(code)

@@ -8,7 +8,8 @@ import socket
 import sys
 import time
 
-from hpcmac.errors import ArgumentParser, run_cli
+from hpcmac.errors import ArgumentParser
+from hpcmac.lifecycle import run_cli
 
 
 def _blas() -> list[str]:

@@ -31,7 +31,8 @@ from functools import partial
 
 import numpy as np
 
-from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.lifecycle import run_cli
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.lifecycle import run_cli
 
 HPCC_TAIL = """\
 ##### This line (no. 32) is ignored (it serves as a separator). ######

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.lifecycle import run_cli
 
 
 def write_random_llama(folder: Path, hidden: int, layers: int, intermediate: int, vocab: int,

@@ -309,6 +309,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hpcmac.errors import run_cli
+    from hpcmac.lifecycle import run_cli
 
     raise SystemExit(run_cli(main))

@@ -31,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.lifecycle import run_cli
 
 _OFI_OFF = {"OMPI_MCA_btl": "^ofi", "OMPI_MCA_mtl": "^ofi", "OMPI_MCA_pml": "ob1"}
 

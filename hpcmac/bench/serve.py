@@ -26,7 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.lifecycle import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Write a short poem about the sea.", "List five prime numbers.",

@@ -10,9 +10,10 @@ import os
 import sys
 
 from hpcmac import comm
-from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError
 from hpcmac.hpl import config as hplconfig
 from hpcmac.io.inputs import int_arg, read_text
+from hpcmac.lifecycle import run_cli
 
 DESCRIPTION = f"""\
 Distributed FP64 LINPACK as netlib HPL 2.3: right-looking LU with partial

@@ -12,9 +12,10 @@ import os
 import sys
 
 from hpcmac import comm
-from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError
 from hpcmac.hpl import config as hplconfig
 from hpcmac.io.inputs import float_arg, int_arg
+from hpcmac.lifecycle import run_cli
 
 DESCRIPTION = f"""\
 HPL-MxP (formerly HPL-AI): solve netlib HPL's system to FP64 accuracy from a

@@ -23,10 +23,11 @@ import subprocess
 import sys
 import tempfile
 
-from hpcmac.errors import UsageError, run_cli
+from hpcmac.errors import UsageError
 from hpcmac.io.inputs import float_arg, int_arg
 from hpcmac.launch import convert, discover, runner
 from hpcmac.launch.hostfile import load
+from hpcmac.lifecycle import run_cli
 
 SUBCOMMANDS = ("check", "convert", "routes", "discover", "doctor")
 

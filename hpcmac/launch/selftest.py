@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.lifecycle import run_cli
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

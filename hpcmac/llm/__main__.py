@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpcmac.errors import run_cli
+from hpcmac.lifecycle import run_cli
 from hpcmac.llm.cli import main
 
 __all__ = ["main"]

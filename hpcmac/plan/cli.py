@@ -23,7 +23,8 @@ import json
 import sys
 import time
 
-from hpcmac.errors import ArgumentParser, UsageError, run_cli
+from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.lifecycle import run_cli
 from hpcmac.plan import cluster as clmod
 from hpcmac.plan import hpl as hplmod
 from hpcmac.plan import machines as mc

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from hpcmac import comm
-from hpcmac.errors import run_cli
+from hpcmac.lifecycle import run_cli
 
 
 def main(argv=None):

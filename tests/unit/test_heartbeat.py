@@ -41,7 +41,7 @@ def test_timeout_from_env(monkeypatch):
 SCRIPT = """
 import os, sys, time
 from hpcmac import comm
-from hpcmac.errors import run_cli
+from hpcmac.lifecycle import run_cli
 
 def main(argv):
     g = comm.init("mpi")

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hpcmac.errors import run_cli  # noqa: E402
+from hpcmac.lifecycle import run_cli  # noqa: E402
 from hpcmac.llm.__main__ import main  # noqa: E402
 from hpcmac.llm.model.fixtures import random_checkpoint, write_gguf  # noqa: E402
 from hpcmac.llm.model.generate import Generator  # noqa: E402
