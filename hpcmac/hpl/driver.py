@@ -68,14 +68,15 @@ class _Phases:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.peak: dict[str, int] = {}
+        self._meter = memory.PhasePeak()
 
     def start(self) -> None:
-        memory.reset_peak()
+        self._meter.start()
         self._t0 = time.perf_counter()
 
     def stop(self, name: str) -> float:
         self.seconds[name] = time.perf_counter() - self._t0
-        self.peak[name] = memory.peak_rss_bytes()
+        self.peak[name] = self._meter.stop()
         return self.seconds[name]
 
     def gather(self, group: Group, local_bytes: int) -> dict:

@@ -1,17 +1,32 @@
-"""This process's resident memory: the peak so far, and a per-phase peak where the OS allows.
+"""This process's resident memory: the peak so far, and each phase's peak, read
+without changing what the kernel reports about the process.
 
-Linux keeps a resettable high-water mark (``VmHWM`` in ``/proc/self/status``,
-reset by writing 5 to ``/proc/self/clear_refs``), so each HPL phase gets its own
-peak. Elsewhere (macOS) the peak is ``getrusage``'s ``ru_maxrss`` since the
-process started, which can only grow. Nothing here communicates.
+The kernel's high-water mark (``VmHWM``, the ``ru_maxrss`` of ``getrusage`` and
+``wait4``, which ``/usr/bin/time -v`` and Slurm's accounting read) is never reset
+here: a benchmark must not change what outside tools see of it. A phase's peak
+(:class:`PhasePeak`) is instead
+
+* exact when the phase set a new high: the mark grew during the phase, so the
+  phase's peak *is* the mark at its end;
+* otherwise the largest RSS a sampler thread read during the phase (every
+  ``interval_s``, 20 ms by default), and at its start and end. It can miss
+  memory allocated and freed again between two readings, so it may read low by
+  at most what one 20 ms window allocates and frees.
+
+Linux only for the per-phase figures; elsewhere (macOS) every phase reads the
+process peak so far (``ru_maxrss``), which can only grow. Nothing here
+communicates.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 
 _STATUS = "/proc/self/status"
-_CLEAR_REFS = "/proc/self/clear_refs"
+_STATM = "/proc/self/statm"
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _status_kb(key: str) -> int | None:
@@ -26,7 +41,7 @@ def _status_kb(key: str) -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """The peak resident set size: since :func:`reset_peak` on Linux, else since start."""
+    """The process's peak resident set size since it started (the kernel's mark)."""
     kb = _status_kb("VmHWM:")
     if kb is not None:
         return kb * 1024
@@ -37,17 +52,52 @@ def peak_rss_bytes() -> int:
 
 
 def rss_bytes() -> int:
-    """The resident set size now (0 where the OS does not say)."""
-    kb = _status_kb("VmRSS:")
-    return kb * 1024 if kb is not None else 0
-
-
-def reset_peak() -> bool:
-    """Start a new peak at the current RSS; False where the OS cannot (then the peak
-    keeps counting from the process start)."""
+    """The resident set size now (0 where the OS does not say): one small read."""
     try:
-        with open(_CLEAR_REFS, "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
+        with open(_STATM, "rb") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class PhasePeak:
+    """The peak RSS of one stretch of code: ``start()``, the work, then ``stop()``.
+
+    Local (not collective). The sampler is a daemon thread that wakes every
+    ``interval_s`` and reads ``/proc/self/statm``; it holds the GIL for a few
+    microseconds per reading, which numpy's BLAS calls do not need.
+    """
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._high = 0
+        self._mark0 = 0
+
+    def start(self) -> None:
+        self._mark0 = peak_rss_bytes()
+        self._high = rss_bytes()
+        if self._high == 0:  # no /proc: the process peak is all the OS tells
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, name="hpcmac-rss", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._high = max(self._high, rss_bytes())
+
+    def stop(self) -> int:
+        """The phase's peak in bytes (see the module's rules for how exact it is)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        mark = peak_rss_bytes()
+        now = rss_bytes()
+        if now == 0:
+            return mark
+        if mark > self._mark0:  # this phase set the process's new high: exact
+            return mark
+        return max(self._high, now)

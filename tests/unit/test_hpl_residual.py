@@ -1,6 +1,7 @@
 """Blocked generation and the blocked check against the whole-matrix formulas; phase memory."""
 
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -58,15 +59,25 @@ def test_check_solution_leaves_the_matrix_alone():
     np.testing.assert_array_equal(a.local, before)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resettable peak is Linux's")
-def test_peak_resets_to_the_current_size():
-    big = np.ones(40 * 2**20 // 8)  # 40 MiB, touched
-    high = memory.peak_rss_bytes()
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-phase peaks are Linux's")
+def test_phase_peak_is_its_own_and_leaves_the_kernels_mark_alone():
+    big = np.ones(60 * 2**20 // 8)  # 60 MiB, touched: the process's high so far
     del big
-    assert memory.reset_peak()
-    low = memory.peak_rss_bytes()
-    assert high - low > 30 * 2**20
-    assert memory.rss_bytes() <= low + 2**20
+    mark = memory.peak_rss_bytes()
+    meter = memory.PhasePeak(interval_s=0.005)
+    meter.start()  # a phase below the mark: sampled
+    mid = np.ones(20 * 2**20 // 8)
+    time.sleep(0.05)
+    del mid
+    low = meter.stop()
+    assert memory.peak_rss_bytes() >= mark  # never reset
+    assert low < mark - 30 * 2**20
+    assert low >= memory.rss_bytes() + 15 * 2**20
+    meter.start()  # a phase that sets a new high: the mark itself
+    top = np.ones(100 * 2**20 // 8)
+    del top
+    high = meter.stop()
+    assert high == memory.peak_rss_bytes() > mark
 
 
 def test_run_one_reports_phases_in_the_record():
