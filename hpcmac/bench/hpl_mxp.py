@@ -23,7 +23,7 @@ def _med(recs: list[dict], key: str) -> float:
 
 def compare(args) -> int:
     """Run the comparison ``args`` (bench.hpl's parsed flags) asks for; print the table."""
-    from hpcmac.bench.hpl import dgemm_gflops, run_hpcmac
+    from hpcmac.bench.hpl_run import dgemm_gflops, run_hpcmac
 
     gemm_n = args.dgemm_n or min(args.N, 6000)
     load0 = os.getloadavg()

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcmac.bench.hpl import _clean_env, _oversubscribe, hpl_dat, venv_mpirun
+from hpcmac.bench.hpl_run import clean_env, hpl_dat, oversubscribe, venv_mpirun
 from hpcmac.errors import UsageError
 
 #: (label, N, NB, P, Q)
@@ -84,9 +84,9 @@ def _hpcmac(n: int, nb: int, p: int, q: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="hpcmac-bench-whole-") as tmp:
         Path(tmp, "HPL.dat").write_text(hpl_dat(n, nb, p, q))
         js = Path(tmp, "out.json")
-        env = _clean_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPCMAC_QUIET_TRANSPORT="1",
+        env = clean_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPCMAC_QUIET_TRANSPORT="1",
                          **_coretype())
-        cmd = [venv_mpirun(), "-np", str(np_), *_oversubscribe(np_), "--bind-to", "none",
+        cmd = [venv_mpirun(), "-np", str(np_), *oversubscribe(np_), "--bind-to", "none",
                sys.executable, "-m", "hpcmac.hpl", "--dat", "HPL.dat", "--json", str(js),
                "--progress", "off", "--blas-threads", "1"]
         wall, peak, text, rc = run_job(cmd, env, tmp, timeout)
@@ -104,10 +104,10 @@ def _netlib(xhpl: str, mpirun: str, n: int, nb: int, p: int, q: int, timeout: fl
     np_ = p * q
     with tempfile.TemporaryDirectory(prefix="hpcmac-bench-xhpl-") as tmp:
         Path(tmp, "HPL.dat").write_text(hpl_dat(n, nb, p, q))
-        env = _clean_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **_coretype())
+        env = clean_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **_coretype())
         env["PATH"] = "/usr/bin:/bin:" + env.get("PATH", "")
         root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
-        cmd = [mpirun, *root, "-np", str(np_), *_oversubscribe(np_), "--bind-to", "none", xhpl]
+        cmd = [mpirun, *root, "-np", str(np_), *oversubscribe(np_), "--bind-to", "none", xhpl]
         wall, peak, text, rc = run_job(cmd, env, tmp, timeout)
     m = _LINE.search(text)
     if rc != 0 or not m:

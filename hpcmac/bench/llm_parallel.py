@@ -203,7 +203,7 @@ OTHER_MIN_WALL_S = 0.25
 
 
 def _random_model(work: Path) -> str:
-    from hpcmac.bench.llm import write_random_llama
+    from hpcmac.measure.llm import write_random_llama
 
     return str(write_random_llama(work / "llama", 1024, 8, 2816, 32000, heads=16, kv_heads=4))
 

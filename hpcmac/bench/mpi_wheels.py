@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         raise UsageError("--rounds must be >= 1")
     cases = [parse_case(c) for c in args.cases]
-    from hpcmac.bench.hpl import _clean_env, hpl_dat
+    from hpcmac.bench.hpl_run import clean_env, hpl_dat
     from hpcmac.bench.hpl_whole import _coretype, find_xhpl, precompile
 
     here = os.path.dirname(sys.executable)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         _, impl = launcher(bindir, 1)
         envs[label] = (bindir, impl)
     root = str(Path(__file__).resolve().parents[2])
-    base = _clean_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPCMAC_QUIET_TRANSPORT="1",
+    base = clean_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPCMAC_QUIET_TRANSPORT="1",
                       PYTHONPATH=root, **_coretype())
     hpl_flags = ["--progress", "off", "--blas-threads", "1"]
     jobs = []  # (name, argv, extra env, needs PASSED)

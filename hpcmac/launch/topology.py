@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import combinations, permutations
+from typing import TYPE_CHECKING
 
-from hpcmac.launch.hostfile import Hostfile
+if TYPE_CHECKING:  # annotations only: hostfile validates shapes with these functions
+    from hpcmac.launch.hostfile import Hostfile
 
 
 def missing_mesh_pairs(hf: Hostfile) -> list[tuple[str, str]]:

@@ -22,41 +22,13 @@ not decide it. The JSON it writes is what ``--calibration FILE`` reads.
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
 
 import numpy as np
 
-
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
-
-
-def last_cache_bytes() -> int:
-    """Bytes of the largest CPU cache (Linux sysfs; 0 when unknown)."""
-    from pathlib import Path
-
-    best = 0
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip().upper()
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        try:
-            best = max(best, int(text.rstrip("KMG")) * mult)
-        except ValueError:
-            continue
-    return best
-
-
-def memory_gb() -> float:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
-    except (ValueError, OSError, AttributeError):
-        return 0.0
+from hpcmac.plan.machine import cores, last_cache_bytes, memory_gb
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -220,8 +192,8 @@ def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24) -> dict[
 
     from threadpoolctl import threadpool_limits
 
-    from hpcmac.bench.llm import decode_rate, write_random_llama
     from hpcmac.llm.model.stage import load_stage
+    from hpcmac.measure.llm import decode_rate, write_random_llama
 
     def step_s(stage) -> float:
         return 1.0 / statistics.median(decode_rate(stage, 1, steps) for _ in range(3))

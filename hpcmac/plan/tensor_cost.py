@@ -136,7 +136,7 @@ def _sync_frac(world, reduce, reduce_s: float) -> float:
     each on its own, over the time on their own (rank 0; both ranks call)."""
     import numpy as np
 
-    from hpcmac.plan.calibrate import last_cache_bytes
+    from hpcmac.plan.machine import last_cache_bytes
 
     rng = np.random.default_rng(world.rank)
     seg = 16 << 20  # a layer's shard: 4 MiB then 12 MiB of float32 weights
@@ -159,13 +159,13 @@ def _sync_frac(world, reduce, reduce_s: float) -> float:
 def worker(out: str, tmp: str) -> int:
     """Inside the 2-rank job: load, decode round-robin, fit; rank 0 writes ``out``."""
     from hpcmac import comm
-    from hpcmac.bench.llm import write_random_llama
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.spec import make_shards
     from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.parallel import plan as S
     from hpcmac.llm.parallel.pipeline import Request, run_pipeline
     from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+    from hpcmac.measure.llm import write_random_llama
 
     world = comm.init()
     if world.size != 2:

@@ -119,7 +119,7 @@ def measured(tmp_path_factory):
     host), keeping the attempt that moved least; then decode in rounds, with one more
     calibration after it (the one before is the last HPL attempt's)."""
     pytest.importorskip("safetensors")
-    from hpcmac.bench.llm import write_random_llama
+    from hpcmac.measure.llm import write_random_llama
 
     load = os.getloadavg()[0]  # before anything of this test runs: the other jobs' load
     tmp = tmp_path_factory.mktemp("plan")

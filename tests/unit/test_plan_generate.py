@@ -33,7 +33,7 @@ def generate(tmp: Path, model: Path, env_extra: dict, *flags: str) -> dict:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     pytest.importorskip("safetensors")
-    from hpcmac.bench.llm import write_random_llama
+    from hpcmac.measure.llm import write_random_llama
 
     return write_random_llama(tmp_path_factory.mktemp("m") / "llama", 128, 4, 256, 512,
                               heads=4, kv_heads=2)
