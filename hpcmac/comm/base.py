@@ -36,16 +36,19 @@ class Group(abc.ABC):
 
     #: transport name: "mpi", "ring", "rdma" or "local"
     transport: str = "?"
+    #: set by each transport's constructor
+    _rank: int
+    _size: int
 
     @property
-    @abc.abstractmethod
     def rank(self) -> int:
         """This process's rank in the group, 0..size-1."""
+        return self._rank
 
     @property
-    @abc.abstractmethod
     def size(self) -> int:
         """Number of ranks in the group (global)."""
+        return self._size
 
     # -- point to point (not collective) ------------------------------------
     @abc.abstractmethod
@@ -129,3 +132,13 @@ def check_op(op: str) -> str:
     if op not in REDUCE_OPS:
         raise ValueError(f"reduction op must be one of {', '.join(REDUCE_OPS)}, got {op!r}")
     return op
+
+
+def pick_maxloc(pairs: np.ndarray) -> tuple[float, int]:
+    """From gathered rows (value, index): the largest |value|, ties to the smallest
+    index. The rule every transport's ``allreduce_maxloc`` follows."""
+    mags = np.abs(pairs[:, 0])
+    best = mags.max()
+    cand = pairs[mags == best]
+    row = cand[np.argmin(cand[:, 1])]
+    return float(row[0]), int(row[1])

@@ -27,16 +27,9 @@ class LocalGroup(Group):
     transport = "local"
 
     def __init__(self):
+        self._rank, self._size = 0, 1
         self._mail: dict[int, list[np.ndarray]] = {}
         self._pending: list[tuple[np.ndarray, int]] = []
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def size(self) -> int:
-        return 1
 
     def _check_peer(self, peer: int) -> None:
         if peer != 0:

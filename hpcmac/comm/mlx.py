@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from hpcmac.comm import rdma_env, ring_env, wire
-from hpcmac.comm.base import Group, Request, check_op
+from hpcmac.comm.base import Group, Request, check_op, pick_maxloc
 
 NAMES = ("ring", "rdma")
 _BACKEND = {"ring": "ring", "rdma": "jaccl"}
@@ -292,14 +292,6 @@ class MLXGroup(Group):
                      "min": mx.distributed.all_min}
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
     def fallback(self) -> Group | None:
         """The MPI group used for what MLX lacks (None under mlx.launch)."""
         return self._fallback
@@ -425,10 +417,8 @@ class MLXGroup(Group):
         return out
 
     def allreduce_maxloc(self, value, index):
-        from hpcmac.comm.mpi import _pick_maxloc
-
         pair = np.array([value, index], dtype=np.float64)
-        return _pick_maxloc(self.allgather(pair))
+        return pick_maxloc(self.allgather(pair))
 
     def allgather(self, buf, out=None):
         buf = np.asarray(buf)

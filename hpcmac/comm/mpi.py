@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from hpcmac.comm import mpi_start
-from hpcmac.comm.base import Group, Request, check_op
+from hpcmac.comm.base import Group, Request, check_op, pick_maxloc
 
 _BOOL = np.dtype(np.bool_)
 
@@ -77,14 +77,6 @@ class MPIGroup(Group):
         self._size = self.comm.Get_size()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         self._IN_PLACE = MPI.IN_PLACE
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     # Hot path: the buffer goes straight to mpi4py; only when mpi4py refuses it
     # (a non-contiguous view) do we pay for a contiguous copy.
@@ -158,7 +150,7 @@ class MPIGroup(Group):
     def allreduce_maxloc(self, value, index):
         pairs = np.empty((self._size, 2), dtype=np.float64)
         self.comm.Allgather(np.array([value, index], dtype=np.float64), pairs)
-        return _pick_maxloc(pairs)
+        return pick_maxloc(pairs)
 
     def allgather(self, buf, out=None):
         buf = np.asarray(buf)
@@ -217,10 +209,3 @@ def _clean_at_exit() -> None:
         _cleaning.append(True)
 
 
-def _pick_maxloc(pairs: np.ndarray) -> tuple[float, int]:
-    """From rows (value, index): the largest |value|, ties to the smallest index."""
-    mags = np.abs(pairs[:, 0])
-    best = mags.max()
-    cand = pairs[mags == best]
-    row = cand[np.argmin(cand[:, 1])]
-    return float(row[0]), int(row[1])

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from hpcmac import comm
-from hpcmac.comm.contract import GroupContract
+from tests.group_contract import GroupContract
 
 UNDER_MLX = os.environ.get("HPCMAC_CASE_LAUNCH") == "mlx"
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from hpcmac import comm
-from hpcmac.comm.contract import GroupContract
 from hpcmac.errors import UsageError
 from hpcmac.testing import parallel_assert, world
+from tests.group_contract import GroupContract
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 

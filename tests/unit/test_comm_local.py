@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from hpcmac import comm
-from hpcmac.comm.contract import GroupContract
 from hpcmac.comm.local import LocalGroup
+from tests.group_contract import GroupContract
 
 
 class TestLocalContract(GroupContract):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hpcmac import comm
-from hpcmac.comm.contract import GroupContract
+from tests.group_contract import GroupContract
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "harness"

@@ -1,4 +1,5 @@
-"""The Group contract: one pytest class every transport must pass.
+"""The Group contract: one pytest class every transport must pass (a test helper: it lives
+under tests/, not in the library, because it needs pytest).
 
 Subclass :class:`GroupContract` once per transport and give it a ``group``
 fixture; the tests call every Group method and compare with values computed
