@@ -19,6 +19,17 @@ import sys
 import tempfile
 
 _SEGMENT_MARKS = ("/sm_segment.", "/vader_segment.")
+_before_finalize: list = []
+
+
+def before_finalize(fn) -> None:
+    """Run ``fn()`` at the start of :func:`finalize`, before MPI_Finalize (once per ``fn``).
+
+    What must end while the peers still listen registers here (the heartbeat says
+    goodbye), so this module imports none of its users.
+    """
+    if fn not in _before_finalize:
+        _before_finalize.append(fn)
 
 
 def own_segments() -> list[str]:
@@ -76,9 +87,8 @@ def finalize() -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
-    from hpcmac.comm import heartbeat
-
-    heartbeat.stop()  # goodbye first: MPI_Finalize may wait long, silencing the heartbeat
+    for fn in list(_before_finalize):  # the heartbeat's goodbye first: MPI_Finalize may
+        fn()                           # wait long, silencing it
     segments = own_segments()
     singleton = _singleton_dirs(segments)
     import signal

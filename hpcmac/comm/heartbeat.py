@@ -208,6 +208,9 @@ def start(group: Group, period: float = 1.0, timeout: float | None = None) -> No
     if group.size <= 1 or timeout <= 0 or _running:
         return
     period = min(period, timeout / 4)
+    from hpcmac.comm import cleanup
+
+    cleanup.before_finalize(stop)
     _running.append(_Watch(group, period, timeout))
 
 

@@ -24,8 +24,6 @@ ALLOWED = {
     # lazily (test_distmatrix_operators_stay_thin); kept on purpose
     frozenset({"hpcmac.linalg.arith", "hpcmac.linalg.distmatrix", "hpcmac.linalg.remap",
                "hpcmac.linalg.summa"}),
-    # the signal path: interrupts ends the process through comm.cleanup (the house issue)
-    frozenset({"hpcmac.comm.cleanup", "hpcmac.comm.heartbeat", "hpcmac.interrupts"}),
 }
 
 
