@@ -10,7 +10,8 @@ Rules that keep ranks from hanging:
   collective starts; they all exit 2 and rank 0 alone prints.
 * An error that happens on some ranks only, once collectives are under way,
   must abort the whole job: :func:`run_cli` aborts for anything that is not a
-  UsageError.
+  UsageError, and for a UsageError marked ``local`` (an output that failed to
+  write on rank 0: one line, exit 1).
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     try:
         code = main(argv)
     except UsageError as exc:
+        if getattr(exc, "local", False):  # one rank's output failed mid-run: end the job
+            line = str(exc).replace("\r", "\\r").replace("\n", "\\n")
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            _abort_if_parallel(1)
+            raise SystemExit(1) from None
         fail(str(exc), 2)
     except KeyboardInterrupt:  # a handler of the command's own raised it (finally blocks ran)
         import signal

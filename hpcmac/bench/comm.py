@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             from hpcmac.io.outputs import write_atomic
 
-            write_atomic(args.json, json.dumps({"info": info, **report}, indent=1))
+            write_atomic(args.json, json.dumps({"info": info, **report}, indent=1), what="--json")
             print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         from hpcmac.io.outputs import write_atomic
 
         write_atomic(args.json, json.dumps(dict(rows=rows, load_start=load0, load_end=load1,
-                                                cores=os.cpu_count()), indent=1))
+                                                cores=os.cpu_count()), indent=1), what="--json")
     return 0
 
 

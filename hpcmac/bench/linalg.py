@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if comm.init().rank == 0 and args.json:
             from hpcmac.io.outputs import write_atomic
 
-            write_atomic(args.json, json.dumps(res))
+            write_atomic(args.json, json.dumps(res), what="--json")
         return 0
     threads = sorted({1, max(args.ranks)})
     ref = {t: reference(args.n_matmul, args.n_chol, t, args.reps) for t in threads}
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         from hpcmac.io.outputs import write_atomic
 
-        write_atomic(args.json, json.dumps({"records": records, "reference": ref}, indent=1))
+        write_atomic(args.json, json.dumps({"records": records, "reference": ref}, indent=1),
+                     what="--json")
     return 0
 
 

@@ -161,7 +161,7 @@ def _open_outputs(world, cfg: hplconfig.HPLConfig, json_path: str | None):
                 what = f"{cfg.source}:3: output file"
                 check_writable(cfg.outfile, what)
                 locks.append(OutputLock(cfg.outfile, what))
-                out = AtomicText(cfg.outfile)
+                out = AtomicText(cfg.outfile, what)
         except (UsageError, OSError) as exc:
             for lock in locks:
                 lock.release()

@@ -215,4 +215,4 @@ def write_json(path: str, results: list[RunResult]) -> None:
     a kill mid-write leaves the previous list whole (hpcmac.io.outputs)."""
     from hpcmac.io.outputs import write_atomic
 
-    write_atomic(path, json.dumps([r.record() for r in results], indent=1) + "\n")
+    write_atomic(path, json.dumps([r.record() for r in results], indent=1) + "\n", what="--json")

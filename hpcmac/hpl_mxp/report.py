@@ -117,4 +117,4 @@ def write_json(path: str, results: list[MxPResult]) -> None:
     (as hpcmac.hpl's --json: a kill mid-write leaves the previous list whole)."""
     from hpcmac.io.outputs import write_atomic
 
-    write_atomic(path, json.dumps([r.record() for r in results], indent=1) + "\n")
+    write_atomic(path, json.dumps([r.record() for r in results], indent=1) + "\n", what="--json")

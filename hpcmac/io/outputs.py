@@ -1,124 +1,274 @@
-"""Output files that cannot be lost: checked before the run, locked, replaced whole.
+"""Output files that cannot be lost: checked before the run, locked, written as the path asks.
 
-* :func:`check_writable` runs before any work: the directory exists and takes
-  a new file, and the path is not a directory or a special file.
-* :class:`OutputLock` is held for the whole job: a second job writing the
-  same file refuses to start with one line (``fcntl.flock`` on a hidden lock
-  file next to the output, removed at the end).
-* :func:`write_atomic` writes a temporary file in the same directory, flushes
-  it to disk and renames it over the old one: a reader (or a kill) sees the
-  old file or the new one, never half of one.
-* :class:`AtomicText` does the same for a stream written over a long run
-  (HPL.out): the new file replaces the old only when it is complete.
+Every file a command writes for its user goes through here (HPL.out, every
+``--json``, generated hostfiles). How a path is written depends on what it is
+(:func:`target`):
 
-Paths that are not files (``/dev/stdout``, ``-``) are written directly.
+* **a regular file, or nothing yet**: atomically. The text goes to a temporary
+  ``.NAME.HOST.PID.XXXX.tmp`` beside it, is flushed to disk and renamed over
+  it: a reader (or a kill) sees the old file or the new one, never half of one.
+* **a symlink**: resolved, and its target written atomically in the target's
+  directory (the link stays a link). When that directory cannot take a
+  temporary file, the target is written in place, and a ``note:`` line says so.
+* **a character device, FIFO or block device** (``/dev/null``, a pipe): written
+  through, opened as C's ``fopen(path, "w")`` opens it, never renamed over.
+* **a directory or a socket**: refused in one line before the run.
+
+:func:`check_writable` runs before any work, :class:`OutputLock` is held for
+the whole job (a second job writing the same file refuses to start), and
+:class:`AtomicText` is a stream written over a long run (HPL.out) that replaces
+the old file only when complete. A write that fails (a full disk, an I/O
+error) is one line naming the path (:class:`OutputError`), never a traceback.
+
+Temporaries name their host and process: one left by a killed writer
+(``kill -9``) is removed by the next writer of the same file on that host.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import os
+import re
+import socket
 import stat
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcmac import interrupts
 from hpcmac.errors import UsageError
 
 
-def _is_stream(path: str) -> bool:
-    """True for outputs that are not files we may replace (``-``, /dev/stdout, a pipe)."""
+class OutputError(UsageError):
+    """Writing an output failed mid-run (disk full, I/O error), on the writing rank alone.
+
+    :func:`hpcmac.lifecycle.run_cli` prints its one line and exits 1 (ending the
+    job at once under MPI: the other ranks are not there to agree)."""
+
+    local = True
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how an output path is written (local: rank 0's file system).
+
+    ``path`` as given, ``real`` the file the bytes reach (symlinks resolved) and
+    ``how``: ``"atomic"`` (temporary + rename), ``"inplace"`` (the target opened
+    and truncated: its directory takes no temporary) or ``"stream"`` (written
+    through: a device, a FIFO, standard output)."""
+
+    path: str
+    real: str
+    how: str
+
+
+def target(path: str, what: str) -> Target:
+    """How ``path`` will be written; UsageError (one line) for a directory, a socket or a
+    symlink loop. Touches nothing (the writability probe is :func:`check_writable`'s)."""
     if path == "-":
-        return True
+        return Target(path, "/dev/stdout", "stream")
+    if not path:
+        raise UsageError(f"{what}: empty path (name a file, or leave the option out)")
     try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode)
+        real = os.path.realpath(path, strict=False)
+        st = os.stat(real)
+    except (FileNotFoundError, NotADirectoryError):  # check_writable says which
+        st = None
+    except OSError as exc:  # a symlink loop, a name too long, ...
+        raise UsageError(f"{what} {path}: cannot write: {_reason(exc)}") from None
+    if st is None:
+        return Target(path, real, _atomic_or_inplace(real, None))
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{what} {path}: cannot write: it is a directory")
+    if stat.S_ISSOCK(st.st_mode):
+        raise UsageError(f"{what} {path}: cannot write: it is a socket (open() cannot "
+                         "write to one)")
+    if not stat.S_ISREG(st.st_mode):
+        return Target(path, real, "stream")
+    return Target(path, real, _atomic_or_inplace(real, st))
 
 
-def check_writable(path: str, what: str) -> None:
-    """UsageError (one line) unless a file at ``path`` can be created and renamed into place.
+def _atomic_or_inplace(real: str, st: os.stat_result | None) -> str:
+    """``"atomic"`` when ``real``'s directory takes a new file (or cannot be checked yet),
+    ``"inplace"`` when it does not but the file itself exists and is writable."""
+    parent = os.path.dirname(real) or "."
+    if st is None or os.access(parent, os.W_OK | os.X_OK):
+        return "atomic"
+    return "inplace" if os.access(real, os.W_OK) else "atomic"
+
+
+def check_writable(path: str, what: str) -> Target:
+    """UsageError (one line) unless ``path`` can be written as :func:`target` says; the
+    directory of an atomic write is tested by creating (and removing) a probe there.
+    Removes the temporaries that dead writers of ``path`` left on this host. Prints the
+    ``note:`` line of an in-place write. Returns the :class:`Target`.
 
     Local: call on the rank that writes (rank 0), before the run.
     """
-    if _is_stream(path):
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise UsageError(f"{what} {path}: cannot write: it is a directory")
-    parent = p.parent if str(p.parent) else Path(".")
+    t = target(path, what)
+    if t.how == "stream":
+        if not os.access(t.real, os.W_OK) and os.geteuid() != 0:
+            raise UsageError(f"{what} {path}: cannot write: permission denied")
+        return t
+    real = Path(t.real)
+    parent = real.parent
+    if os.path.islink(path):
+        shown = f"{str(parent)!r} (the symlink's target directory)"
+    else:
+        parent = Path(path).parent if str(Path(path).parent) else Path(".")
+        shown = f"{str(parent)!r}"
     if not parent.exists():
-        raise UsageError(f"{what} {path}: cannot write: directory {str(parent)!r} does not exist")
+        raise UsageError(f"{what} {path}: cannot write: directory {shown} does not exist")
     if not parent.is_dir():
-        raise UsageError(f"{what} {path}: cannot write: {str(parent)!r} is not a directory")
+        raise UsageError(f"{what} {path}: cannot write: {shown} is not a directory")
+    if t.how == "inplace":
+        _note_inplace(t, what)
+        return t
+    remove_stale(t.real)
     try:  # the real test: create (and remove) a file where the temporary will go
-        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=parent)
+        fd, probe = tempfile.mkstemp(prefix=_tmp_prefix(real.name), suffix=".probe",
+                                     dir=parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
+        if real.exists() and os.access(real, os.W_OK):  # e.g. root-squashed NFS
+            t = Target(t.path, t.real, "inplace")
+            _note_inplace(t, what)
+            return t
         raise UsageError(f"{what} {path}: cannot write in {str(parent)!r}: "
-                         f"{exc.strerror}") from None
-    if p.exists() and not os.access(p, os.W_OK) and os.geteuid() != 0:
+                         f"{_reason(exc)}") from None
+    if real.exists() and not os.access(real, os.W_OK) and os.geteuid() != 0:
         raise UsageError(f"{what} {path}: cannot write: the file is read-only")
+    return t
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` all at once (temporary file + fsync + rename)."""
-    if _is_stream(path):
-        with open(path if path != "-" else "/dev/stdout", "w") as fh:
-            fh.write(text)
+_NOTED: set[str] = set()
+
+
+def _note_inplace(t: Target, what: str) -> None:
+    if t.real in _NOTED:
         return
-    with AtomicText(path) as fh:
+    _NOTED.add(t.real)
+    print(f"note: {what} {t.path}: {os.path.dirname(t.real)!r} takes no temporary file: "
+          f"writing {t.real} in place (an interrupted run leaves it incomplete)",
+          file=sys.stderr, flush=True)
+
+
+def write_atomic(path: str, text: str, what: str = "output") -> None:
+    """Write ``text`` to ``path`` as :func:`target` says: a file replaced all at once
+    (temporary + fsync + rename), a symlink's target likewise, a device written through.
+    A failed write is an :class:`OutputError` (one line naming the path)."""
+    with AtomicText(path, what) as fh:
         fh.write(text)
 
 
 class AtomicText:
-    """A text file written to ``.NAME.XXXX.tmp`` beside ``path`` and renamed over it on
-    :meth:`commit` (or a clean ``with`` exit); :meth:`discard` (or an exception)
-    removes the temporary and leaves the previous file as it was."""
+    """A text output for ``path``, complete on :meth:`commit` (or a clean ``with`` exit).
 
-    def __init__(self, path: str):
-        self.path = path
-        p = Path(path)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp",
-                                        dir=p.parent if str(p.parent) else ".")
+    For a file (or a symlink's target): written to ``.NAME.HOST.PID.XXXX.tmp`` beside it
+    and renamed over it on commit; :meth:`discard` (or an exception) removes the
+    temporary and leaves the previous file as it was. In place (the directory takes no
+    temporary): kept in memory and written on commit. A device or FIFO: written through
+    from the start (opening a FIFO waits for its reader, as ``fopen`` does)."""
+
+    def __init__(self, path: str, what: str = "output"):
+        self.path, self.what = path, what
+        self.t = target(path, what)
+        self.tmp: str | None = None
+        try:
+            if self.t.how == "stream":
+                self.fh = open(self.t.real, "w")  # noqa: SIM115 (closed by commit/discard)
+            elif self.t.how == "inplace":
+                self.fh = io.StringIO()
+            else:
+                try:
+                    self._open_temporary()
+                except OSError:  # the directory takes no new file: write the file in place
+                    if not os.access(self.t.real, os.W_OK):
+                        raise
+                    self.t = Target(self.t.path, self.t.real, "inplace")
+                    _note_inplace(self.t, what)
+                    self.fh = io.StringIO()
+        except OSError as exc:
+            raise OutputError(self._failed(exc)) from None
+
+    def _open_temporary(self) -> None:
+        real = Path(self.t.real)
+        remove_stale(self.t.real)
+        fd, self.tmp = tempfile.mkstemp(prefix=_tmp_prefix(real.name), suffix=".tmp",
+                                        dir=real.parent)
         self.fh = os.fdopen(fd, "w")
         interrupts.on_interrupt(self._remove)
         try:  # keep the old file's permissions; a new file gets the umask's
-            os.chmod(self.tmp, stat.S_IMODE(os.stat(path).st_mode))
+            os.chmod(self.tmp, stat.S_IMODE(os.stat(real).st_mode))
         except OSError:
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(self.tmp, 0o666 & ~umask)
 
+    def _failed(self, exc: OSError) -> str:
+        shown = self.path if self.t.real in (self.path, os.path.abspath(self.path)) \
+            else f"{self.path} (-> {self.t.real})"
+        return f"{self.what} {shown}: cannot write: {_reason(exc)}"
+
     def write(self, text: str) -> int:
-        return self.fh.write(text)
+        try:
+            return self.fh.write(text)
+        except OSError as exc:
+            self._give_up()
+            raise OutputError(self._failed(exc)) from None
 
     def flush(self) -> None:
-        self.fh.flush()
+        try:
+            self.fh.flush()
+        except OSError as exc:
+            self._give_up()
+            raise OutputError(self._failed(exc)) from None
 
     def commit(self) -> None:
-        """Flush, fsync and rename the temporary over ``path``."""
+        """Complete the output: flush, fsync and rename the temporary over the target
+        (atomic), write the kept text (in place), or flush and close (stream)."""
         if self.fh.closed:
             return
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        os.replace(self.tmp, self.path)
-        interrupts.forget(self._remove)
+        try:
+            if self.t.how == "inplace":
+                text = self.fh.getvalue()
+                self.fh.close()
+                with open(self.t.real, "w") as out:
+                    out.write(text)
+                return
+            self.fh.flush()
+            if self.t.how == "atomic":
+                os.fsync(self.fh.fileno())
+            self.fh.close()
+            if self.tmp is not None:
+                os.replace(self.tmp, self.t.real)
+                interrupts.forget(self._remove)
+        except OSError as exc:
+            self._give_up()
+            raise OutputError(self._failed(exc)) from None
 
     def discard(self) -> None:
-        """Remove the temporary; ``path`` keeps its previous content."""
+        """Drop what was written: remove the temporary (``path`` keeps its previous
+        content); a stream is closed (what it was sent is gone already)."""
+        self._give_up()
+
+    def _give_up(self) -> None:
         if not self.fh.closed:
-            self.fh.close()
-        self._remove()
-        interrupts.forget(self._remove)
+            try:
+                self.fh.close()
+            except OSError:  # the buffered rest could not be written either
+                pass
+        if self.tmp is not None:
+            self._remove()
+            interrupts.forget(self._remove)
 
     def _remove(self) -> None:
         try:
             os.unlink(self.tmp)
-        except FileNotFoundError:
+        except (FileNotFoundError, TypeError):
             pass
 
     close = commit
@@ -133,21 +283,84 @@ class AtomicText:
             self.discard()
 
 
+def _reason(exc: OSError) -> str:
+    """A failed call's reason in words: ``no space left on device``, ``permission denied``."""
+    if exc.errno == errno.ENOSPC:
+        return "no space left on device"
+    return (exc.strerror or str(exc)).lower()
+
+
+# -- temporaries that name their writer ----------------------------------------
+
+def _host() -> str:
+    """This host's name as it may appear in a file name (no dots: they separate fields)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname().split(".")[0]) or "host"
+
+
+def _tmp_prefix(name: str) -> str:
+    return f".{name}.{_host()}.{os.getpid()}."
+
+
+def remove_stale(real: str) -> list[str]:
+    """Remove the temporaries (``.NAME.HOST.PID.*.tmp`` or ``.probe``) that writers of
+    ``real`` left on this host and whose process is gone (killed mid-run); a live
+    writer's and another host's (a shared file system) are kept. Returns the removed."""
+    folder, name = os.path.split(real)
+    pattern = re.compile(rf"^\.{re.escape(name)}\.{re.escape(_host())}\.(\d+)\.[^.]+"
+                         r"\.(tmp|probe)$")
+    removed = []
+    try:
+        entries = os.listdir(folder or ".")
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.match(entry)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(folder or ".", entry))
+            removed.append(entry)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    return True
+
+
+# -- one writer per output -------------------------------------------------------
+
 class OutputLock:
     """An exclusive lock on output ``path`` for this process's lifetime (or until
     :meth:`release`). A second job taking it gets a UsageError naming the path.
 
-    The lock is ``fcntl.flock`` on ``.NAME.lock`` beside the output, so it dies
-    with the process (even on kill -9) and never needs clearing by hand.
+    The lock is ``fcntl.flock`` on ``.NAME.lock`` beside the file written (a
+    symlink's target), so it dies with the process (even on kill -9) and never
+    needs clearing by hand. A device or FIFO is not locked; a file written in place
+    (its directory takes no new file) is locked itself.
     """
 
     def __init__(self, path: str, what: str):
         import fcntl
 
         self.fd = -1
-        if _is_stream(path):
+        self.lock: str | None = None
+        t = target(path, what)
+        if t.how == "stream":
             return
-        p = Path(path)
+        p = Path(t.real)
+        if t.how == "inplace" or not os.access(p.parent, os.W_OK | os.X_OK):
+            self._lock_itself(t, what)
+            return
         self.lock = str(p.with_name(f".{p.name}.lock"))
         while True:
             try:
@@ -155,7 +368,7 @@ class OutputLock:
                              0o644)
             except OSError as exc:
                 raise UsageError(f"{what} {path}: cannot create lock {self.lock}: "
-                                 f"{exc.strerror}") from None
+                                 f"{_reason(exc)}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -165,7 +378,7 @@ class OutputLock:
                     raise UsageError(f"{what} {path}: another job{holder} is writing it "
                                      "(wait for it, or choose another file)") from None
                 raise UsageError(f"{what} {path}: cannot lock {self.lock}: "
-                                 f"{exc.strerror}") from None
+                                 f"{_reason(exc)}") from None
             # the previous holder may have removed the file between our open and flock
             try:
                 same = os.stat(self.lock).st_ino == os.fstat(fd).st_ino
@@ -179,15 +392,32 @@ class OutputLock:
         self.fd = fd
         interrupts.on_interrupt(self.release)
 
+    def _lock_itself(self, t: Target, what: str) -> None:
+        import fcntl
+
+        try:
+            fd = os.open(t.real, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise UsageError(f"{what} {t.path}: cannot write: {_reason(exc)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise UsageError(f"{what} {t.path}: another job is writing it "
+                             "(wait for it, or choose another file)") from None
+        self.fd = fd
+        interrupts.on_interrupt(self.release)
+
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent)."""
         if self.fd < 0:
             return
         interrupts.forget(self.release)
-        try:
-            os.unlink(self.lock)
-        except FileNotFoundError:
-            pass
+        if self.lock is not None:
+            try:
+                os.unlink(self.lock)
+            except FileNotFoundError:
+                pass
         os.close(self.fd)
         self.fd = -1
 

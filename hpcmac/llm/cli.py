@@ -390,7 +390,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
             doc = result_json(res, tok, stop, plan)
             doc["weights"] = weights_json(stage)
             doc["prediction"] = plan_job.prediction_json(preds, layout.tp, layout.pp, no_pred)
-            write_atomic(args.json, json.dumps(doc, indent=1))  # temporary + rename
+            write_atomic(args.json, json.dumps(doc, indent=1), what="--json")
     return 130 if res.interrupted else 0
 
 

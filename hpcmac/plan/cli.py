@@ -99,7 +99,7 @@ def _emit(args, records: list[dict], lines: list[str]) -> None:
         if args.json:
             from hpcmac.io.outputs import write_atomic
 
-            write_atomic(args.json, json.dumps(records, indent=1))
+            write_atomic(args.json, json.dumps(records, indent=1), what="--json")
             print(f"wrote {args.json}", file=sys.stderr)
 
 

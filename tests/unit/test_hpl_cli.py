@@ -158,3 +158,66 @@ def test_outputs_replaced_whole_and_locked(tmp_path):
 
     assert [r["n"] for r in json.loads((tmp_path / "res.json").read_text())] == [40]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["HPL.dat", "res.json", "res.out"]
+
+
+def _dat(tmp_path, outfile: str, ns: str = "40", count: int = 1):
+    from hpcmac.hpl.config import DEFAULT_DAT
+
+    dat = DEFAULT_DAT.format(n=ns, nb=8, p=1, q=1)
+    dat = dat.replace("HPL.out      output", f"{outfile}  output").replace(
+        "6            device", "8  device").replace("1            # of problems sizes",
+                                                      f"{count}  # of problems sizes")
+    (tmp_path / "HPL.dat").write_text(dat)
+
+
+def test_outputs_through_a_device_and_a_symlink(tmp_path):
+    """HPL.out to a null device (mknod'd here, never /dev's) and --json through a
+    symlink into another folder: the device stays a device, the link a link, and the
+    link's target gets the results (issue 32: both used to be replaced by files)."""
+    import json
+    import stat
+
+    try:
+        os.mknod(tmp_path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        os.mknod(tmp_path / "full", stat.S_IFCHR | 0o666, os.makedev(1, 7))
+    except PermissionError:
+        pytest.skip("mknod needs root")
+    _dat(tmp_path, "null")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "link.json").symlink_to(tmp_path / "results" / "r.json")
+    proc = run_hpl(["--json", "link.json"], tmp_path, np_=1, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_ISCHR(os.lstat(tmp_path / "null").st_mode)
+    assert (tmp_path / "link.json").is_symlink()
+    assert [r["n"] for r in json.loads((tmp_path / "results" / "r.json").read_text())] == [40]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "HPL.dat", "full", "link.json", "null", "results"]
+    assert [p.name for p in (tmp_path / "results").iterdir()] == ["r.json"]
+    # a full disk: one line naming the path, exit 1, the device untouched
+    proc = run_hpl(["--json", "full"], tmp_path, np_=1, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert error_lines(proc) == ["error: --json full: cannot write: no space left on device"]
+    assert stat.S_ISCHR(os.lstat(tmp_path / "full").st_mode)
+
+
+def test_killed_sweep_leaves_no_temporary_for_long(tmp_path):
+    """kill -9 mid-sweep leaves HPL.out's temporary behind; the next run removes it."""
+    import signal
+    import time
+
+    _dat(tmp_path, "res.out", ns="300 300 300 300 300 300 300 300", count=8)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HPCMAC_QUIET_TRANSPORT="1")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcmac.hpl", "--json", "r.json"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "r.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the first result is in: the sweep is under way
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = [p.name for p in tmp_path.glob(".res.out.*.tmp")]
+    assert len(left) == 1, sorted(p.name for p in tmp_path.iterdir())
+    _dat(tmp_path, "res.out")
+    done = run_hpl(["--json", "r.json"], tmp_path, np_=1, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["HPL.dat", "r.json", "res.out"]

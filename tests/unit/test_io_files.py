@@ -160,3 +160,137 @@ def test_lock_second_job_refuses(tmp_path):
     with outputs.OutputLock(path, "out"):
         assert os.path.exists(tmp_path / ".HPL.out.lock")
     assert not os.path.exists(tmp_path / ".HPL.out.lock")
+
+
+def _node(path, minor: int):
+    """A character device made under tmp_path: (1, 3) null, (1, 7) full (never /dev's)."""
+    import stat
+
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+    except PermissionError:
+        pytest.skip("mknod needs root (CAP_MKNOD)")
+    return str(path)
+
+
+def _is_chr(path) -> bool:
+    import stat
+
+    return stat.S_ISCHR(os.lstat(path).st_mode)
+
+
+def test_outputs_respect_what_the_path_is(tmp_path, capsys):
+    """A device, a FIFO and a symlink are written through, never renamed over; a
+    directory or a socket is refused before any work (issue 32)."""
+    import socket
+    import threading
+
+    null = _node(tmp_path / "null", 3)
+    assert outputs.check_writable(null, "--json").how == "stream"
+    outputs.write_atomic(null, "x" * 5000)
+    with outputs.AtomicText(null) as out:  # HPL.out's stream
+        out.write("y" * 5000)
+    assert _is_chr(null)
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader.start()
+    outputs.write_atomic(str(fifo), "through the pipe\n")
+    reader.join(10)
+    assert got == ["through the pipe\n"] and fifo.is_fifo()
+
+    elsewhere = tmp_path / "results"
+    elsewhere.mkdir()
+    (elsewhere / "t.json").write_text("old")
+    link = tmp_path / "l.json"
+    link.symlink_to(elsewhere / "t.json")
+    assert outputs.check_writable(str(link), "--json").how == "atomic"
+    with outputs.OutputLock(str(link), "--json"):  # the lock sits beside the target
+        assert (elsewhere / ".t.json.lock").exists()
+        outputs.write_atomic(str(link), "new")
+    assert link.is_symlink() and (elsewhere / "t.json").read_text() == "new"
+    dangling = tmp_path / "d.json"
+    dangling.symlink_to(elsewhere / "born.json")
+    outputs.write_atomic(str(dangling), "created through the link")
+    assert dangling.is_symlink() and (elsewhere / "born.json").read_text().startswith("created")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["born.json", "t.json"]
+
+    with pytest.raises(UsageError, match=r"^--json .*: cannot write: it is a directory$"):
+        outputs.check_writable(str(elsewhere), "--json")
+    (tmp_path / "dlink").symlink_to(elsewhere)
+    with pytest.raises(UsageError, match="it is a directory"):
+        outputs.check_writable(str(tmp_path / "dlink"), "--json")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "s"))
+    with pytest.raises(UsageError, match="it is a socket"):
+        outputs.check_writable(str(tmp_path / "s"), "--json")
+    sock.close()
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(UsageError, match="^--json .*loop: cannot write: "):
+        outputs.check_writable(str(loop), "--json")
+    with pytest.raises(UsageError, match="^--json: empty path"):
+        outputs.check_writable("", "--json")
+    assert capsys.readouterr().err == ""
+
+
+def test_symlink_target_directory_without_room_is_written_in_place(tmp_path, monkeypatch,
+                                                                    capsys):
+    """The target's directory takes no temporary (read-only, root-squashed): the target
+    is written in place, and one note line says so."""
+    import tempfile
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "t.out").write_text("old")
+    link = tmp_path / "l.out"
+    link.symlink_to(ro / "t.out")
+    real_mkstemp = tempfile.mkstemp
+
+    def refuse(*a, dir=None, **k):  # what a read-only directory answers, even to root
+        if os.path.samefile(dir, ro):
+            raise PermissionError(13, "Permission denied")
+        return real_mkstemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(outputs.tempfile, "mkstemp", refuse)
+    assert outputs.check_writable(str(link), "HPL.out").how == "inplace"
+    with outputs.OutputLock(str(link), "HPL.out"):
+        with outputs.AtomicText(str(link), "HPL.out") as out:
+            out.write("complete\n")
+    assert link.is_symlink() and (ro / "t.out").read_text() == "complete\n"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("note: HPL.out ") and "in place" in err[0]
+    assert sorted(p.name for p in ro.iterdir()) == ["t.out"]
+
+
+def test_full_device_is_one_line(tmp_path):
+    """A write that fails (a full disk: a mknod'd (1, 7)) is an OutputError naming the
+    path and the reason; the device is left as it was."""
+    full = _node(tmp_path / "full", 7)
+    with pytest.raises(outputs.OutputError, match=rf"^--json {full}: cannot write: "
+                                                  "no space left on device$"):
+        outputs.write_atomic(full, "x" * 100, "--json")
+    assert _is_chr(full)
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
+    """A writer killed mid-write (kill -9) leaves its temporary; the next writer of the
+    same file removes it, and keeps a live writer's and other files'."""
+    path = tmp_path / "HPL.out"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    host = outputs._host()
+    stale = tmp_path / f".HPL.out.{host}.{dead}.abc123.tmp"
+    live = tmp_path / f".HPL.out.{host}.{os.getppid()}.def456.tmp"
+    other_host = tmp_path / f".HPL.out.elsewhere.{dead}.ghi789.tmp"
+    other_file = tmp_path / f".r.json.{host}.{dead}.jkl012.tmp"
+    for p in (stale, live, other_host, other_file):
+        p.write_text("half")
+    outputs.check_writable(str(path), "out")
+    assert not stale.exists() and live.exists() and other_host.exists() and other_file.exists()
+    stale.write_text("half")
+    with outputs.AtomicText(str(path)) as out:
+        out.write("done\n")
+    assert not stale.exists() and path.read_text() == "done\n"
