@@ -32,6 +32,7 @@ from functools import partial
 import numpy as np
 
 from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.io.outputs import checked_output
 from hpcmac.lifecycle import run_cli
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -266,7 +267,8 @@ def _size_arg(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m hpcmac.bench.comm", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--json", type=checked_output("--json"),
+                        metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--transports", default="mpi,ring,rdma",
                         help="shim transports to measure when usable (default: mpi,ring,rdma)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size")

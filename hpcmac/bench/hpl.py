@@ -31,6 +31,7 @@ from pathlib import Path
 
 from hpcmac.bench.hpl_run import clean_env, dgemm_gflops, hpl_dat, oversubscribe, run_hpcmac
 from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.io.outputs import checked_output
 from hpcmac.lifecycle import run_cli
 
 HPCC_TAIL = """\
@@ -114,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="matmul size for the DGEMM ceiling (default: min(N, 6000))")
     p.add_argument("--no-netlib", action="store_true", help="skip netlib HPL (hpcc)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per HPL run")
-    p.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    p.add_argument("--json", type=checked_output("--json"),
+                   metavar="FILE", help="write every measurement as JSON")
     p.add_argument("--whole-job", action="store_true",
                    help="the whole job (wall time from mpirun to exit, start-up, peak RSS per "
                    "rank) against netlib's xhpl in alternating rounds: N=8000 1x1, "

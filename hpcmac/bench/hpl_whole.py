@@ -187,7 +187,9 @@ def compare(args) -> int:
     print(f"# medians of {args.rounds} rounds; wall = mpirun start to exit; RSS = largest "
           f"process of the job; load average {load1[0]:.1f} at the end (shared machine)")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(rows=rows, load_start=load0, load_end=load1, cores=os.cpu_count(),
-                           xhpl=xhpl), fh, indent=1)
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps(dict(rows=rows, load_start=load0, load_end=load1,
+                                                cores=os.cpu_count(), xhpl=xhpl), indent=1),
+                     what="--json")
     return 0

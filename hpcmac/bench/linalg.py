@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.io.outputs import checked_output
 
 
 def sym_random(n: int):
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nb-chol", type=int, default=256, help="Cholesky block size")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts to run")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (median)")
-    ap.add_argument("--json", metavar="FILE", help="also write the records as JSON")
+    ap.add_argument("--json", type=checked_output("--json"),
+                    metavar="FILE", help="also write the records as JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for name in ("n_matmul", "n_chol", "nb_matmul", "nb_chol", "reps"):

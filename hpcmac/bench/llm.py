@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.io.outputs import checked_output
 from hpcmac.lifecycle import run_cli
 from hpcmac.measure.llm import decode_rate, read_bandwidth, write_random_llama
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", default="Q8_0,Q4_0",
                     help="GGUF types for the quantized rows, comma-separated ('' = none; "
                          "random model only)")
-    ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--json", type=checked_output("--json"), default=None, metavar="FILE")
     ap.add_argument("--ttft", action="store_true",
                     help="time to first token from a fresh process against llama.cpp, same "
                          "GGUF and prompt, 1 thread (--model: a GGUF, default smollm2; see "
@@ -244,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
                "vs_llamacpp": med.get("vs_llamacpp"),
                "quantized": {qt: {"file_bytes": q["file_bytes"], "held_bytes": q["held_bytes"],
                                   "rss": q["rss"]} for qt, q in quant.items()}}
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps(out, indent=1), what="--json")
     if tmp is not None:
         import shutil
 

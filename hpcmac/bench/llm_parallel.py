@@ -46,6 +46,7 @@ from pathlib import Path
 
 from hpcmac.bench.llm_pipeline import ROOT, _measure, _median, _prompts, _Sleeper, _Stream
 from hpcmac.bench.quiet import busy_s, settle
+from hpcmac.io.outputs import checked_output
 
 LAYOUTS = ("one rank", "pipeline 2", "tensor 2")
 
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-load", action="store_true", help="skip the loaded run")
     p.add_argument("--stream-mib", type=int, default=256, help=argparse.SUPPRESS)
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--json", type=checked_output("--json"), metavar="FILE")
     p.add_argument("--read-rates", action="store_true",
                    help="also run calibrate's read bandwidth (1 and 2 threads) before and "
                         "after each round's 1-sequence runs, for the planner's test")
@@ -304,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
           "during the 1-sequence runs, in cores (0: the machine was quiet; loaded rows "
           "include the benchmark's own spinning process)")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps(out, indent=1), what="--json")
     return 0
 
 

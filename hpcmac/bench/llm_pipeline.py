@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpcmac.io.outputs import checked_output
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-prompt-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transport", default=None)
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--json", type=checked_output("--json"), metavar="FILE")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     return p
 
@@ -378,8 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     print("CPU-bound x: the 1-rank CPU time per token over the busiest stage's, i.e. the "
           "ratio if every rank had a core of its own (derived, not a wall-clock rate)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"load_before": load, "load_after": load_after,
-                                               "args": vars(args), "runs": docs}, indent=1))
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps({"load_before": load, "load_after": load_after,
+                                               "args": vars(args), "runs": docs}, indent=1),
+                     what="--json")
     return 0
 
 

@@ -153,8 +153,10 @@ def run(model: str | None, words: int, rounds: int, timeout: float, json_path: s
     if len(same) > 1:
         print(f"note: the prompt is {sorted(same)} tokens on the two sides")
     if json_path:
-        Path(json_path).write_text(json.dumps(dict(
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(json_path, json.dumps(dict(
             model=str(path), words=words, rounds=rows, median=med, ratio=ratio,
             per_round=per_round, load_start=load0, load_end=load1, cores=os.cpu_count()),
-            indent=1))
+            indent=1), what="--json")
     return 0

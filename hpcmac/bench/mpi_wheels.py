@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.io.outputs import checked_output
 from hpcmac.lifecycle import run_cli
 
 _OFI_OFF = {"OMPI_MCA_btl": "^ofi", "OMPI_MCA_mtl": "^ofi", "OMPI_MCA_pml": "ob1"}
@@ -84,7 +85,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--xhpl", metavar="PATH", help="netlib's xhpl, run at the first case "
                    "under --xhpl-mpirun as the reference")
     p.add_argument("--xhpl-mpirun", default="/usr/bin/mpirun.openmpi")
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--json", type=checked_output("--json"), metavar="FILE")
     return p
 
 
@@ -164,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# wall from mpirun start to exit; load average {load1[0]:.1f} at the end "
           "(shared machine)")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(times=times, median=med, load_start=load0,
-                                                   load_end=load1), indent=1))
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps(dict(times=times, median=med, load_start=load0,
+                                                load_end=load1), indent=1), what="--json")
     return 0
 
 

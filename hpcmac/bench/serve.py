@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.io.outputs import checked_output
 from hpcmac.lifecycle import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=0,
                     help="serve's --prefill-chunk (default: serve's own, 64)")
-    ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--json", type=checked_output("--json"), default=None, metavar="FILE")
     args = ap.parse_args(argv)
     if min(args.ranks) < 1 or min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1:
         raise UsageError("--ranks, --clients, --requests and --max-tokens must be >= 1")
@@ -199,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['ttft_p95'] * 1e3:>5.0f}ms {r['itl_p50'] * 1e3:>6.1f}ms "
               f"{r['itl_p95'] * 1e3:>5.1f}ms {r['itl_p95_vs_one']:>12.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps(rows, indent=1), what="--json")
     return 0
 
 

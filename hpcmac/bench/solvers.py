@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from hpcmac.errors import ArgumentParser, UsageError
+from hpcmac.io.outputs import checked_output
 
 
 def run(world, n: int, nb: int, reps: int) -> list[dict]:
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=1000, help="matrix order (default 1000)")
     ap.add_argument("--nb", type=int, default=64, help="block size (default 64)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (median)")
-    ap.add_argument("--json", metavar="FILE", help="also write the records as JSON (rank 0)")
+    ap.add_argument("--json", type=checked_output("--json"),
+                    metavar="FILE", help="also write the records as JSON (rank 0)")
     args = ap.parse_args(argv)
     for name in ("n", "nb", "reps"):
         if getattr(args, name) < 1 or (name == "n" and args.n < 2):
@@ -83,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['op']:<7}{r['m']:>7}{r['n']:>7}{r['seconds']:>10.3f}"
                   f"{r['scipy_1core_seconds']:>14.3f}{r['speedup_over_1core']:>10.2f}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(records, f, indent=1)
+            from hpcmac.io.outputs import write_atomic
+
+            write_atomic(args.json, json.dumps(records, indent=1), what="--json")
     return 0
 
 

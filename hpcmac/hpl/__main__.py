@@ -13,6 +13,7 @@ from hpcmac import comm
 from hpcmac.errors import ArgumentParser, UsageError
 from hpcmac.hpl import config as hplconfig
 from hpcmac.io.inputs import int_arg, read_text
+from hpcmac.io.outputs import output_path
 from hpcmac.lifecycle import run_cli
 
 DESCRIPTION = f"""\
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-P", type=int_arg, help="process rows; with -Q, the one grid to run "
                    "(alone: Q = ranks // P)")
     p.add_argument("-Q", type=int_arg, help="process columns (alone: P = ranks // Q)")
-    p.add_argument("--json", metavar="FILE", help="also write one JSON record per run: tv, n, "
+    p.add_argument("--json", type=output_path,
+                   metavar="FILE", help="also write one JSON record per run: tv, n, "
                    "nb, p, q, time_s, gflops, residual, passed, norm_a_inf, norm_x_inf, "
                    "norm_b_inf, then time_generate_s, time_check_s, peak_rss_mb (per grid "
                    "rank), peak_rss_phase_mb, matrix_mb (a JSON list, rewritten after each "

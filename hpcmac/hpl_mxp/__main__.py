@@ -15,6 +15,7 @@ from hpcmac import comm
 from hpcmac.errors import ArgumentParser, UsageError
 from hpcmac.hpl import config as hplconfig
 from hpcmac.io.inputs import float_arg, int_arg
+from hpcmac.io.outputs import output_path
 from hpcmac.lifecycle import run_cli
 
 DESCRIPTION = f"""\
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--diag", type=float_arg, default=1.0, metavar="S",
                    help="diagonal = S x the row's off-diagonal magnitude sum (default 1, the "
                    "rules' matrix; other values are for testing and are not HPL-MxP runs)")
-    p.add_argument("--json", metavar="FILE", help="also write one JSON record per run")
+    p.add_argument("--json", type=output_path,
+                   metavar="FILE", help="also write one JSON record per run")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="rank 0 shows the factorisation's progress on stderr")
     comm.add_transport_argument(p)

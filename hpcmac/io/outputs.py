@@ -144,6 +144,29 @@ def check_writable(path: str, what: str) -> Target:
     return t
 
 
+def output_path(text: str) -> str:
+    """argparse ``type=`` of an output flag: an empty name is refused (``--json ''`` used
+    to be ignored without a word); the rest is checked by :func:`check_writable`."""
+    if not text:
+        import argparse
+
+        raise argparse.ArgumentTypeError("expected a file name ('-': standard output), "
+                                         "found ''")
+    return text
+
+
+def checked_output(what: str):
+    """argparse ``type=`` for a command whose every rank may check its output as the flags
+    are read (one process, or ranks that share the file system): :func:`output_path`, then
+    :func:`check_writable` (one line, exit 2, before any work)."""
+    def check(text: str) -> str:
+        check_writable(output_path(text), what)
+        return text
+
+    check.__name__ = "output path"  # argparse names the type in its messages
+    return check
+
+
 _NOTED: set[str] = set()
 
 

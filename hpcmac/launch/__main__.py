@@ -25,6 +25,7 @@ import tempfile
 
 from hpcmac.errors import UsageError
 from hpcmac.io.inputs import float_arg, int_arg
+from hpcmac.io.outputs import checked_output, write_atomic
 from hpcmac.launch import convert, discover, runner
 from hpcmac.launch.hostfile import load
 from hpcmac.lifecycle import run_cli
@@ -157,7 +158,9 @@ def _routes(argv: list[str]) -> int:
 def _discover(argv: list[str]) -> int:
     ap = _Parser(prog="python -m hpcmac.launch discover")
     ap.add_argument("hosts", nargs="+", help="ssh names of the Macs")
-    ap.add_argument("-o", "--output", default=None, help="write the hostfile here (default stdout)")
+    ap.add_argument("-o", "--output", default=None, type=checked_output("--output"),
+                    help="write the hostfile here (default stdout; hpcmac.io.outputs: "
+                         "checked before any host is probed)")
     ap.add_argument("--subnet", default="10.77.0.0/16", help="where the /30 per cable comes from")
     ap.add_argument("--ssh", default="ssh -o BatchMode=yes -o ConnectTimeout=5")
     ap.add_argument("--print-setup", action="store_true",
@@ -174,8 +177,7 @@ def _discover(argv: list[str]) -> int:
         print(f"warning: {w}", file=sys.stderr)
     text = json.dumps(data, indent=2) + "\n"
     if a.output:
-        with open(a.output, "w") as f:
-            f.write(text)
+        write_atomic(a.output, text, what="--output")
     else:
         sys.stdout.write(text)
     if a.print_setup:

@@ -18,6 +18,7 @@ from typing import Any
 
 from hpcmac.errors import ArgumentParser, UsageError
 from hpcmac.io.inputs import float_arg, int_arg, parse_json, read_text
+from hpcmac.io.outputs import output_path
 from hpcmac.llm.model.sampling import SamplingParams
 from hpcmac.llm.parallel.layout import LayoutPlan, check_layout_flags, choose_layout, plan_layout
 from hpcmac.llm.parallel.pipeline import PipelineResult, Request, SeqResult
@@ -84,7 +85,8 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
                         "no longer equal float32 inference's; also HPCMAC_INT8_ACTIVATIONS=1)")
     g.add_argument("--threads", type=int_arg, default=None,
                    help="BLAS threads (default: the BLAS library's choice)")
-    g.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
+    g.add_argument("--json", type=output_path, default=None,
+                   metavar="FILE", help="write results as JSON")
     g.add_argument("--quiet", action="store_true", help="do not stream the text")
     p = g.add_argument_group("several ranks (pipeline and tensor parallel)")
     p.add_argument("--tp", type=int, default=None, metavar="T",
@@ -110,6 +112,19 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
                    help="seconds a rank waits on a silent peer before ending the job")
 
 
+#: most BLAS threads ``--threads`` may ask for (and no more than the host's logical CPUs)
+MAX_THREADS = 1024
+
+
+def check_threads(threads: int | None) -> None:
+    """UsageError unless ``--threads`` fits this host's logical CPUs (local: run it
+    through ``agree`` so a rank on a smaller host names itself)."""
+    cpus = os.cpu_count() or 1
+    if threads is not None and threads > cpus:
+        raise UsageError(f"--threads {threads}: expected 1 to {cpus} (this host's "
+                         "logical CPUs)")
+
+
 def check_arguments(args: argparse.Namespace) -> SamplingParams:
     """Local checks every rank makes identically before any collective; the sampling."""
     from hpcmac.llm.model.backend import check_int8_activations, check_quantize
@@ -118,8 +133,11 @@ def check_arguments(args: argparse.Namespace) -> SamplingParams:
         raise UsageError(f"--max-tokens {args.max_tokens}: expected >= 0")
     if args.max_context is not None and args.max_context < 1:
         raise UsageError(f"--max-context {args.max_context}: expected >= 1")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads {args.threads}: expected >= 1")
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        raise UsageError(f"--threads {args.threads}: expected 1 to {MAX_THREADS}")
+    if args.seed is not None and not 0 <= args.seed < 1 << 63:
+        # numpy's generators take no negative seed; the HTTP "seed" field has the same bound
+        raise UsageError(f"--seed {args.seed}: expected an integer from 0 to 2^63-1")
     for name in ("prompt", "system"):
         text = getattr(args, name, None)
         if text is not None:
@@ -172,10 +190,13 @@ class Prompt:
 
 
 def _parse_ids(text: str, where: str) -> list[int]:
-    try:
-        ids = [int(x) for x in str(text).replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise UsageError(f"{where}: expected comma-separated token ids, got {text!r}") from None
+    """Comma-separated ids of plain ASCII digits (``int()`` took ``١,٢`` for 1,2)."""
+    from hpcmac.io.inputs import parse_int
+
+    ids = [parse_int(x) for x in str(text).replace(" ", "").split(",") if x != ""]
+    if any(i is None for i in ids):
+        raise UsageError(f"{where}: expected comma-separated token ids (ASCII digits), "
+                         f"got {text!r}")
     if not ids:
         raise UsageError(f"{where}: no token ids")
     return ids
@@ -302,6 +323,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
         group = comm.init(args.transport, announce=False) \
             if world_size() > 1 or args.transport else LocalGroup()
     agree(group, lambda: _check_output(args), ranks="root")
+    agree(group, lambda: check_threads(args.threads))
     cfg = agree(group, lambda: load_config(args.model))
     context = agree(group, lambda: context_length(args, cfg))
     tok, stop = None, None

@@ -10,11 +10,9 @@ reading those files; every problem is one :class:`~hpcmac.errors.UsageError` lin
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from hpcmac.errors import UsageError
@@ -129,15 +127,11 @@ def _calibrated(rates: Rates, cal: dict[str, Any], where: str) -> Rates:
 
 
 def read_json(path: str, what: str) -> Any:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise UsageError(f"{p}: cannot read {what} ({exc.strerror})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{p}: not JSON (line {exc.lineno}: {exc.msg})") from None
+    """A hostfile or calibration, read by the bounded reader (a regular file of at most
+    1 MiB, strict UTF-8: ``/dev/zero`` or a FIFO is refused at once) and parsed strictly."""
+    from hpcmac.io.inputs import parse_json, read_text
+
+    return parse_json(read_text(path, what), str(path))
 
 
 def calibration_rates(path: str) -> Rates:

@@ -9,7 +9,6 @@ Pure apart from reading that one file.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,14 +128,10 @@ def _hf_bits(raw: dict) -> tuple[float, str]:
 
 
 def from_hf_json(path: Path, name: str) -> ModelShape:
+    from hpcmac.io.inputs import parse_json, read_text
     from hpcmac.llm.model.config import config_from_hf
 
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path}: not a config.json (not JSON: {exc})") from None
+    raw = parse_json(read_text(path, "config"), str(path))  # bounded: no /dev/zero, no FIFO
     if not isinstance(raw, dict):
         raise UsageError(f"{path}: expected a JSON object (a Hugging Face config.json)")
     cfg = config_from_hf(raw, str(path))

@@ -120,6 +120,8 @@ def test_hostile_inputs_are_one_line_before_any_work(tmp_path):
         (["-N", "50", "--json", "no/such/dir.json"], "error: --json no/such/dir.json: cannot "
                                                      "write: directory 'no/such' does not exist"),
         (["-N", "50", "--json", "sub"], "error: --json sub: cannot write: it is a directory"),
+        (["-N", "50", "--json", ""], "error: python -m hpcmac.hpl: argument --json: expected "
+                                     "a file name ('-': standard output), found ''"),
     ]
     for args, start in cases:
         proc = run_hpl(args, tmp_path, np_=1, timeout=60)

@@ -228,10 +228,16 @@ def test_check_convert_and_discover_commands(tmp_path):
                     f"  rdma_ctl) cat {data}/$host.rdma_ctl.txt ;;\n"
                     f"  sysctl) cat {data}/$host.memsize.txt ;;\nesac\n")
     fake.chmod(0o755)
+    (tmp_path / "shared").mkdir()  # the output: a symlink into a shared folder, written through
     out = tmp_path / "found.json"
+    out.symlink_to(tmp_path / "shared" / "mesh.json")
     res = cli("discover", "mac1", "mac2", "mac3", "--ssh", str(fake), "-o", str(out),
               "--print-setup")
     assert res.returncode == 0, res.stderr
+    assert out.is_symlink() and (tmp_path / "shared" / "mesh.json").stat().st_size > 0
+    to_dir = cli("discover", "mac1", "--ssh", str(tmp_path / "no-ssh"), "-o", str(tmp_path))
+    assert to_dir.returncode == 2 and to_dir.stderr.strip().splitlines() == [
+        f"error: --output {tmp_path}: cannot write: it is a directory"]  # before any ssh
     assert "# on mac3" in res.stdout and "netmask 255.255.255.252" in res.stdout
     assert "warning: mac3: RDMA disabled" in res.stderr
     chk = cli("check", "--hostfile", str(out))

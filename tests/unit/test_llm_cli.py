@@ -92,6 +92,38 @@ def test_bad_prompt_ids(llama, capsys):
         "outside the vocabulary")
 
 
+def test_hostile_flags_are_one_line(llama, tmp_path, capsys):
+    """Each used to be accepted silently, a traceback or a hang (issue 32)."""
+    import stat
+
+    base = ["generate", "--model", str(llama), "--max-tokens", "2"]
+    ids = ["--prompt-ids", "1,2"]
+    bad([*base, "--prompt-ids", "١,٢"], capsys, "expected comma-separated token ids (ASCII")
+    bad([*base, *ids, "--seed", "-1"], capsys, "--seed -1: expected an integer from 0 to 2^63-1")
+    bad([*base, *ids, "--threads", "100000"], capsys, "--threads 100000: expected 1 to 1024")
+    bad([*base, *ids, "--threads", str(os.cpu_count() + 1)], capsys,
+        "(this host's logical CPUs)")
+    bad([*base, *ids, "--json", ""], capsys, "argument --json: expected a file name")
+    bad([*base, *ids, "--hostfile", "/dev/zero"], capsys,  # a bounded read: refused at once
+        "hostfile /dev/zero: expected a regular file, found a character device")
+    cfg = json.loads((llama / "config.json").read_text())
+    for field, value, expect in [("hidden_size", "64", "field 'hidden_size' = '64': expected "
+                                                       "an integer"),
+                                 ("num_hidden_layers", 10**9, f"n_layers = {10**9}")]:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
+        bad(["generate", "--model", str(tmp_path), *ids], capsys,
+            f"{tmp_path / 'config.json'}: {expect}")
+    try:  # a full disk: a mknod'd full device (1, 7), never the machine's /dev/full
+        os.mknod(tmp_path / "full", stat.S_IFCHR | 0o666, os.makedev(1, 7))
+    except PermissionError:
+        return
+    code, _, err = run([*base, *ids, "--quiet", "--json", str(tmp_path / "full")], capsys)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (  # after the run's own summary line
+        f"error: --json {tmp_path / 'full'}: cannot write: no space left on device")
+    assert stat.S_ISCHR(os.lstat(tmp_path / "full").st_mode)
+
+
 def test_unsupported_architecture(llama, tmp_path, capsys):
     cfg = json.loads((llama / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
