@@ -166,11 +166,14 @@ def _discover(argv: list[str]) -> int:
     ap.add_argument("--print-setup", action="store_true",
                     help="print the ifconfig/route commands for each host")
     a = ap.parse_args(argv)
-    from hpcmac.launch.hostfile import is_safe_word
+    from hpcmac.launch.hostfile import is_safe_word, is_ssh_name
 
     for h in a.hosts:
         if not is_safe_word(h):
             raise UsageError(f"discover: host {h!r} has shell metacharacters")
+        if not is_ssh_name(h):
+            raise UsageError(f"discover: host {h!r}: expected host or user@host (letters, "
+                             "digits, '.', '-')")
     probes = [discover.collect(h, shlex.split(a.ssh)) for h in a.hosts]
     data, warnings = discover.plan_hostfile(probes, a.subnet)
     for w in warnings:

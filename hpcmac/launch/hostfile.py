@@ -49,6 +49,10 @@ from hpcmac.io.inputs import parse_json, read_text
 # names, interfaces, devices: what a shell passes through unchanged
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]*$")
 _SAFE_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: what ``ssh`` may be: ``[user@]host``, a POSIX user name and a DNS name or IPv4
+#: address (``%+=,:/`` would reach Open MPI's hostfile verbatim: ``:`` is MPICH's slot
+#: separator, ``,`` a list, ``/`` and ``%`` are no part of a host name)
+_SSH_NAME = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9][A-Za-z0-9.-]*$")
 _SHELL_META = set(";&|`$<>()\\\"' \t\n*?[]{}!#~")
 TOPOLOGIES = ("mesh", "ring")
 BACKENDS = ("", "ring", "jaccl", "jaccl-ring", "mpi")
@@ -366,6 +370,17 @@ def is_safe_word(text: str) -> bool:
     return bool(text) and not (set(text) & _SHELL_META) and not text.startswith("-")
 
 
+def is_ssh_name(text: str) -> bool:
+    """True for ``host`` or ``user@host`` as a hostfile's ``ssh`` may give it."""
+    return is_safe_word(text) and bool(_SSH_NAME.fullmatch(text))
+
+
+def env_value_ok(value: str) -> bool:
+    """True when an environment value has no control character (newline, tab, NUL):
+    mpirun's ``-x`` and mlx.launch's hostfile carry values as one line."""
+    return not any(ord(c) < 0x20 or ord(c) == 0x7f for c in value)
+
+
 def _check_addr(addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         return ipaddress.ip_address(addr)
@@ -391,9 +406,10 @@ def validate(hf: Hostfile) -> list[str]:
         if not _SAFE_NAME.fullmatch(h.name):
             out.append(f"host {h.name!r}: field 'name' must be letters, digits, '.', '_', '-' "
                        "(no spaces or shell metacharacters)")
-        if not is_safe_word(h.ssh) or not _SAFE_NAME.fullmatch(h.ssh.split("@")[-1]):
+        if not is_ssh_name(h.ssh):
             out.append(f"host {h.name!r}: field 'ssh' {h.ssh!r} must be a plain host name "
-                       "or user@host (no spaces or shell metacharacters)")
+                       "or user@host (letters, digits, '.', '-'; no spaces, shell "
+                       "metacharacters or %+=,:/)")
         if h.name in seen:
             out.append(f"host {h.name!r}: field 'name' is used twice")
         seen.add(h.name)
@@ -420,6 +436,9 @@ def validate(hf: Hostfile) -> list[str]:
         key = e.split("=", 1)[0]
         if "=" not in e or not _SAFE_ENV_KEY.fullmatch(key):
             out.append(f"field 'envs': {e!r} should be KEY=VALUE with KEY a shell variable name")
+        elif not env_value_ok(e.split("=", 1)[1]):
+            out.append(f"field 'envs': {e!r}: the value has a control character (a newline?); "
+                       "launchers pass values as one line")
     out += _validate_links(hf, set(names))
     out += _validate_addresses(hf)
     out += _validate_rdma(hf)

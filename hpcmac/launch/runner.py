@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hpcmac.errors import UsageError
 from hpcmac.launch import convert
-from hpcmac.launch.hostfile import Hostfile, is_safe_word
+from hpcmac.launch.hostfile import Hostfile, env_value_ok, is_safe_word
 
 VIAS = ("mpirun", "mlx")
 #: --oversubscribe allows at most this many ranks per slot
@@ -109,6 +109,8 @@ def _check_options(hf: Hostfile, opts: Options, command: list[str]) -> None:
         key = e.split("=", 1)[0]
         if "=" not in e or not key.replace("_", "a").isalnum() or key[0].isdigit():
             raise UsageError(f"--env {e!r}: expected KEY=VALUE")
+        if not env_value_ok(e.split("=", 1)[1]):
+            raise UsageError(f"--env {e!r}: the value has a control character (a newline?)")
     for k, _ in opts.mca:
         if not is_safe_word(k):
             raise UsageError(f"--mca {k!r}: not an MCA parameter name")

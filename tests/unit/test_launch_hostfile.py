@@ -152,6 +152,23 @@ def test_shell_metacharacters_in_names_are_refused(name):
     assert any("field 'iface'" in p for p in problems(d))
 
 
+@pytest.mark.parametrize("ssh", ["a%b", "a+b", "a=b", "a,b", "a:b", "a/b", "u@a@b", "u%x@host",
+                                 "u=1,x:/@host", "@host", "[::1]"])
+def test_ssh_names_that_would_reach_the_mpi_hostfile_verbatim_are_refused(ssh):
+    """``%+=,:/@`` were written as they are into Open MPI's hostfile (issue 32)."""
+    d = mesh4()
+    d["hosts"][0]["ssh"] = ssh
+    out = [p for p in problems(d) if "field 'ssh'" in p]
+    assert out and "must be a plain host name or user@host" in out[0], (ssh, problems(d))
+
+
+def test_plain_ssh_names_are_accepted():
+    for ssh in ("mac1", "mac1.local", "admin@mac1.local", "first.last@10.0.0.2", "m-1_x@h-2"):
+        d = mesh4()
+        d["hosts"][0]["ssh"] = ssh
+        assert not [p for p in problems(d) if "field 'ssh'" in p], ssh
+
+
 def test_load_reports_one_line_with_the_file_and_the_first_problem(tmp_path):
     d = mesh4()
     d["hosts"][0]["name"] = "a;rm -rf /"
@@ -213,11 +230,12 @@ def test_slots_memory_and_more_than_four_meshed_hosts_is_a_warning():
 
 def test_envs_backend_topology_checked():
     d = mesh4()
-    d["envs"] = ["GOOD=1", "bad key=1", "NOEQUALS"]
+    d["envs"] = ["GOOD=1", "bad key=1", "NOEQUALS", "NEWLINE=a\nb", "TAB=a\tb"]
     d["backend"] = "nccl2"
     d["topology"] = "star"
     out = problems(d)
-    assert sum("field 'envs'" in p for p in out) == 2
+    assert sum("field 'envs'" in p for p in out) == 4
+    assert sum("control character" in p for p in out) == 2
     assert any("field 'backend'" in p for p in out)
     assert any("field 'topology'" in p for p in out)
 

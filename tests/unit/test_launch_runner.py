@@ -118,6 +118,7 @@ def test_bad_hostfile_is_one_line_exit_2_and_nothing_launched(tmp_path, fake_mpi
     (["--np", "999"], f"more than the {local_cores()} slots"),
     (["--via", "nope"], "invalid choice"),
     (["--env", "NOEQUALS"], "expected KEY=VALUE"),
+    (["--env", "K=a\nb"], "the value has a control character"),
     ([], None),  # no command
 ])
 def test_bad_options_are_one_line_exit_2(fake_mpirun, args, expect):
@@ -244,6 +245,8 @@ def test_check_convert_and_discover_commands(tmp_path):
     assert chk.returncode == 0 and "3 links, full mesh" in chk.stdout
     bad = cli("discover", "a;reboot", "--ssh", str(fake))
     assert bad.returncode == 2 and "shell metacharacters" in bad.stderr
+    bad = cli("discover", "u=1,x:/@mac1", "--ssh", str(fake))
+    assert bad.returncode == 2 and "expected host or user@host" in bad.stderr
 
 
 def test_env_given_on_the_command_line_wins_over_the_hostfile_once():
