@@ -38,7 +38,8 @@ class WireError(ValueError):
 
 
 def encode(obj: Any) -> bytes:
-    """``obj`` (plain data, see the module) as bytes; TypeError for anything else."""
+    """``obj`` (plain data, see the module) as bytes; TypeError for anything else,
+    ValueError for an integer outside int64."""
     out: list[bytes] = []
     _enc(obj, out, 0)
     return b"".join(out)
@@ -69,6 +70,9 @@ def _enc(obj: Any, out: list[bytes], depth: int) -> None:
         _enc(f"{cls.__module__}:{cls.__qualname__}", out, depth + 1)
         _enc({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, out, depth + 1)
     elif isinstance(obj, int):
+        if not -(2**63) <= obj < 2**63:
+            raise ValueError(f"cannot send an integer of {obj.bit_length()} bits in a control "
+                             "message (64 at most)")
         out += [_INT, _I64.pack(obj)]
     elif isinstance(obj, float):
         out += [_FLOAT, _F64.pack(obj)]

@@ -34,6 +34,9 @@ def test_refuses_what_it_cannot_send_or_read():
     for bad in (object(), {1, 2}, np.array([object()]), lambda: 0):
         with pytest.raises(TypeError):
             wire.encode(bad)
+    for big in (2**63, -(2**63) - 1, 2**70, {"seed": 2**70}):  # a clear error, not struct's
+        with pytest.raises(ValueError, match="64 at most"):
+            wire.encode(big)
     crafted = [
         b"", b"Z", b"s\xff\xff\xff\xff", b"l\xff\xff\xff\x7f", b"N extra",
         b"s\x02\x00\x00\x00\xff\xfe",

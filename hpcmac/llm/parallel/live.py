@@ -33,6 +33,7 @@ class LiveRequest(Request):
     on_finish: Callable[[str, int], None] | None = field(default=None, repr=False)
     decoder: object = field(default=None, repr=False)  # incremental text, for stops
     text: str = ""
+    error: str | None = None  # why it ended, when it ended with "error"
 
 
 class LiveRequests:
@@ -105,7 +106,7 @@ class LiveRequests:
     def token(self, key: int, tok: int) -> None:
         req = self._live.get(key)
         if req is not None and req.on_token is not None:
-            req.on_token(tok)
+            req.on_token(tok)  # raising ends this request alone (the scheduler catches)
 
     def stop_check(self, key: int, generated: list[int]) -> bool:
         """Whether a stop string has appeared in the text so far (incremental decoding)."""
@@ -115,12 +116,22 @@ class LiveRequests:
         req.text += req.decoder.push(generated[-1])
         return any(s in req.text for s in req.stops)
 
-    def finish(self, key: int, reason: str, n_generated: int = 0) -> None:
+    def finish(self, key: int, reason: str, n_generated: int = 0,
+               error: str | None = None) -> None:
+        """Request ``key`` ended (``reason``: eos, stop, length, cancelled, error, with
+        ``error`` saying why)."""
         with self._lock:
             req = self._live.pop(key, None)
             self._cancel.discard(key)
-        if req is not None and req.on_finish is not None:
-            req.on_finish(reason, n_generated)
+        if req is None:
+            return
+        if error is not None:
+            req.error = error
+        if req.on_finish is not None:
+            try:
+                req.on_finish(reason, n_generated)
+            except RuntimeError:  # its event loop is gone (the server is stopping)
+                pass
 
     def fail_all(self, message: str) -> None:
         """The pipeline ended: every open request finishes with ``error``."""
@@ -130,4 +141,7 @@ class LiveRequests:
             self._new.clear()
         for req in live:
             if req.on_finish is not None:
-                req.on_finish("error", 0)
+                try:
+                    req.on_finish("error", 0)
+                except RuntimeError:  # its event loop is gone
+                    pass

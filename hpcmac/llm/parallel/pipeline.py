@@ -26,7 +26,14 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
   thus costs one hidden vector plus 20 bytes on a link, and 16 bytes per
   micro-batch.
 * last stage -> rank 0, tag ``TAG_RET``: ``int32[1 + n_sample] = (mb_id,
-  token...)``, one message per micro-batch, in issue order.
+  token...)``, one message per micro-batch, in issue order; a token of
+  ``FAILED`` (-1) says that sequence's sampling failed.
+
+One request never ends the job: what depends on a request alone (its sampling
+parameters, its control message, its callbacks, its sampling on the last stage)
+is checked or caught per sequence, and only that sequence ends, with finish
+``"error"`` and a message; the others go on. A failure that is not one
+request's (a stage's forward pass, a lost peer) still ends the job.
 """
 
 from __future__ import annotations
@@ -56,6 +63,9 @@ TAG_FWD, TAG_RET = 71, 72
 HDR = 4
 META = 5
 WIRE = np.int32  # header, meta and returned token ids
+#: a returned "token" meaning: sampling this sequence failed on the last stage (the
+#: sequence ends with finish "error"; the others go on)
+FAILED = -1
 
 
 def pack(meta: np.ndarray, h: np.ndarray) -> np.ndarray:
@@ -89,10 +99,19 @@ class Request:
 
 
 class _SeqSampler:
-    """Per-sequence sampling state on the last stage: what it has seen, its random stream."""
+    """Per-sequence sampling state on the last stage: what it has seen, its random stream.
+
+    ``error`` is set (and every draw returns FAILED) when this sequence's sampler could
+    not be built; it is this sequence's failure alone.
+    """
 
     def __init__(self, prompt: Sequence[int], params: SamplingParams):
-        self.sampler = Sampler(params)
+        self.error: str | None = None
+        self.params = params
+        try:
+            self.sampler = Sampler(params)
+        except Exception as exc:  # one request's parameters: fail it, not the stage
+            self.sampler, self.error = None, _one_line(exc)
         self.seen = list(prompt)
 
     def sample(self, logits: np.ndarray) -> int:
@@ -179,19 +198,30 @@ class _StageState:
                 logits = np.asarray(self.stage.logits(h[rows]), dtype=np.float32)
                 if self.tensor is not None:
                     logits = self.tensor.head(logits, self.stage.vocab[0], mode)
-                if mode == MAXLOC:  # greedy ids from the tensor group's max-loc
-                    for k, idx in enumerate(idxs):
-                        toks[k] = self.samplers[idx].take(int(logits[k]))
-                else:
-                    for k, idx in enumerate(idxs):
-                        toks[k] = self.samplers[idx].sample(logits[k])
-                        if self.plan.keep_logits:
-                            self.logits[idx].append(logits[k].copy())
+                for k, idx in enumerate(idxs):
+                    toks[k] = self._draw(idx, logits[k], mode)
+                    if mode != MAXLOC and self.plan.keep_logits and toks[k] != FAILED:
+                        self.logits[idx].append(logits[k].copy())
         self.stats.busy_s += time.perf_counter() - t0
         self.stats.cpu_s += time.process_time() - c0
         self.stats.micro_batches += 1
         return h, toks
 
+
+    def _draw(self, idx: int, row: np.ndarray, mode: int) -> int:
+        """Sequence ``idx``'s next token from its logits row (or its max-loc id), or FAILED
+        when its sampling fails: that sequence ends, the micro-batch goes on."""
+        s = self.samplers.get(idx)
+        try:
+            if s is None:
+                raise RuntimeError("no sampler (it was never added)")
+            if s.error is not None:
+                raise ValueError(s.error)
+            return s.take(int(row)) if mode == MAXLOC else s.sample(row)
+        except Exception as exc:
+            print(f"sequence {idx}: sampling failed on rank {self.group.rank}: "
+                  f"{_one_line(exc)}", file=sys.stderr, flush=True)
+            return FAILED
 
     def _head_mode(self, idxs: list[int]) -> int:
         """MAXLOC when a tensor-parallel head needs only each row's best id: every
@@ -199,10 +229,18 @@ class _StageState:
         if self.tensor is None or not self.spec.last or self.plan.keep_logits:
             return GATHER
         for i in idxs:
-            p = self.samplers[i].sampler.params
+            s = self.samplers.get(i)
+            if s is None or s.error is not None:
+                continue  # fails in _draw whatever the mode
+            p = s.params
             if p.temperature != 0.0 or p.repetition_penalty != 1.0:
                 return GATHER
         return MAXLOC
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]
 
 
 def _phase(meta: np.ndarray) -> str:
@@ -274,7 +312,7 @@ def _serve(st: _StageState, t_start: float) -> None:
 
 class _Seq:
     __slots__ = ("idx", "req", "tokens", "n_prompt", "fed", "slot", "waiting", "finish",
-                 "t_admit", "t_first", "t_done", "last_mb")
+                 "t_admit", "t_first", "t_done", "last_mb", "error")
 
     def __init__(self, idx: int, req: Request):
         self.idx, self.req = idx, req
@@ -285,6 +323,7 @@ class _Seq:
         self.waiting = False  # a sampled token is on its way back
         self.last_mb = -1  # the last micro-batch it was in
         self.finish = ""
+        self.error: str | None = None  # why, when finish is "error"
         self.t_admit = self.t_first = self.t_done = 0.0
 
     @property
@@ -327,6 +366,10 @@ class _Scheduler:
                 s.finish = "length"
                 src.finish(req.key, "length")
                 continue
+            why = self.refusal(req)
+            if why is not None:
+                src.finish(req.key, "error", error=why)
+                continue
             self.seqs.append(s)
             self.queue.append(s)
         for key in src.cancelled():
@@ -340,6 +383,18 @@ class _Scheduler:
                 else:
                     s.finish = "cancelled"
                     self.retire(s, self.now())
+
+    def refusal(self, req: Request) -> str | None:
+        """Why ``req`` cannot run (it would fail a stage), or None: its sampler builds, and
+        its control message encodes for the wire. Checked before it joins, so that one
+        request's bad values end that request alone."""
+        try:
+            Sampler(req.sampling)
+            if self.size > 1:
+                _ctrl_to_wire({"add": [(0, req.prompt, req.sampling)], "free": []})
+        except Exception as exc:
+            return _one_line(exc)
+        return None
 
     def admit(self) -> None:
         if self.source is not None:
@@ -436,18 +491,25 @@ class _Scheduler:
             if s.finish == "cancelled":  # the client left while this token was on its way
                 self.retire(s, t)
                 continue
+            if tok == FAILED:
+                s.finish, s.error = "error", "sampling failed on the last stage"
+                self.retire(s, t)
+                continue
             s.tokens.append(tok)
             gen = s.tokens[s.n_prompt :]
             if len(gen) == 1:
                 s.t_first = t
-            if self.on_token is not None:
-                self.on_token(s.idx, tok)
-            if tok in s.req.eos_ids:
-                s.finish = "eos"
-            elif self.stop_check is not None and self.stop_check(s.idx, gen):
-                s.finish = "stop"
-            elif len(gen) >= s.req.max_tokens:
-                s.finish = "length"
+            try:
+                if self.on_token is not None:
+                    self.on_token(s.idx, tok)
+                if tok in s.req.eos_ids:
+                    s.finish = "eos"
+                elif self.stop_check is not None and self.stop_check(s.idx, gen):
+                    s.finish = "stop"
+                elif len(gen) >= s.req.max_tokens:
+                    s.finish = "length"
+            except Exception as exc:  # this request's callbacks: it ends, the rest go on
+                s.finish, s.error = "error", _one_line(exc)
             if s.finish:
                 self.retire(s, t)
 
@@ -458,7 +520,7 @@ class _Scheduler:
         self.ctrl["free"].append((s.idx, s.slot))
         if self.source is not None:  # serve: the sequence is done; its slot is free now
             self.seqs.remove(s)
-            self.source.finish(s.idx, s.finish, len(s.tokens) - s.n_prompt)
+            self.source.finish(s.idx, s.finish, len(s.tokens) - s.n_prompt, error=s.error)
 
     def idle(self) -> None:
         """Serve, nothing to do: wait for a request; ping the stages now and then, so
