@@ -21,176 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
-from hpcmac.llm.model.sampling import SamplingParams
 from hpcmac.llm.parallel.live import Full, LiveRequest, LiveRequests
+from hpcmac.llm.request import ApiError, ServeConfig, chat_ids, load_body, parse
 
-#: fields we honour, per endpoint; others OpenAI defines but we do not implement are
-#: refused by name (400) rather than silently ignored
-_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-           "seed", "stop", "n", "stream", "stream_options", "user", "logprobs",
-           "repetition_penalty"}
-FIELDS = {"chat": _COMMON | {"messages"}, "completion": _COMMON | {"prompt"}}
+__all__ = ["ApiError", "ServeConfig", "build_app", "chat_ids", "parse", "run_serve"]
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-
-
-class ApiError(Exception):
-    """An OpenAI-shaped error: HTTP status, message, type, offending parameter."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.code, self.headers = code, headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
-
-
-@dataclass
-class ServeConfig:
-    """What the HTTP side needs (rank 0)."""
-
-    model_id: str
-    tok: object  # hpcmac.llm.model.tokenizer.Tokenizer
-    vocab: int
-    context: int
-    eos_ids: tuple[int, ...]
-    default_max_tokens: int = 256
-    retry_after_s: int = 1
-
-
-# -- request parsing ----------------------------------------------------------------------
-
-def _number(body: dict, name: str, kind, default, lo=None, hi=None, lo_open=False):
-    v = body.get(name)
-    if v is None:
-        return default
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-    if kind is int:
-        ok = ok and float(v) == int(v)
-    if ok and v != v:  # NaN
-        ok = False
-    if ok and lo is not None and (v <= lo if lo_open else v < lo):
-        ok = False
-    if ok and hi is not None and v > hi:
-        ok = False
-    if not ok:
-        rng = f"{'>' if lo_open else '>='} {lo}" if lo is not None else ""
-        rng += f"{' and ' if rng else ''}<= {hi}" if hi is not None else ""
-        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}"
-                            f"{' ' + rng if rng else ''}; got {json.dumps(v)[:40]}", name)
-    return kind(v)
-
-
-def parse(body, endpoint: str, cfg: ServeConfig) -> tuple[list[int], int, SamplingParams,
-                                                          tuple[str, ...], bool]:
-    """(prompt ids, max_tokens, sampling, stop strings, stream) of a request body, or
-    ApiError(400/404) naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - FIELDS[endpoint])
-    if unknown:
-        raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}", unknown[0])
-    if body.get("model") not in (None, cfg.model_id):
-        raise ApiError(404, f"the model '{body.get('model')}' does not exist; this server "
-                            f"serves '{cfg.model_id}'", "model", code="model_not_found")
-    n = _number(body, "n", int, 1)
-    if n != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported", "logprobs")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be true or false", "stream")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    max_tokens = _number(body, name, int, cfg.default_max_tokens, lo=0, lo_open=True)
-    sampling = SamplingParams(
-        temperature=_number(body, "temperature", float, 1.0, lo=0, hi=2),
-        top_k=_number(body, "top_k", int, 0, lo=0),
-        top_p=_number(body, "top_p", float, 1.0, lo=0, hi=1, lo_open=True),
-        repetition_penalty=_number(body, "repetition_penalty", float, 1.0, lo=0, lo_open=True),
-        seed=_number(body, "seed", int, None))
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
-    else:
-        raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", "stop")
-    stops = tuple(s for s in stops if s)
-    ids = _prompt_ids(body, endpoint, cfg)
-    if len(ids) >= cfg.context:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's context holds "
-                            f"{cfg.context}", "messages" if endpoint == "chat" else "prompt",
-                       code="context_length_exceeded")
-    return ids, min(max_tokens, cfg.context - len(ids)), sampling, stops, stream
-
-
-def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig) -> list[int]:
-    tok = cfg.tok
-    if endpoint == "chat":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise ApiError(400, "'messages' must be a non-empty list", "messages")
-        clean = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, f"messages[{i}] must be an object with a 'role'",
-                               "messages")
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(p, dict) and p.get("type") == "text"
-                           and isinstance(p.get("text"), str) for p in content):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are "
-                                        "supported", "messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-            clean.append({"role": m["role"], "content": content})
-        if tok is None:
-            raise ApiError(400, "this checkpoint has no tokenizer: use /v1/completions with "
-                                "a prompt of token ids", "messages")
-        return chat_ids(tok, clean)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if tok is None:
-            raise ApiError(400, "this checkpoint has no tokenizer: give the prompt as a list "
-                                "of token ids", "prompt")
-        ids = tok.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < cfg.vocab]
-        if bad:
-            raise ApiError(400, f"token {bad[0]} is outside the vocabulary [0, {cfg.vocab})",
-                           "prompt")
-        ids = list(prompt)
-    else:
-        raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids",
-                       "prompt")
-    if not ids:
-        raise ApiError(400, "the prompt is empty", "prompt")
-    return ids
-
-
-def chat_ids(tok, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` through the checkpoint's chat template, as transformers'
-    ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``: a template
-    that writes ``bos_token`` itself is encoded without another BOS."""
-    text = tok.apply_chat_template(messages, add_generation_prompt=True)
-    writes_bos = bool(tok.bos_token) and "bos_token" in (tok.chat_template or "")
-    return tok.encode(text, add_bos=False) if writes_bos else tok.encode(text)
 
 
 # -- one request's stream ------------------------------------------------------------------
@@ -246,12 +87,41 @@ class _Stream:
 def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
     """The Starlette application (server thread)."""
     from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
+
+    # JSON parsing, checks and tokenizing run here, off the event loop (a large body
+    # never stalls the streams); two at once, the rest wait their turn
+    parser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hpcmac-parse")
 
     def err(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    def too_big() -> ApiError:
+        return ApiError(413, f"the body is over this server's {cfg.max_body} bytes "
+                             "(--max-body-mb)", headers={"Connection": "close"})
+
+    async def read_body(request: Request) -> bytes | None:
+        """The body, at most ``cfg.max_body`` bytes (413 as soon as it is known to be
+        more: from Content-Length, or counting a chunked body), None if the client left."""
+        length = request.headers.get("content-length", "")
+        if length.isascii() and length.isdigit() and int(length) > cfg.max_body:
+            raise too_big()
+        chunks, n = [], 0
+        try:
+            async for piece in request.stream():
+                n += len(piece)
+                if n > cfg.max_body:
+                    raise too_big()
+                chunks.append(piece)
+        except ClientDisconnect:  # a client going away is normal: nothing to log
+            return None
+        return b"".join(chunks)
+
+    def decode(raw: bytes, kind: str):
+        body = load_body(raw)
+        return body, parse(body, kind, cfg)
 
     async def health(_: Request):
         if alive.is_set() and not source.closed:
@@ -265,13 +135,20 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
 
     async def endpoint(request: Request, kind: str):
         try:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the body is not valid JSON ({exc})") from None
-            ids, max_tokens, sampling, stops, stream = parse(body, kind, cfg)
+            raw = await read_body(request)
+            if raw is None:
+                return Response(status_code=400)  # nobody reads it
             loop = asyncio.get_running_loop()
+            try:
+                body, (ids, max_tokens, sampling, stops, stream) = \
+                    await loop.run_in_executor(parser, decode, raw, kind)
+            except ApiError:
+                raise
+            except Exception as exc:  # a defect of ours: one line, not a traceback
+                print(f"serve: request failed: {type(exc).__name__}: {exc}"[:300],
+                      file=sys.stderr, flush=True)
+                raise ApiError(500, "internal error while reading the request",
+                               kind="server_error") from None
             st = _Stream(loop, cfg.tok, stops, cfg.eos_ids)
             req = LiveRequest(prompt=ids, max_tokens=max_tokens, sampling=sampling,
                               eos_ids=cfg.eos_ids, stops=stops, on_token=st.on_token,
@@ -335,7 +212,7 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
                             yield f"data: {json.dumps(chunk(piece, None))}\n\n"
                         continue
                     if reason in ("error", "cancelled"):
-                        e = ApiError(500, source.error or "generation failed",
+                        e = ApiError(500, req.error or source.error or "generation failed",
                                      kind="server_error")
                         yield f"data: {json.dumps(e.body())}\n\n"
                         return
@@ -353,7 +230,8 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
             if what == "end":
                 reason = value
         if reason in ("error", "cancelled"):
-            return err(ApiError(500, source.error or "generation failed", kind="server_error"))
+            return err(ApiError(500, req.error or source.error or "generation failed",
+                                kind="server_error"))
         text = st.visible(final=True)
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -444,6 +322,16 @@ def bind(host: str, port: int):
     return sock
 
 
+def is_loopback(sock) -> bool:
+    """Whether ``sock`` listens on a loopback address only (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 # -- the command ---------------------------------------------------------------------------
 
 def add_serve_args(s) -> None:
@@ -455,13 +343,17 @@ def add_serve_args(s) -> None:
                    help="requests waiting beyond --max-batch running ones before 429 (default 64)")
     g.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the checkpoint's file or folder name)")
+    g.add_argument("--max-body-mb", type=float, default=8.0,
+                   help="largest request body in MiB; larger ones get 413 (default 8)")
+    g.add_argument("--special-tokens-in-prompts", action="store_true",
+                   help="read special-token strings (<|im_start|>) in /v1/completions prompts "
+                        "as control tokens (default: as text; chat messages are always text)")
 
 
 def run_serve(args, group=None) -> int:
     """Collective: load the model like ``generate``, then serve until interrupted (rank 0
     listens; every rank runs its stage)."""
     import os
-    import sys
     from importlib.util import find_spec
     from pathlib import Path
 
@@ -491,6 +383,9 @@ def run_serve(args, group=None) -> int:
         raise UsageError(f"--port {args.port}: expected 1..65535")
     if args.queue < 0:
         raise UsageError(f"--queue {args.queue}: expected >= 0")
+    if not 0 < args.max_body_mb <= 4096:
+        raise UsageError(f"--max-body-mb {args.max_body_mb}: expected a size in MiB, "
+                         "above 0 and at most 4096")
     if group is None:
         group = comm.init(args.transport) if world_size() > 1 or args.transport \
             else LocalGroup()
@@ -523,14 +418,20 @@ def run_serve(args, group=None) -> int:
         eos = tuple(tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids)
         name = args.model_name or Path(str(resolve_model(args.model))).name
         scfg = ServeConfig(name, tok, cfg.vocab, context, eos,
-                           default_max_tokens=min(args.max_tokens, context))
+                           default_max_tokens=min(args.max_tokens, context),
+                           max_body=int(args.max_body_mb * 2**20),
+                           special_in_prompts=args.special_tokens_in_prompts)
         source = LiveRequests(capacity=slots + args.queue)
         http = HttpThread(build_app(scfg, source, alive), held["sock"])
         http.start()
-        alive.set()
         layout = f"pipeline {group.size}" if group.size > 1 else "1 rank"
         print(f"serving {name} on http://{args.host}:{args.port}/v1 ({layout}, "
               f"{slots} sequences at once, context {context})", file=sys.stderr, flush=True)
+        if not is_loopback(held["sock"]):
+            print(f"warning: --host {args.host}: anyone who can reach port {args.port} can "
+                  "use this server (serve has no authentication yet)", file=sys.stderr,
+                  flush=True)
+        alive.set()  # /health says ok once the lines above are out
     try:
         res = run_pipeline(group, stage, spec, cfg.hidden, None, source=source,
                            micro_batches=args.micro_batches or None, max_batch=slots,

@@ -8,6 +8,7 @@ the EOS ids and a streaming decoder that never emits half a UTF-8 character.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from hpcmac.errors import UsageError
@@ -21,6 +22,8 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
            "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
            "deepseek-v3": _LLAMA3_SPLIT}
+
+_LOCK = threading.Lock()
 
 #: a minimal ChatML template, used when a checkpoint has none
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -41,13 +44,46 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of ``text`` (special tokens in the text are recognised)."""
-        ids = self.tk.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of ``text``.
+
+        special : whether special-token strings in ``text`` (``<|im_start|>``, ``</s>``)
+            become their control tokens (True, for text the caller wrote, e.g. a
+            rendered chat template) or are tokenized as ordinary text (False, for
+            text a user sent: a message cannot then inject roles).
+        """
+        tk = self.tk if special else self._as_text()
+        ids = tk.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids = [self.bos_id] + ids
         return ids
+
+    def _as_text(self):
+        """A copy of the tokenizer that splits special-token strings as text (its own
+        object: the flag is the tokenizer's, and several threads encode at once)."""
+        with _LOCK:
+            if getattr(self, "_text_tk", None) is None:
+                from tokenizers import Tokenizer as TK
+
+                tk = TK.from_str(self.tk.to_str())
+                tk.encode_special_tokens = True
+                self._text_tk = tk
+        return self._text_tk
+
+    @property
+    def specials(self) -> tuple[str, ...]:
+        """The special-token strings (control tokens) of this vocabulary."""
+        return tuple(t.content for t in self.tk.get_added_tokens_decoder().values()
+                     if t.special)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest vocabulary entry in UTF-8 bytes: no token covers more bytes of
+        text, so a text of B bytes has at least B / max_token_bytes tokens."""
+        if getattr(self, "_max_bytes", None) is None:
+            self._max_bytes = max(len(t.encode("utf-8")) for t in self.tk.get_vocab())
+        return self._max_bytes
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special)

@@ -1,0 +1,321 @@
+"""What an OpenAI request to ``serve`` may hold: the body's bytes, its JSON, every field.
+
+Everything a client sends is checked here, on the HTTP side, before anything
+reaches the scheduler: a bad value is a 400 (413 for a body over the cap)
+naming the field, never a failure inside the pipeline. Pure functions of the
+bytes and a :class:`ServeConfig`; nothing here knows HTTP or MPI.
+
+Bounds (docs/serve.md): integers within int64 or tighter (``seed`` in
+[0, 2**63 - 1], ``max_tokens`` and ``top_k`` below 2**31); floats finite;
+strings valid Unicode (no lone surrogates); the JSON nested at most
+:data:`MAX_DEPTH` deep; a prompt no longer than the context (refused before
+tokenizing when its bytes alone prove it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcmac.llm.model.sampling import SamplingParams
+
+#: fields we honour, per endpoint; others OpenAI defines but we do not implement are
+#: refused by name (400) rather than silently ignored
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+           "seed", "stop", "n", "stream", "stream_options", "user", "logprobs",
+           "repetition_penalty"}
+FIELDS = {"chat": _COMMON | {"messages"}, "completion": _COMMON | {"prompt"}}
+#: deepest JSON nesting a body may have (a chat request needs 4)
+MAX_DEPTH = 32
+I32_MAX, I64_MAX = 2**31 - 1, 2**63 - 1
+#: a role is a plain word (it is written into the chat template as it is)
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
+_STOPS, _STOP_CHARS, _USER_CHARS = 4, 1024, 256
+#: a JSON string (an unrolled loop: linear, no backtracking)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: HTTP status, message, type, offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code, self.headers = code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class ServeConfig:
+    """What the HTTP side needs (rank 0)."""
+
+    model_id: str
+    tok: object  # hpcmac.llm.model.tokenizer.Tokenizer
+    vocab: int
+    context: int
+    eos_ids: tuple[int, ...]
+    default_max_tokens: int = 256
+    retry_after_s: int = 1
+    max_body: int = 8 * 2**20  # bytes (--max-body-mb)
+    special_in_prompts: bool = False  # --special-tokens-in-prompts
+
+
+# -- the body ------------------------------------------------------------------------------
+
+def json_depth(raw: bytes) -> int:
+    """The deepest ``[``/``{`` nesting of the JSON text ``raw``, counted on the bytes
+    (strings skipped) before any parser recurses into it."""
+    a = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
+    step = np.zeros(a.size, dtype=np.int8)
+    step[(a == ord("[")) | (a == ord("{"))] = 1
+    step[(a == ord("]")) | (a == ord("}"))] = -1
+    nz = step[step != 0]
+    return int(np.cumsum(nz, dtype=np.int64).max()) if nz.size else 0
+
+
+def load_body(raw: bytes):
+    """The JSON value of a request body, or ApiError(400) saying why not."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the body is not valid UTF-8 (byte {exc.start})") from None
+    depth = json_depth(raw)
+    if depth > MAX_DEPTH:
+        raise ApiError(400, f"the body is nested {depth} deep; at most {MAX_DEPTH} is allowed")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # ValueError: also over-long integers
+        raise ApiError(400, f"the body is not valid JSON ({str(exc)[:120]})") from None
+
+
+def _bad_strings(obj, path: str):
+    """Paths of strings (values and keys) in ``obj`` that hold a lone surrogate, which no
+    text encoding can carry (JSON lets ``\\ud800`` through)."""
+    if isinstance(obj, str):
+        if _SURROGATE.search(obj):
+            yield path
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _bad_strings(v, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if _SURROGATE.search(k):
+                yield (path or "body") + " (a key)"
+            else:
+                yield from _bad_strings(v, sub)
+
+
+# -- fields --------------------------------------------------------------------------------
+
+def _number(body: dict, name: str, kind, default, lo=None, hi=None, lo_open=False):
+    """``body[name]`` as ``kind`` within [lo, hi] (``(lo, hi]`` with ``lo_open``), or its
+    default when absent or null; ApiError(400) naming the field otherwise (a bool, a
+    string, NaN, an infinity, a fraction for an integer, a value out of range)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if ok and isinstance(v, float):
+        ok = math.isfinite(v) and (kind is float or v.is_integer())
+    if ok and lo is not None and (v <= lo if lo_open else v < lo):
+        ok = False
+    if ok and hi is not None and v > hi:
+        ok = False
+    if not ok:
+        rng = f"{'>' if lo_open else '>='} {lo}" if lo is not None else ""
+        rng += f"{' and ' if rng else ''}<= {hi}" if hi is not None else ""
+        what = "an integer" if kind is int else "a finite number"
+        raise ApiError(400, f"'{name}' must be {what}{' ' + rng if rng else ''}; "
+                            f"got {_show(v)}", name)
+    return kind(v)
+
+
+def _show(v) -> str:
+    text = json.dumps(v) if not isinstance(v, int) or abs(v) < 10**30 else \
+        f"an integer of {len(str(abs(v)))} digits"
+    return text[:40]
+
+
+def parse(body, endpoint: str, cfg: ServeConfig) -> tuple[list[int], int, SamplingParams,
+                                                          tuple[str, ...], bool]:
+    """(prompt ids, max_tokens, sampling, stop strings, stream) of a request body, or
+    ApiError(400/404) naming the field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for path in _bad_strings(body, ""):
+        raise ApiError(400, f"'{path}' holds a lone surrogate code point (not valid "
+                            "Unicode text)", path.split(" ")[0])
+    unknown = sorted(set(body) - FIELDS[endpoint])
+    if unknown:
+        raise ApiError(400, f"unsupported field(s): {', '.join(unknown)[:200]}", unknown[0])
+    if body.get("model") not in (None, cfg.model_id):
+        raise ApiError(404, f"the model '{str(body.get('model'))[:80]}' does not exist; "
+                            f"this server serves '{cfg.model_id}'", "model",
+                       code="model_not_found")
+    n = _number(body, "n", int, 1, lo=1, hi=I32_MAX)
+    if n != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+    if body.get("logprobs") not in (None, False, 0):
+        raise ApiError(400, "logprobs are not supported", "logprobs")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not (isinstance(opts, dict) and set(opts) <= {"include_usage"}
+                                 and isinstance(opts.get("include_usage", False), bool)):
+        raise ApiError(400, "'stream_options' must be {\"include_usage\": true or false}",
+                       "stream_options")
+    user = body.get("user")
+    if user is not None and not (isinstance(user, str) and len(user) <= _USER_CHARS):
+        raise ApiError(400, f"'user' must be a string of at most {_USER_CHARS} characters",
+                       "user")
+    # both given: max_completion_tokens wins (OpenAI's newer name); each is checked
+    limits = [_number(body, k, int, None, lo=1, hi=I32_MAX)
+              for k in ("max_tokens", "max_completion_tokens")]
+    max_tokens = limits[1] or limits[0] or cfg.default_max_tokens
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", float, 1.0, lo=0, hi=2),
+        top_k=_number(body, "top_k", int, 0, lo=0, hi=I32_MAX),
+        top_p=_number(body, "top_p", float, 1.0, lo=0, hi=1, lo_open=True),
+        repetition_penalty=_number(body, "repetition_penalty", float, 1.0, lo=0,
+                                   lo_open=True),
+        seed=_number(body, "seed", int, None, lo=0, hi=I64_MAX))
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and len(stop) <= _STOPS and all(isinstance(s, str)
+                                                                for s in stop):
+        stops = tuple(stop)
+    else:
+        raise ApiError(400, f"'stop' must be a string or a list of at most {_STOPS} strings",
+                       "stop")
+    if any(len(s) > _STOP_CHARS for s in stops):
+        raise ApiError(400, f"'stop': each string may have at most {_STOP_CHARS} characters",
+                       "stop")
+    stops = tuple(s for s in stops if s)
+    ids = _prompt_ids(body, endpoint, cfg)
+    if len(ids) >= cfg.context:
+        raise _too_long(len(ids), endpoint, cfg)
+    return ids, min(max_tokens, cfg.context - len(ids)), sampling, stops, stream
+
+
+def _too_long(n_tokens: int | None, endpoint: str, cfg: ServeConfig) -> ApiError:
+    has = f"{n_tokens} tokens" if n_tokens is not None else "more tokens than that"
+    return ApiError(400, f"the prompt has {has}; this server's context holds {cfg.context}",
+                    "messages" if endpoint == "chat" else "prompt",
+                    code="context_length_exceeded")
+
+
+def _check_length(texts: list[str], endpoint: str, cfg: ServeConfig) -> None:
+    """Refuse, without tokenizing, text whose bytes alone prove it longer than the context
+    (a token covers at most ``max_token_bytes`` bytes; twice that, for normalizers)."""
+    n = sum(len(t.encode("utf-8")) for t in texts)
+    if n > 2 * cfg.tok.max_token_bytes * cfg.context:
+        raise _too_long(None, endpoint, cfg)
+
+
+def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig) -> list[int]:
+    tok = cfg.tok
+    if endpoint == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        clean = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, f"messages[{i}] must be an object with a 'role'",
+                               "messages")
+            if not _ROLE.fullmatch(m["role"]):
+                raise ApiError(400, f"messages[{i}].role must be a word (letters, digits, _ "
+                                    f"or -, at most 32); got {json.dumps(m['role'])[:40]}",
+                               "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                if not all(isinstance(p, dict) and p.get("type") == "text"
+                           and isinstance(p.get("text"), str) for p in content):
+                    raise ApiError(400, f"messages[{i}].content: only text parts are "
+                                        "supported", "messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+            clean.append({"role": m["role"], "content": content})
+        if tok is None:
+            raise ApiError(400, "this checkpoint has no tokenizer: use /v1/completions with "
+                                "a prompt of token ids", "messages")
+        _check_length([m["content"] for m in clean], endpoint, cfg)
+        try:
+            return chat_ids(tok, clean)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tok is None:
+            raise ApiError(400, "this checkpoint has no tokenizer: give the prompt as a list "
+                                "of token ids", "prompt")
+        _check_length([prompt], endpoint, cfg)
+        ids = tok.encode(prompt, special=cfg.special_in_prompts)
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab]
+        if bad:
+            raise ApiError(400, f"token {_show(bad[0])} is outside the vocabulary "
+                                f"[0, {cfg.vocab})", "prompt")
+        ids = list(prompt)
+    else:
+        raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids",
+                       "prompt")
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    return ids
+
+
+# -- chat ----------------------------------------------------------------------------------
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` through the checkpoint's chat template, as transformers'
+    ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``: a template
+    that writes ``bos_token`` itself is encoded without another BOS.
+
+    The template's own control tokens are special; the messages' text is text: a
+    special-token string a user writes (``<|im_start|>``) becomes ordinary tokens, so
+    it cannot open a role. (Each content is rendered as a marker, and the pieces
+    between markers are encoded with special tokens, the contents without.)
+    """
+    writes_bos = bool(tok.bos_token) and "bos_token" in (tok.chat_template or "")
+    specials = tok.specials
+    if not any(s in m["content"] for m in messages for s in specials):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        return tok.encode(text, add_bos=False) if writes_bos else tok.encode(text)
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    if any("\ue000" in m["content"] for m in messages):
+        raise ValueError("a message holds a special-token string and the character "
+                         "U+E000; refused")
+    text = tok.apply_chat_template([dict(m, content=k) for m, k in zip(messages, marks)],
+                                   add_generation_prompt=True)
+    pos = [text.find(k) for k in marks]
+    if any(text.count(k) != 1 for k in marks) or pos != sorted(pos):
+        raise ValueError("a message holds a special-token string, and this chat template "
+                         "does not keep message text as it is; refused")
+    ids: list[int] = []
+    rest = text
+    for m, k in zip(messages, marks):
+        head, rest = rest.split(k, 1)
+        ids += tok.encode(head, add_bos=False if writes_bos or ids else None)
+        ids += tok.encode(m["content"], add_bos=False, special=False)
+    ids += tok.encode(rest, add_bos=False)
+    return ids
