@@ -109,8 +109,12 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
                    help="prompt tokens per micro-batch (default: 512 on one rank; on "
                         "several, 4 chunks per stage, 32 to 512 tokens each)")
     p.add_argument("--timeout", type=float_arg, default=60.0,
-                   help="seconds a rank waits on a silent peer before ending the job")
+                   help="seconds a rank waits on a silent peer before ending the job "
+                        "(at least 1; 0: no watchdog)")
 
+
+#: the shortest ``--timeout`` (seconds of a silent peer) a run accepts, 0 aside
+MIN_TIMEOUT = 1.0
 
 #: most BLAS threads ``--threads`` may ask for (and no more than the host's logical CPUs)
 MAX_THREADS = 1024
@@ -152,8 +156,10 @@ def check_arguments(args: argparse.Namespace) -> SamplingParams:
     for name in ("micro_batches", "max_batch", "prefill_chunk"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 0")
-    if args.timeout < 0:
-        raise UsageError(f"--timeout {args.timeout}: expected >= 0 (0: no watchdog)")
+    if args.timeout < 0 or 0 < args.timeout < MIN_TIMEOUT:
+        # a watchdog shorter than a healthy step ended the job as "rank 1 has died or hung"
+        raise UsageError(f"--timeout {args.timeout:g}: expected 0 (no watchdog) or at least "
+                         f"{MIN_TIMEOUT:g} s (one healthy step can take longer than that)")
     check_layout_flags(args.tp, args.pp, args.tp_split)
     return sampling
 
@@ -338,7 +344,6 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
         return make_requests(prompts, args, tok, cfg, sampling, context)
 
     reqs = agree(group, requests, ranks="root")
-    comm.announce()
     shape = (len(reqs), max(len(r.prompt) + r.max_tokens for r in reqs))
     slots = min(args.max_batch or min(shape[0], 64), shape[0])
     hostfile = args.hostfile or os.environ.get("HPCMAC_HOSTFILE") or None
@@ -373,6 +378,9 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
                                             reduce=tg.allreduce if tg else None,
                                             int8_activations=args.int8_activations))
     forget_readers()  # tokenizer, plan and stage are read: drop the parsed GGUF metadata
+    # the transport line once every input is known good (layout, split, weights): a
+    # refusal is one line, with no transport line before it
+    comm.announce()
     if group.rank == 0 and group.size > 1:
         if layout.tp == 1:
             print(f"pipeline: {group.size} stages, layers {[s.n_layers for s in plan.stages]} "

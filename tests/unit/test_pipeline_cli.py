@@ -310,3 +310,28 @@ def test_flag_errors_are_one_line_on_every_rank_count(llama5, args, expect):
     assert proc.returncode == 2, proc.stderr
     assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [expect], proc.stderr
     assert proc.stdout == ""
+
+
+def test_refusals_at_np2_are_one_line_without_the_transport_line(llama5, tmp_path):
+    """The transport line waits until the run starts: a refusal found while planning the
+    layout, reading the config or checking flags is the only line (issue 32)."""
+    cfg = json.loads((Path(llama5) / "config.json").read_text())
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 10**9}))
+    cases = [
+        ((llama5, "--split", "1,5"), "error: --split '1,5' sums to 6 layers"),
+        ((llama5, "--tp", "3"), "error: --tp 3: 2 ranks do not split into tensor groups of 3"),
+        ((llama5, "--timeout", "0.001"), "error: --timeout 0.001: expected 0 (no watchdog) or "
+                                         "at least 1 s"),
+        ((llama5, "--seed", "-1"), "error: --seed -1: expected an integer from 0 to 2^63-1"),
+        ((str(huge),), f"error: {huge / 'config.json'}: n_layers = {10**9}: expected at most"),
+    ]
+    for (model, *args), start in cases:
+        cmd = [MPIRUN, "2", PY, "-m", "hpcmac.llm", "generate", "--model", model,
+               "--prompt-ids", "1,2", "--max-tokens", "2", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env=env(HPCMAC_QUIET_TRANSPORT="0", HPCMAC_MPIRUN_TIMEOUT="90"))
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1, (args, proc.stderr)
+        assert lines[0].startswith(start), (args, lines)

@@ -152,5 +152,6 @@ class Watchdog:
     def _fail(self, peer: int, what: str, limit: float) -> None:
         me = self._name(self.group.rank)
         print(f"error: {me} waited {limit:g} s for {self._name(peer)} {what}; "
-              "it has died or hung, ending the job", file=sys.stderr, flush=True)
+              "it has died or hung (or --timeout is shorter than one step), ending the job",
+              file=sys.stderr, flush=True)
         self.group.abort(1)
