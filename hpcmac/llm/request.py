@@ -69,6 +69,10 @@ class ServeConfig:
     max_body: int = 8 * 2**20  # bytes (--max-body-mb)
     special_in_prompts: bool = False  # --special-tokens-in-prompts
 
+    def __post_init__(self):
+        if self.tok is not None:  # build the text-only tokenizer now, not in a request
+            self.tok.encode("", special=False)
+
 
 # -- the body ------------------------------------------------------------------------------
 
@@ -212,19 +216,51 @@ def parse(body, endpoint: str, cfg: ServeConfig) -> tuple[list[int], int, Sampli
     return ids, min(max_tokens, cfg.context - len(ids)), sampling, stops, stream
 
 
-def _too_long(n_tokens: int | None, endpoint: str, cfg: ServeConfig) -> ApiError:
-    has = f"{n_tokens} tokens" if n_tokens is not None else "more tokens than that"
+def _too_long(n_tokens: int | None, endpoint: str, cfg: ServeConfig,
+              n_bytes: int = 0) -> ApiError:
+    has = f"{n_tokens} tokens" if n_tokens is not None else \
+        f"{n_bytes} bytes of text, more tokens than that"
     return ApiError(400, f"the prompt has {has}; this server's context holds {cfg.context}",
                     "messages" if endpoint == "chat" else "prompt",
                     code="context_length_exceeded")
 
 
-def _check_length(texts: list[str], endpoint: str, cfg: ServeConfig) -> None:
-    """Refuse, without tokenizing, text whose bytes alone prove it longer than the context
-    (a token covers at most ``max_token_bytes`` bytes; twice that, for normalizers)."""
+def _check_length(texts: list[str], endpoint: str, cfg: ServeConfig,
+                  special: bool = False) -> None:
+    """Refuse text longer than the context before tokenizing it whole: by its bytes alone
+    (a token covers at most ``max_token_bytes`` bytes; twice that, for normalizers), then
+    by counting its tokens piece by piece, stopping once past the context. The
+    tokenizer holds the GIL while it encodes (1.2 s for 1.3 MB here), which would stall
+    the scheduler's thread; a piece holds it a few milliseconds."""
     n = sum(len(t.encode("utf-8")) for t in texts)
     if n > 2 * cfg.tok.max_token_bytes * cfg.context:
-        raise _too_long(None, endpoint, cfg)
+        raise _too_long(None, endpoint, cfg, n)
+    for text in texts:
+        if _surely_over(cfg.tok, text, cfg.context, special):
+            raise _too_long(None, endpoint, cfg, len(text.encode("utf-8")))
+
+
+#: characters of text tokenized at once while counting; tokens a cut may add
+_PIECE, _CUT_SLACK = 16384, 16
+
+
+def _surely_over(tok, text: str, limit: int, special: bool) -> bool:
+    """Whether ``text`` has more than ``limit`` tokens, counted on pieces cut before a
+    space (so words stay whole; each cut is allowed ``_CUT_SLACK`` extra tokens)."""
+    if len(text) <= _PIECE:
+        return False  # the exact encode is cheap
+    count = pieces = i = 0
+    while i < len(text):
+        j = min(len(text), i + _PIECE)
+        if j < len(text):
+            k = text.rfind(" ", i + _PIECE // 2, j)
+            j = k if k > i else j
+        count += len(tok.encode(text[i:j], add_bos=False, special=special))
+        pieces += 1
+        i = j
+        if count > limit + _CUT_SLACK * pieces:
+            return True
+    return False
 
 
 def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig) -> list[int]:
@@ -267,7 +303,7 @@ def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig) -> list[int]:
         if tok is None:
             raise ApiError(400, "this checkpoint has no tokenizer: give the prompt as a list "
                                 "of token ids", "prompt")
-        _check_length([prompt], endpoint, cfg)
+        _check_length([prompt], endpoint, cfg, cfg.special_in_prompts)
         ids = tok.encode(prompt, special=cfg.special_in_prompts)
     elif isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):

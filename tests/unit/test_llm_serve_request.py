@@ -137,3 +137,27 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(cfg, monke
     big = json.dumps({"messages": [{"role": "user", "content": "word " * 800_000}]})
     e = refused(big, cfg, "chat")
     assert e.code == "context_length_exceeded"
+
+
+def test_a_long_prompt_is_counted_in_pieces_never_tokenized_whole(cfg, monkeypatch):
+    """1.3 MB of words (under the byte bound): refused after a few pieces (the tokenizer
+    holds the GIL while it encodes: 1.2 s for the whole text, stalling the scheduler);
+    a prompt of two pieces that fits is still accepted, its ids exact."""
+    from hpcmac.llm import request
+
+    tok = cfg.tok
+    real, longest = type(tok).encode, []
+
+    def encode(self, text, *a, **k):
+        longest.append(len(text))
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(type(tok), "encode", encode)
+    wide = ServeConfig(**{**cfg.__dict__, "context": 8192})  # bytes bound: 2.6 MB
+    e = refused(json.dumps({"messages": [{"role": "user", "content": "word " * 260_000}]}),
+                wide, "chat")
+    assert e.code == "context_length_exceeded"
+    assert longest and max(longest) <= request._PIECE and len(longest) <= 4, longest
+    text = "word " * 6000  # 30 000 characters: two pieces, about 6000 tokens
+    ids = parse({"prompt": text}, "completion", wide)[0]
+    assert ids == real(tok, text, special=False)
