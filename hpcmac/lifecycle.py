@@ -11,7 +11,8 @@ Rules that keep ranks from hanging:
 * An error that happens on some ranks only, once collectives are under way,
   must abort the whole job: :func:`run_cli` aborts for anything that is not a
   UsageError, and for a UsageError marked ``local`` (an output that failed to
-  write on rank 0: one line, exit 1).
+  write on rank 0 alone: one line, exit 1). A UsageError's ``code`` (default 2)
+  is the exit code.
 """
 
 from __future__ import annotations
@@ -92,12 +93,13 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     try:
         code = main(argv)
     except UsageError as exc:
+        code = getattr(exc, "code", 2)
         if getattr(exc, "local", False):  # one rank's output failed mid-run: end the job
             line = str(exc).replace("\r", "\\r").replace("\n", "\\n")
             print(f"error: {line}", file=sys.stderr, flush=True)
-            _abort_if_parallel(1)
-            raise SystemExit(1) from None
-        fail(str(exc), 2)
+            _abort_if_parallel(code)
+            raise SystemExit(code) from None
+        fail(str(exc), code)
     except KeyboardInterrupt:  # a handler of the command's own raised it (finally blocks ran)
         import signal
 

@@ -139,6 +139,24 @@ class Driver:
             self.out.write(text)
             self.out.flush()
 
+    def _report(self, grid: Grid) -> None:
+        """Collective over the grid: hand the results to ``on_result`` (rank 0) and check
+        that every output took them; a failed write (a full disk) is then one line on
+        every rank at once, not rank 0's abort."""
+        from hpcmac.io.outputs import OutputError
+
+        err = None
+        if self.world.rank == 0:
+            try:
+                if self.on_result is not None:
+                    self.on_result(self.results)
+            except OutputError as exc:
+                err = str(exc)
+            err = err or getattr(self.out, "error", None)
+        err = grid.all.bcast_obj(err, 0)
+        if err:
+            raise OutputError(err, local=False)
+
     def _note(self, text: str) -> None:
         if self.world.rank == 0 and self.notes is not None:
             self.notes.write(f"note: {text}\n")
@@ -180,5 +198,4 @@ class Driver:
             self.kfail += 1
         self.results.append(res)
         self._write(result_lines(res, self.cfg.threshold))
-        if self.on_result is not None and self.world.rank == 0:
-            self.on_result(self.results)
+        self._report(grid)

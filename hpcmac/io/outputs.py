@@ -42,12 +42,18 @@ from hpcmac.errors import UsageError
 
 
 class OutputError(UsageError):
-    """Writing an output failed mid-run (disk full, I/O error), on the writing rank alone.
+    """Writing an output failed mid-run (disk full, I/O error): one line, exit 1.
 
-    :func:`hpcmac.lifecycle.run_cli` prints its one line and exits 1 (ending the
-    job at once under MPI: the other ranks are not there to agree)."""
+    Raised on the writing rank alone (``local=True``), :func:`hpcmac.lifecycle.run_cli`
+    prints the line and ends the job at once (under MPI the other ranks are not there
+    to agree). A driver that shares the failure with every rank first (a broadcast
+    after each run) raises it with ``local=False``: every rank leaves together."""
 
-    local = True
+    code = 1
+
+    def __init__(self, message: str, local: bool = True):
+        super().__init__(message)
+        self.local = local
 
 
 @dataclass(frozen=True)
@@ -236,23 +242,38 @@ class AtomicText:
             else f"{self.path} (-> {self.t.real})"
         return f"{self.what} {shown}: cannot write: {_reason(exc)}"
 
+    #: the one line of a write that failed (None while all is well); :meth:`commit`
+    #: raises it, and a driver may check it after each run to stop every rank together
+    error: str | None = None
+
     def write(self, text: str) -> int:
+        """Write ``text``; a failure is kept in :attr:`error` (the rest is dropped)."""
+        if self.error is not None:
+            return 0
         try:
             return self.fh.write(text)
         except OSError as exc:
-            self._give_up()
-            raise OutputError(self._failed(exc)) from None
+            self._fail(exc)
+            return 0
 
     def flush(self) -> None:
+        if self.error is not None:
+            return
         try:
             self.fh.flush()
         except OSError as exc:
-            self._give_up()
-            raise OutputError(self._failed(exc)) from None
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        self.error = self._failed(exc)
+        self._give_up()
 
     def commit(self) -> None:
         """Complete the output: flush, fsync and rename the temporary over the target
-        (atomic), write the kept text (in place), or flush and close (stream)."""
+        (atomic), write the kept text (in place), or flush and close (stream).
+        An :class:`OutputError` if a write failed (then nothing replaced the target)."""
+        if self.error is not None:
+            raise OutputError(self.error)
         if self.fh.closed:
             return
         try:

@@ -195,10 +195,16 @@ def test_outputs_through_a_device_and_a_symlink(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "HPL.dat", "full", "link.json", "null", "results"]
     assert [p.name for p in (tmp_path / "results").iterdir()] == ["r.json"]
-    # a full disk: one line naming the path, exit 1, the device untouched
+    # a full disk: one line naming the path, exit 1, the device untouched; at np 2 too
+    # (rank 0 shares the failure after the run: no abort banner)
     proc = run_hpl(["--json", "full"], tmp_path, np_=1, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert error_lines(proc) == ["error: --json full: cannot write: no space left on device"]
+    _dat(tmp_path, "full")  # HPL.out to a full disk at np 2
+    proc = run_hpl(["-P", "1", "-Q", "2"], tmp_path, np_=2, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert error_lines(proc) == [
+        "error: HPL.dat:3: output file full: cannot write: no space left on device"]
     assert stat.S_ISCHR(os.lstat(tmp_path / "full").st_mode)
 
 
