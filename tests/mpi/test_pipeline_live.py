@@ -108,3 +108,21 @@ def test_a_failing_request_ends_alone(checkpoint, monkeypatch):
         reason, error, _ = done[name]
         parallel_assert(reason == "error" and words in (error or ""),
                         f"{name}: {reason} {error!r}", g)
+
+
+def test_generate_still_fails_on_a_bad_request(checkpoint):
+    """Without a live source (generate), a request's failure is the run's, as before
+    (generate checks its flags first); one rank, so that no peer is left waiting."""
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.parallel.pipeline import Request
+
+    g = world()
+    if g.size > 1:
+        pytest.skip("a failing rank would leave its peers waiting; one rank shows the rule")
+    cfg = load_config(checkpoint)
+    stage = load_stage(checkpoint, 0, cfg.n_layers, first=True, last=True)
+    spec = S.stages_from_counts([cfg.n_layers])[0]
+    bad = Request([1, 2, 3], 3, SamplingParams(temperature=0.7, seed=-1))
+    with pytest.raises(ValueError, match="non-negative"):
+        run_pipeline(g, stage, spec, cfg.hidden, [bad])

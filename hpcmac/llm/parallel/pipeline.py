@@ -29,11 +29,13 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
   token...)``, one message per micro-batch, in issue order; a token of
   ``FAILED`` (-1) says that sequence's sampling failed.
 
-One request never ends the job: what depends on a request alone (its sampling
+Serving, one request never ends the job: what depends on a request alone (its sampling
 parameters, its control message, its callbacks, its sampling on the last stage)
 is checked or caught per sequence, and only that sequence ends, with finish
-``"error"`` and a message; the others go on. A failure that is not one
-request's (a stage's forward pass, a lost peer) still ends the job.
+``"error"`` and a message; the others go on (``_Plan.isolate``). A failure
+that is not one request's (a stage's forward pass, a lost peer) still ends the
+job, and so does any failure of a ``generate`` run, whose requests are checked
+before it starts.
 """
 
 from __future__ import annotations
@@ -101,16 +103,18 @@ class Request:
 class _SeqSampler:
     """Per-sequence sampling state on the last stage: what it has seen, its random stream.
 
-    ``error`` is set (and every draw returns FAILED) when this sequence's sampler could
-    not be built; it is this sequence's failure alone.
+    With ``isolate``, ``error`` is set (and every draw fails) when this sequence's
+    sampler cannot be built: this sequence's failure alone; without, it raises.
     """
 
-    def __init__(self, prompt: Sequence[int], params: SamplingParams):
+    def __init__(self, prompt: Sequence[int], params: SamplingParams, isolate: bool = False):
         self.error: str | None = None
         self.params = params
         try:
             self.sampler = Sampler(params)
         except Exception as exc:  # one request's parameters: fail it, not the stage
+            if not isolate:
+                raise
             self.sampler, self.error = None, _one_line(exc)
         self.seen = list(prompt)
 
@@ -138,6 +142,7 @@ class _Plan:
     micro_batches: int
     chunk: int
     keep_logits: bool
+    isolate: bool = False  # serve: a request's own failure ends that request alone
 
 
 class _StageState:
@@ -165,7 +170,7 @@ class _StageState:
             self.samplers.pop(idx, None)
         if self.spec.last:
             for idx, prompt, params in ctrl.get("add", ()):
-                self.samplers[idx] = _SeqSampler(prompt, params)
+                self.samplers[idx] = _SeqSampler(prompt, params, self.plan.isolate)
                 if self.plan.keep_logits:
                     self.logits[idx] = []
 
@@ -219,6 +224,8 @@ class _StageState:
                 raise ValueError(s.error)
             return s.take(int(row)) if mode == MAXLOC else s.sample(row)
         except Exception as exc:
+            if not self.plan.isolate:
+                raise
             print(f"sequence {idx}: sampling failed on rank {self.group.rank}: "
                   f"{_one_line(exc)}", file=sys.stderr, flush=True)
             return FAILED
@@ -509,6 +516,8 @@ class _Scheduler:
                 elif len(gen) >= s.req.max_tokens:
                     s.finish = "length"
             except Exception as exc:  # this request's callbacks: it ends, the rest go on
+                if not self.st.plan.isolate:
+                    raise
                 s.finish, s.error = "error", _one_line(exc)
             if s.finish:
                 self.retire(s, t)
@@ -649,7 +658,7 @@ def run_pipeline(
         plan = _Plan(n_seqs=0, max_slots=max(1, max_batch or 16), max_len=max_len or 4096,
                      micro_batches=max(1, micro_batches or p),
                      chunk=max(1, prefill_chunk or (512 if p == 1 else 64)),
-                     keep_logits=False)
+                     keep_logits=False, isolate=True)
     elif group.rank == 0:
         reqs = list(requests or [])
         if not reqs:
