@@ -269,6 +269,10 @@ def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig) -> list[int]:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        if len(msgs) >= cfg.context:  # each takes a token at least
+            raise ApiError(400, f"{len(msgs)} messages do not fit this server's context of "
+                                f"{cfg.context} tokens", "messages",
+                           code="context_length_exceeded")
         clean = []
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -293,7 +297,9 @@ def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig) -> list[int]:
                                 "a prompt of token ids", "messages")
         _check_length([m["content"] for m in clean], endpoint, cfg)
         try:
-            return chat_ids(tok, clean)
+            return chat_ids(tok, clean, limit=cfg.context)
+        except TooLong as exc:
+            raise _too_long(None, endpoint, cfg, exc.args[0]) from None
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages") from None
     prompt = body.get("prompt")
@@ -322,7 +328,11 @@ def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig) -> list[int]:
 
 # -- chat ----------------------------------------------------------------------------------
 
-def chat_ids(tok, messages: list[dict]) -> list[int]:
+class TooLong(ValueError):
+    """The rendered prompt has more tokens than the limit (args: its bytes)."""
+
+
+def chat_ids(tok, messages: list[dict], limit: int | None = None) -> list[int]:
     """Token ids of ``messages`` through the checkpoint's chat template, as transformers'
     ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``: a template
     that writes ``bos_token`` itself is encoded without another BOS.
@@ -331,11 +341,15 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
     special-token string a user writes (``<|im_start|>``) becomes ordinary tokens, so
     it cannot open a role. (Each content is rendered as a marker, and the pieces
     between markers are encoded with special tokens, the contents without.)
+    With ``limit``, a rendered prompt of more tokens is :class:`TooLong`, found before
+    it is tokenized whole.
     """
     writes_bos = bool(tok.bos_token) and "bos_token" in (tok.chat_template or "")
     specials = tok.specials
     if not any(s in m["content"] for m in messages for s in specials):
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        if limit is not None and _surely_over(tok, text, limit, True):
+            raise TooLong(len(text.encode("utf-8")))
         return tok.encode(text, add_bos=False) if writes_bos else tok.encode(text)
     marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
     if any("\ue000" in m["content"] for m in messages):
@@ -343,6 +357,8 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
                          "U+E000; refused")
     text = tok.apply_chat_template([dict(m, content=k) for m, k in zip(messages, marks)],
                                    add_generation_prompt=True)
+    if limit is not None and _surely_over(tok, text, limit, True):
+        raise TooLong(len(text.encode("utf-8")))
     pos = [text.find(k) for k in marks]
     if any(text.count(k) != 1 for k in marks) or pos != sorted(pos):
         raise ValueError("a message holds a special-token string, and this chat template "

@@ -161,3 +161,22 @@ def test_a_long_prompt_is_counted_in_pieces_never_tokenized_whole(cfg, monkeypat
     text = "word " * 6000  # 30 000 characters: two pieces, about 6000 tokens
     ids = parse({"prompt": text}, "completion", wide)[0]
     assert ids == real(tok, text, special=False)
+
+
+def test_many_messages_are_bounded_before_rendering(cfg, monkeypatch):
+    """Messages each tiny but together over the context: refused by their count, or by
+    counting the rendered prompt in pieces, never tokenized whole."""
+    many = json.dumps({"messages": [{"role": "user", "content": ""}] * cfg.context})
+    assert refused(many, cfg, "chat").code == "context_length_exceeded"
+    from hpcmac.llm import request
+
+    real, longest = type(cfg.tok).encode, []
+
+    def encode(self, text, *a, **k):
+        longest.append(len(text))
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(type(cfg.tok), "encode", encode)
+    some = json.dumps({"messages": [{"role": "user", "content": "Hi"}] * (cfg.context // 2)})
+    assert refused(some, cfg, "chat").code == "context_length_exceeded"
+    assert max(longest) <= request._PIECE
