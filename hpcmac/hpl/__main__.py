@@ -174,6 +174,35 @@ def _open_outputs(world, cfg: hplconfig.HPLConfig, json_path: str | None):
     return out, locks
 
 
+def json_writers(world, json_path: str | None, write):
+    """(on_result, finish) for ``--json``, ``write(path, results)`` doing the writing.
+
+    A file's list is rewritten after each run (a kill leaves the runs finished so
+    far); a stream (a FIFO, a device) gets the list once, at the end, as one JSON
+    document (a reader of a FIFO sees one list, and a second open never waits for a
+    reader that has gone). ``finish(results)`` is collective: a failed write is one
+    line on every rank.
+    """
+    from hpcmac.io.outputs import OutputError, target
+
+    if not json_path:
+        return None, lambda results: None
+    stream = target(json_path, "--json").how == "stream"
+
+    def finish(results) -> None:
+        err = None
+        if world.rank == 0 and (stream or not results):
+            try:
+                write(json_path, results)
+            except OutputError as exc:
+                err = str(exc)
+        err = world.bcast_obj(err, 0)
+        if err:
+            raise OutputError(err, local=False)
+
+    return (None if stream else lambda results: write(json_path, results)), finish
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.blas_threads is not None and args.blas_threads < 0:
@@ -200,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.json
     out, locks = _open_outputs(world, cfg, json_path)
     comm.announce()
-    on_result = (lambda results: report.write_json(json_path, results)) if json_path else None
+    on_result, finish_json = json_writers(world, json_path, report.write_json)
     done = False
     try:
         d = driver.Driver(
@@ -211,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             show_phases=args.phases,
         )
         failed = d.run()
-        if json_path and world.rank == 0 and not d.results:
-            report.write_json(json_path, [])
+        finish_json(d.results)
         done = True
     finally:
         if out is not None and out not in (sys.stdout, sys.stderr):

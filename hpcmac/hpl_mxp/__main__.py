@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["HPCMAC_BLAS_THREADS"] = str(args.blas_threads)
 
     from hpcmac.hpl import driver as hpl_driver
-    from hpcmac.hpl.__main__ import _open_outputs, _read_input
+    from hpcmac.hpl.__main__ import _open_outputs, _read_input, json_writers
     from hpcmac.hpl.progress import want_progress
     from hpcmac.hpl_mxp import report
     from hpcmac.hpl_mxp.driver import Driver, MxPOptions
@@ -182,14 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     out, locks = _open_outputs(world, cfg, json_path)  # checked writable, locked
     comm.announce()
     mxp = MxPOptions(args.precision, args.backend, args.maxit, args.restart, args.diag)
-    on_result = (lambda results: report.write_json(json_path, results)) if json_path else None
+    on_result, finish_json = json_writers(world, json_path, report.write_json)
     done = False
     try:
         d = Driver(world, cfg, mxp, out, show_progress=want_progress(args.progress),
                    notes=sys.stderr, on_result=on_result)
         failed = d.run()
-        if json_path and world.rank == 0 and not d.results:
-            report.write_json(json_path, [])
+        finish_json(d.results)
         done = True
     finally:
         if out is not None and out not in (sys.stdout, sys.stderr):

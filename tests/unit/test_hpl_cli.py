@@ -197,6 +197,19 @@ def test_outputs_through_a_device_and_a_symlink(tmp_path):
     assert [p.name for p in (tmp_path / "results").iterdir()] == ["r.json"]
     # a full disk: one line naming the path, exit 1, the device untouched; at np 2 too
     # (rank 0 shares the failure after the run: no abort banner)
+    # --json to a FIFO: one JSON list, written once (a reader gets a document, and no
+    # second open waits for a reader that has gone)
+    import threading
+
+    os.mkfifo(tmp_path / "pipe")
+    got = []
+    reader = threading.Thread(target=lambda: got.append((tmp_path / "pipe").read_text()))
+    reader.start()
+    _dat(tmp_path, "null", ns="40 48", count=2)
+    proc = run_hpl(["--json", "pipe"], tmp_path, np_=1, timeout=60)
+    reader.join(30)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["n"] for r in json.loads(got[0])] == [40, 48] and (tmp_path / "pipe").is_fifo()
     proc = run_hpl(["--json", "full"], tmp_path, np_=1, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert error_lines(proc) == ["error: --json full: cannot write: no space left on device"]
