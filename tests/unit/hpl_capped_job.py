@@ -39,10 +39,13 @@ def _exact_accounting() -> None:
     """Large allocations straight from mmap and back to the OS when freed (glibc), so the
     address space measured is what is in use: glibc's dynamic mmap threshold would serve
     later arrays from the heap, whose freed holes stay mapped (counted in VmSize) and could
-    take a copy without growing it."""
+    take a copy without growing it. One malloc arena, too: a thread's own arena (HPL's
+    per-phase memory sampler has one) reserves 64 MiB counted in VmSize, and glibc falls
+    back to it when the main arena's mmap is refused, so a copy would fit there."""
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD, fixed at glibc's initial value
+        libc.mallopt(-8, 1)  # M_ARENA_MAX
         libc.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to adjust
         pass
