@@ -10,7 +10,7 @@ MPIRUN := tools/mpirun
 MPIPYTEST := $(BIN)/python -m mpi4py -m hpcmac.testing
 TEST_NPS ?= 1 2 4
 
-.PHONY: run test venv test-unit test-mpi test-cluster lint clean check-tools
+.PHONY: run test test-fast venv test-unit test-mpi test-cluster lint clean check-tools
 
 check-tools:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null \
@@ -41,20 +41,24 @@ run: $(VENV)/.run-stamp
 test: $(VENV)/.test-stamp
 	@$(MAKE) --no-print-directory test-unit test-mpi test-cluster
 
+# while working: everything but the tests marked slow (make test still runs those)
+test-fast: $(VENV)/.test-stamp
+	@$(MAKE) --no-print-directory test-unit test-mpi test-cluster PYTEST_MARK='-m "not slow"'
+
 test-unit: $(VENV)/.test-stamp
 	@echo "==> unit tests (no MPI)"
-	@tools/pytest-rc tests/unit timeout -k 10 1500 $(BIN)/python -m pytest tests/unit -q
+	@tools/pytest-rc tests/unit timeout -k 10 1500 $(BIN)/python -m pytest tests/unit -q $(PYTEST_MARK)
 
 test-mpi: $(VENV)/.test-stamp
 	@for np in $(TEST_NPS); do \
 	  echo "==> MPI tests at mpirun -np $$np"; \
-	  tools/pytest-rc "tests/mpi at np $$np" $(MPIRUN) $$np $(MPIPYTEST) tests/mpi -q || exit 1; \
+	  tools/pytest-rc "tests/mpi at np $$np" $(MPIRUN) $$np $(MPIPYTEST) tests/mpi -q $(PYTEST_MARK) || exit 1; \
 	done
 
 test-cluster: $(VENV)/.test-stamp
 	@echo "==> cluster tests (network namespaces, Slurm)"
 	@tools/system-deps
-	@tools/pytest-rc tests/cluster timeout -k 10 1500 $(BIN)/python -m pytest tests/cluster -q -rs
+	@tools/pytest-rc tests/cluster timeout -k 10 1500 $(BIN)/python -m pytest tests/cluster -q -rs $(PYTEST_MARK)
 
 lint: $(VENV)/.test-stamp
 	$(BIN)/python -m ruff check hpcmac tests

@@ -121,6 +121,7 @@ def test_ring_contract_under_mpirun(np_):
     assert " passed" in out and " failed" not in out, out[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("np_", [2, 4])
 def test_ring_contract_under_mlx_launch(np_):

@@ -78,7 +78,8 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("doc,line,text,timeout", [
-    pytest.param(*c, id=f"{c[0].name}:{c[1]}", marks=pytest.mark.timeout(c[3] + 60))
+    pytest.param(*c, id=f"{c[0].name}:{c[1]}",
+                 marks=[pytest.mark.timeout(c[3] + 60), pytest.mark.slow])
     for c in CASES])
 def test_marked_block_runs_as_written(tmp_path, doc, line, text, timeout):
     cwd = _mirror(tmp_path)

@@ -57,6 +57,7 @@ def _remove(cg: Path) -> None:
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hpl_at_80_percent_of_a_memory_cgroup(tmp_path):
     if os.geteuid() != 0:

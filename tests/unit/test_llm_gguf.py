@@ -163,6 +163,7 @@ def smol():
     return path, load_tokenizer(path), ref
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_transformers_gguf(smol):
     """SmolLM2-135M-Instruct (Q4_1/Q8_0 GGUF): same greedy continuation as transformers."""
     from hpcmac.llm.model.generate import Generator

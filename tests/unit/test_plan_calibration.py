@@ -179,6 +179,7 @@ def steady(measured: dict, grid: tuple[int, int]) -> None:
 
 
 # the fixture's measurements take ~1 minute on a quiet machine, at most ~4 on a busy one
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("grid", [(1, 1), (1, 2)])
 def test_hpl_prediction_within_20_percent(measured, grid):
@@ -208,6 +209,7 @@ OTHER_CORES = 0.1
 MIN_ROUNDS = 3  # undisturbed decodes a layout needs to be compared
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout, tp, pp", [
     ("one rank", 1, 1), ("pipeline 2", 1, 2), ("tensor 2", 2, 1)])
