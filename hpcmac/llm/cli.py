@@ -412,15 +412,23 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     finally:
         if threads is not None:
             threads.unregister()
+    from hpcmac.io.outputs import OutputError, write_atomic
+
+    failed = None
     if group.rank == 0:
         show.finish(res)
         if args.json:
-            from hpcmac.io.outputs import write_atomic
-
             doc = result_json(res, tok, stop, plan)
             doc["weights"] = weights_json(stage)
             doc["prediction"] = plan_job.prediction_json(preds, layout.tp, layout.pp, no_pred)
-            write_atomic(args.json, json.dumps(doc, indent=1), what="--json")
+            try:
+                write_atomic(args.json, json.dumps(doc, indent=1), what="--json")
+            except OutputError as exc:  # a full disk: one line on every rank, exit 1
+                failed = str(exc)
+    if group.size > 1:
+        failed = group.bcast_obj(failed, 0)
+    if failed:
+        raise OutputError(failed, local=False)
     return 130 if res.interrupted else 0
 
 

@@ -335,3 +335,20 @@ def test_refusals_at_np2_are_one_line_without_the_transport_line(llama5, tmp_pat
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode == 2 and len(lines) == 1, (args, proc.stderr)
         assert lines[0].startswith(start), (args, lines)
+
+
+def test_full_disk_at_np2_is_one_line_exit_1(llama5, tmp_path):
+    """--json to a full device (mknod'd (1, 7)): rank 0 shares the failure, so every rank
+    leaves together with one error line and no MPI_ABORT banner."""
+    import stat
+
+    try:
+        os.mknod(tmp_path / "full", stat.S_IFCHR | 0o666, os.makedev(1, 7))
+    except PermissionError:
+        pytest.skip("mknod needs root")
+    proc = generate(2, "--model", llama5, "--prompt-ids", "1,2", "--max-tokens", "2",
+                    "--quiet", "--json", str(tmp_path / "full"))
+    assert proc.returncode == 1, proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("error")] == [
+        f"error: --json {tmp_path / 'full'}: cannot write: no space left on device"]
+    assert "MPI_ABORT" not in proc.stderr and "Traceback" not in proc.stderr
