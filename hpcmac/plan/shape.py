@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcmac.errors import UsageError
-from hpcmac.plan.gguf_header import GGML_TYPES, Header, _Length, read_header
+from hpcmac.plan.gguf_header import GGML_TYPES, Header, read_header
 
 
 @dataclass(frozen=True)
@@ -76,32 +76,38 @@ class ModelShape:
 
 
 def layer_costs(cfg) -> tuple[LayerCost, ...]:
-    """Parameter counts of every layer of a ``hpcmac.llm`` ModelConfig."""
-    h = cfg.hidden
+    """Parameter counts of every layer of a ``hpcmac.llm`` ModelConfig: its family's
+    matrices (:func:`hpcmac.llm.model.arch.layer_tensors`; norms and biases, under 0.01%,
+    left out), a routed expert as its three stacks' share of one expert."""
+    from hpcmac.llm.model.arch import layer_tensors
+    from hpcmac.llm.model.spec import is_expert_stack
+
     out = []
     for i in range(cfg.n_layers):
-        if cfg.mla:
-            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-            q = (h * cfg.q_lora_rank + cfg.q_lora_rank * cfg.n_heads * qk) if cfg.q_lora_rank \
-                else h * cfg.n_heads * qk
-            attn = q + h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) \
-                + cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) \
-                + cfg.n_heads * cfg.v_head_dim * h
+        dense = expert = 0
+        for t in layer_tensors(cfg, i):
+            if t.kind == "vector":
+                continue
+            n = 1
+            for s in t.shape:
+                n *= s
+            if is_expert_stack(t):
+                expert += n // t.shape[0]
+            else:
+                dense += n
+        if expert:
+            out.append(LayerCost(float(dense), float(expert), cfg.n_experts,
+                                 cfg.n_experts_per_tok))
         else:
-            attn = 2 * h * cfg.n_heads * cfg.head_dim + 2 * h * cfg.n_kv_heads * cfg.head_dim
-        if cfg.is_moe_layer(i):
-            expert = 3.0 * h * cfg.moe_intermediate
-            dense = attn + h * cfg.n_experts + cfg.n_shared_experts * expert
-            out.append(LayerCost(dense, expert, cfg.n_experts, cfg.n_experts_per_tok))
-        else:
-            out.append(LayerCost(attn + 3.0 * h * cfg.intermediate, 0.0))
+            out.append(LayerCost(float(dense), 0.0))
     return tuple(out)
 
 
 def _kv_elements(cfg) -> int:
-    if cfg.mla:
-        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return 2 * cfg.n_kv_heads * cfg.head_dim
+    """Cache elements one token adds to one layer (as the decoder's cache holds them)."""
+    from hpcmac.llm.model.cache import KVCache
+
+    return KVCache.token_bytes(cfg) // 4
 
 
 def from_config(cfg, name: str, bits: float, source_bits: str) -> ModelShape:
@@ -139,30 +145,11 @@ def from_hf_json(path: Path, name: str) -> ModelShape:
     return from_config(cfg, name, bits, why)
 
 
-class _Field:
-    """What ``GGUFCheckpoint.config`` reads of a gguf ReaderField."""
-
-    def __init__(self, value):
-        self.value = value
-        self.data = range(value) if isinstance(value, _Length) else value
-
-    def contents(self):
-        return self.value
-
-
 def _gguf_config(header: Header):
     """The decoder's ModelConfig, by the decoder's own GGUF mapping, from the header alone."""
-    from types import SimpleNamespace
+    from hpcmac.llm.model.config import GGUFMeta, config_from_gguf
 
-    from hpcmac.llm.model.gguf_loader import GGUFCheckpoint
-
-    ck = object.__new__(GGUFCheckpoint)
-    ck.path = Path(header.path)
-    ck.reader = SimpleNamespace(fields={k: _Field(v) for k, v in header.fields.items()})
-    ck._tensors = header.tensors
-    ck._arch_gguf = header.fields.get("general.architecture")
-    ck._cfg = None
-    return ck.config()
+    return config_from_gguf(GGUFMeta(dict(header.fields), header.tensors, str(header.path)))
 
 
 def from_gguf(path: Path, name: str) -> ModelShape:

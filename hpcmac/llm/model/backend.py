@@ -348,6 +348,22 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def release_mapped(arr) -> None:
+    """Drop the pages of a memory-mapped file that this process has read from its
+    resident set (``madvise(MADV_DONTNEED)``): once a stage has copied what it
+    needs, a file's pages would otherwise count in RSS although the kernel may
+    reclaim them. Reading the array again simply reads the file again."""
+    import mmap
+
+    mm = getattr(arr, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if mm is not None and advice is not None:
+        try:
+            mm.madvise(advice)
+        except (OSError, ValueError):
+            pass
+
+
 def release_freed_memory() -> None:
     """Hand the memory loading freed (temporaries of packing, dequantizing) back to the
     OS: glibc's ``malloc_trim``; nothing elsewhere."""

@@ -10,9 +10,13 @@ All values are local to a rank: each pipeline stage holds only its own layers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from hpcmac.llm.model.config import ModelConfig
+if TYPE_CHECKING:
+    from hpcmac.llm.model.arch.fields import ModelConfig
+
 
 
 class KVCache:

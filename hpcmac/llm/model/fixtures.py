@@ -15,35 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-#: tiny shapes per architecture; tests override fields to vary them
-BASE_CONFIGS: dict[str, dict] = {
-    "llama": dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256),
-    "qwen2": dict(vocab_size=96, hidden_size=40, intermediate_size=72, num_hidden_layers=3,
-                  num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=256),
-    "qwen3": dict(vocab_size=96, hidden_size=48, intermediate_size=72, num_hidden_layers=3,
-                  num_attention_heads=3, num_key_value_heads=3, head_dim=16,
-                  max_position_embeddings=256),
-    "qwen3_moe": dict(vocab_size=96, hidden_size=48, intermediate_size=72,
-                      moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=12, num_experts=6, num_experts_per_tok=2,
-                      norm_topk_prob=True, max_position_embeddings=256),
-    "deepseek_v3": dict(vocab_size=96, hidden_size=48, intermediate_size=80,
-                        moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=3,
-                        num_key_value_heads=3, n_routed_experts=8, num_experts_per_tok=3,
-                        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=24,
-                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12,
-                        v_head_dim=10, n_shared_experts=1, routed_scaling_factor=2.5,
-                        max_position_embeddings=256),
-}
-
-_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-            "qwen3_moe": "Qwen3MoeConfig", "deepseek_v3": "DeepseekV3Config"}
-
 
 def random_checkpoint(arch: str, folder: str | Path, seed: int = 0,
                       initializer_range: float = 0.1, **overrides) -> Path:
     """Write a random ``arch`` model to ``folder`` (float32 safetensors); returns the folder.
+
+    Its shapes are the family's ``tiny`` fields (``arch/<model_type>.py``) with ``overrides``.
 
     Norm weights, biases and DeepSeek's routing correction bias are perturbed
     too (transformers initialises them to constants), so every tensor matters.
@@ -51,9 +28,12 @@ def random_checkpoint(arch: str, folder: str | Path, seed: int = 0,
     import torch
     import transformers
 
-    fields = {**BASE_CONFIGS[arch], "initializer_range": initializer_range,
+    from hpcmac.llm.model.arch import family
+
+    fam = family(arch, "random_checkpoint")
+    fields = {**fam.tiny, "initializer_range": initializer_range,
               "tie_word_embeddings": False, **overrides}
-    cfg = getattr(transformers, _CLASSES[arch])(**fields)
+    cfg = getattr(transformers, fam.hf_class)(**fields)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -94,28 +74,21 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
     """
     import gguf
 
-    from hpcmac.llm.model.gguf_loader import gguf_name
+    from hpcmac.llm.model import arch as families
     from hpcmac.llm.model.weights import SafetensorsCheckpoint
 
     folder, out = Path(folder), Path(out)
-    raw = json.loads((folder / "config.json").read_text())
-    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-            "deepseek_v3": "deepseek2"}[raw["model_type"]]
     ckpt = SafetensorsCheckpoint(folder)
     cfg = ckpt.config()
-    w = gguf.GGUFWriter(str(out), arch)
+    fam = families.of(cfg)
+    gname_of = families.gguf_names(cfg)
+    w = gguf.GGUFWriter(str(out), fam.gguf_arch)
     w.add_block_count(cfg.n_layers)
     w.add_context_length(cfg.max_position)
     w.add_embedding_length(cfg.hidden)
     w.add_feed_forward_length(cfg.intermediate)
     w.add_head_count(cfg.n_heads)
     w.add_head_count_kv(cfg.n_kv_heads)
-    if arch == "deepseek2":  # the absorbed (MQA) lengths, as llama.cpp's converter writes
-        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        w.add_value_length(cfg.kv_lora_rank)
-    else:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
     w.add_rope_dimension_count(cfg.rope_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
@@ -124,19 +97,7 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
         w.add_expert_count(cfg.n_experts)
         w.add_expert_used_count(cfg.n_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate)
-    if arch == "deepseek2":
-        if cfg.q_lora_rank:
-            w.add_q_lora_rank(cfg.q_lora_rank)
-        w.add_kv_lora_rank(cfg.kv_lora_rank)
-        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-        w.add_value_length_mla(cfg.v_head_dim)
-        w.add_expert_shared_count(cfg.n_shared_experts)
-        w.add_leading_dense_block_count(cfg.first_k_dense)
-        w.add_expert_weights_scale(cfg.routed_scaling_factor)
-        w.add_expert_weights_norm(cfg.norm_topk_prob)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        w.add_expert_group_count(cfg.n_group)
-        w.add_expert_group_used_count(cfg.topk_group)
+    fam.write_gguf_meta(w, cfg)  # key/value lengths and the family's own metadata
     # a placeholder byte-level vocabulary (llama.cpp needs one; prompts are given as ids)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -160,11 +121,11 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
             tensors[f"blk.{i}.attn_v_b.weight"] = np.ascontiguousarray(
                 kv[:, cfg.qk_nope_head_dim:])  # (H, v, r)
     for name, t in tensors.items():
-        if arch == "llama" and name.endswith("q_proj.weight"):
+        if fam.gguf_qk_permuted and name.endswith("q_proj.weight"):
             t = _permute(t, cfg.n_heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
+        elif fam.gguf_qk_permuted and name.endswith("k_proj.weight"):
             t = _permute(t, cfg.n_kv_heads)
-        gname = name if name.startswith("blk.") else gguf_name(name)
+        gname = name if name.startswith("blk.") else gname_of[name]
         block = gguf.GGML_QUANT_SIZES[gtype][0]
         if t.ndim >= 2 and qtype != "F32" and t.shape[-1] % block == 0:
             data = gguf.quants.quantize(t, gtype)

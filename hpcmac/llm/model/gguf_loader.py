@@ -1,27 +1,26 @@
 """GGUF files: configuration from metadata, tensors dequantized to float32 on request.
 
 Tensors are addressed by their canonical (Hugging Face) names and translated
-to GGUF names here. The header is read by hpcmac.plan.gguf_header and the file
-memory-mapped (:class:`GGUFFile`); only the tensors asked for are dequantized.
-Llama-architecture Q/K rows, which the converter permutes for its rotary layout,
-are un-permuted back.
+to GGUF names by the family's tensor spec (:func:`hpcmac.llm.model.arch.gguf_names`);
+the configuration is the family's GGUF mapping
+(:func:`hpcmac.llm.model.arch.config_from_gguf`). The header is read by
+hpcmac.plan.gguf_header and the file memory-mapped (:class:`GGUFFile`); only the
+tensors asked for are dequantized.
+Q/K rows that the converter permutes for its rotary layout (the family says:
+``gguf_qk_permuted``, Llama) are un-permuted back.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from struct import error as struct_error
 
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.config import ModelConfig
-
-#: GGUF general.architecture -> Hugging Face model_type
-GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-              "deepseek2": "deepseek_v3"}
+from hpcmac.llm.model.arch import config_from_gguf
+from hpcmac.llm.model.arch.fields import GGUFMeta, ModelConfig
 
 #: tensor types dequantized here (via gguf.quants)
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -33,39 +32,6 @@ _BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K
 #: ``d`` alone for the symmetric types (bias derived), ``d`` and ``m`` for Q4_1/Q5_1,
 #: float32 for the K types (``d * sc`` needs up to 17 significant bits)
 _GROUP_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q5_0": 2, "Q4_1": 4, "Q5_1": 4, "Q4_K": 8, "Q5_K": 8}
-
-_LAYER_MAP = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.bias": "attn_output.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "self_attn.q_a_proj.weight": "attn_q_a.weight",
-    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
-    "self_attn.q_b_proj.weight": "attn_q_b.weight",
-    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
-    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
-    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight",
-    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
-}
-_GLOBAL_MAP = {"model.embed_tokens.weight": "token_embd.weight",
-               "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 #: opened readers by (path, size, mtime): parsing a file's metadata (a tokenizer's
 #: vocabulary and merges are ~150k fields) takes seconds, and one run opens the
@@ -220,16 +186,6 @@ def gguf_reader(path: str | Path) -> GGUFFile:
     return reader
 
 
-def gguf_name(name: str) -> str | None:
-    """The GGUF tensor name of a canonical name (None when it has no GGUF equivalent)."""
-    if name in _GLOBAL_MAP:
-        return _GLOBAL_MAP[name]
-    m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"blk.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
-    return None
-
-
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo the rotary row permutation llama.cpp's converter applies to Llama Q/K."""
     d = w.shape[0]
@@ -248,130 +204,48 @@ class GGUFCheckpoint:
             if t.data_offset + t.n_bytes > size:
                 raise UsageError(f"{self.path}: truncated: tensor {t.name} ends past the file end")
             self._tensors[t.name] = t
-        self._arch_gguf = self._field("general.architecture")
         self._cfg: ModelConfig | None = None
+        self._gguf: dict[str, str] | None = None
 
     # -- metadata ------------------------------------------------------------
-    def _field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
-
-    def _meta(self, key: str, default=None):
-        return self._field(f"{self._arch_gguf}.{key}", default)
-
-    def _need(self, key: str):
-        v = self._meta(key)
-        if v is None:
-            raise UsageError(f"{self.path}: metadata {self._arch_gguf}.{key} is missing")
-        return v
-
     def config(self) -> ModelConfig:
-        """Model configuration from the GGUF metadata (checked: ModelConfig.check, and
-        block_count against the layers the tensors hold)."""
-        if self._cfg is not None:
-            return self._cfg
-        try:
-            cfg = self._config()
-        except (TypeError, ValueError, AttributeError, ArithmeticError, KeyError) as exc:
-            raise UsageError(f"{self.path}: a metadata field has the wrong type or value "
-                             f"({type(exc).__name__}: {exc})") from None
-        blocks = {int(n.split(".")[1]) for n in self._tensors
-                  if n.startswith("blk.") and n.split(".")[1].isdigit()}
-        self._cfg = cfg.check(str(self.path), max_layers=len(blocks))
+        """Model configuration from the GGUF metadata by the family's mapping (checked:
+        ModelConfig.check, and block_count against the layers the tensors hold)."""
+        if self._cfg is None:
+            fields = {k: f.contents() for k, f in self.reader.fields.items()}
+            self._cfg = config_from_gguf(GGUFMeta(fields, self._tensors, str(self.path)))
         return self._cfg
 
-    def _config(self) -> ModelConfig:
-        arch = GGUF_ARCHS.get(self._arch_gguf)
-        if arch is None:
-            raise UsageError(f"{self.path}: general.architecture {self._arch_gguf!r} is not "
-                             f"supported; expected one of {', '.join(GGUF_ARCHS)}")
-        n_heads = int(self._need("attention.head_count"))
-        n_kv = self._meta("attention.head_count_kv", n_heads)
-        if isinstance(n_kv, list):
-            n_kv = n_kv[0]
-        hidden = int(self._need("embedding_length"))
-        vocab = self._meta("vocab_size")
-        if vocab is None:
-            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data) \
-                if "tokenizer.ggml.tokens" in self.reader.fields \
-                else int(self._tensors["token_embd.weight"].shape[1])
-        head_dim = int(self._meta("attention.key_length", hidden // n_heads))
-        scaling: dict = {"rope_type": "default"}
-        stype = self._meta("rope.scaling.type")
-        if stype and stype != "none":
-            scaling = {"rope_type": stype, "factor": float(self._meta("rope.scaling.factor", 1.0))}
-            orig = self._meta("rope.scaling.original_context_length")
-            if orig:
-                scaling["original_max_position_embeddings"] = int(orig)
-            if stype == "yarn":
-                mscale = self._meta("rope.scaling.yarn_log_multiplier")
-                if mscale:
-                    scaling["mscale"] = scaling["mscale_all_dim"] = float(mscale) / 0.1
-        eos = self._field("tokenizer.ggml.eos_token_id")
-        cfg = ModelConfig(
-            arch=arch,
-            n_layers=int(self._need("block_count")),
-            hidden=hidden,
-            vocab=int(vocab),
-            n_heads=n_heads,
-            n_kv_heads=int(n_kv),
-            head_dim=head_dim,
-            intermediate=int(self._meta("feed_forward_length", 0) or 0),
-            norm_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(self._meta("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position=int(self._meta("context_length", 4096)),
-            tie_embeddings="output.weight" not in self._tensors,
-            attention_bias="blk.0.attn_q.bias" in self._tensors,
-            o_bias="blk.0.attn_output.bias" in self._tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in self._tensors,
-            n_experts=int(self._meta("expert_count", 0) or 0),
-            n_experts_per_tok=int(self._meta("expert_used_count", 0) or 0),
-            moe_intermediate=int(self._meta("expert_feed_forward_length", 0) or 0),
-            bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[] if eos is None else [int(eos)],
-        )
-        if arch == "qwen3_moe":
-            cfg.norm_topk_prob = True  # Qwen3-MoE checkpoints all normalise
-        if arch == "deepseek_v3":
-            cfg.q_lora_rank = int(self._meta("attention.q_lora_rank", 0)) or None
-            cfg.kv_lora_rank = int(self._need("attention.kv_lora_rank"))
-            cfg.qk_rope_head_dim = int(self._need("rope.dimension_count"))
-            # newer converters write the absorbed (MQA) lengths as key/value_length
-            # and the per-head ones as key/value_length_mla
-            head_dim = int(self._meta("attention.key_length_mla", head_dim))
-            cfg.head_dim = head_dim
-            cfg.qk_nope_head_dim = head_dim - cfg.qk_rope_head_dim
-            cfg.v_head_dim = int(self._meta("attention.value_length_mla", 0)
-                                 or self._need("attention.value_length"))
-            cfg.n_kv_heads = n_heads
-            cfg.n_shared_experts = int(self._meta("expert_shared_count", 0) or 0)
-            cfg.first_k_dense = int(self._meta("leading_dense_block_count", 0) or 0)
-            cfg.routed_scaling_factor = float(self._meta("expert_weights_scale", 1.0))
-            cfg.norm_topk_prob = bool(self._meta("expert_weights_norm", False))
-            cfg.n_group = int(self._meta("expert_group_count", 1) or 1)
-            cfg.topk_group = int(self._meta("expert_group_used_count", 1) or 1)
-            cfg.rope_interleave = True
-        return cfg
+    def _qk_permuted(self) -> bool:
+        from hpcmac.llm.model import arch
+
+        return arch.of(self.config()).gguf_qk_permuted
+
+    def gguf_name(self, name: str) -> str | None:
+        """The GGUF tensor name of a canonical name (None when the model has no such tensor)."""
+        if self._gguf is None:
+            from hpcmac.llm.model.arch import gguf_names
+
+            self._gguf = gguf_names(self.config())
+        return self._gguf.get(name)
 
     # -- tensors -------------------------------------------------------------
     def names(self) -> list[str]:
         return list(self._tensors)
 
     def has(self, name: str) -> bool:
-        g = gguf_name(name)
+        g = self.gguf_name(name)
         return g is not None and g in self._tensors
 
     def _tensor(self, name: str, gname: str | None = None):
-        g = gname or gguf_name(name)
+        g = gname or self.gguf_name(name)
         if g is None or g not in self._tensors:
             raise UsageError(f"{self.path}: tensor {g or name} is missing")
         return self._tensors[g]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name.endswith("self_attn.kv_b_proj.weight") and gguf_name(name) not in self._tensors:
+        if name.endswith("self_attn.kv_b_proj.weight") and \
+                self.gguf_name(name) not in self._tensors:
             return self.shape_of_kv_b(name)
         return tuple(int(s) for s in reversed(self._tensor(name).shape))
 
@@ -380,7 +254,7 @@ class GGUFCheckpoint:
 
     def release(self) -> None:
         """Forget the file's pages read so far (the reader stays usable)."""
-        from hpcmac.llm.model.weights import release_mapped
+        from hpcmac.llm.model.backend import release_mapped
 
         release_mapped(self.reader.data)
 
@@ -389,7 +263,7 @@ class GGUFCheckpoint:
         from hpcmac.llm.model.gguf_quant import EXACT
         from hpcmac.llm.model.quant import held_nbytes
 
-        g = gguf_name(name)
+        g = self.gguf_name(name)
         if g in self._tensors and self._tensors[g].type_name in EXACT:
             t = self._tensors[g]
             return held_nbytes(self.numel(name), _BITS[t.type_name], 32,
@@ -421,12 +295,13 @@ class GGUFCheckpoint:
 
     def get_weight(self, name: str):
         """The tensor as stored: a QuantTensor for the exact GGUF types, else float32."""
-        if name.endswith("self_attn.kv_b_proj.weight") and gguf_name(name) not in self._tensors:
+        if name.endswith("self_attn.kv_b_proj.weight") and \
+                self.gguf_name(name) not in self._tensors:
             return self._kv_b_from_split(name)
         t = self._tensor(name)
         w = self._keep(t, self.shape(name))
-        if self._arch_gguf == "llama" and (name.endswith("self_attn.q_proj.weight")
-                                           or name.endswith("self_attn.k_proj.weight")):
+        if self._qk_permuted() and (name.endswith("self_attn.q_proj.weight")
+                                    or name.endswith("self_attn.k_proj.weight")):
             cfg = self.config()
             heads = cfg.n_heads if name.endswith("q_proj.weight") else cfg.n_kv_heads
             d = w.shape[0]
@@ -449,10 +324,11 @@ class GGUFCheckpoint:
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as float32 in Hugging Face layout (out, in)."""
-        if name.endswith("self_attn.kv_b_proj.weight") and gguf_name(name) not in self._tensors:
+        if name.endswith("self_attn.kv_b_proj.weight") and \
+                self.gguf_name(name) not in self._tensors:
             return self._kv_b_from_split(name)
         w = self._dequant(self._tensor(name))
-        if self._arch_gguf == "llama":
+        if self._qk_permuted():
             cfg = self.config()
             if name.endswith("self_attn.q_proj.weight"):
                 w = unpermute_rows(w, cfg.n_heads)
@@ -462,7 +338,7 @@ class GGUFCheckpoint:
 
     def _kv_b_from_split(self, name: str) -> np.ndarray:
         """kv_b_proj (H*(nope+v), r) rebuilt from attn_k_b (H, r, nope) and attn_v_b (H, v, r)."""
-        base = gguf_name(name)[:-len("attn_kv_b.weight")]
+        base = self.gguf_name(name)[:-len("attn_kv_b.weight")]
         k_b = self._dequant(self._tensor(name, base + "attn_k_b.weight"))
         v_b = self._dequant(self._tensor(name, base + "attn_v_b.weight"))
         kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # (H, nope+v, r)

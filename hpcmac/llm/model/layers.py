@@ -1,4 +1,5 @@
-"""One decoder layer's pieces: attention (GQA or latent), dense MLP, routed experts.
+"""The numerics of a decoder layer's blocks: attention (GQA or latent), dense MLP,
+routed experts and their routers (the blocks, :mod:`hpcmac.llm.model.arch.blocks`, call them).
 
 Pure functions of (backend, config, weights, packed activations, cache arrays);
 nothing here communicates. Activations are packed over a batch of sequences:
@@ -8,10 +9,14 @@ for each sequence, whose new tokens are rows ``offset:offset+n_new`` of ``x``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from hpcmac.llm.model.config import ModelConfig
 from hpcmac.llm.model.rope import apply_rope
+
+if TYPE_CHECKING:
+    from hpcmac.llm.model.arch.fields import ModelConfig
 
 NEG_INF = float("-inf")
 
@@ -198,13 +203,11 @@ def route_grouped_sigmoid(logits: np.ndarray, bias: np.ndarray, cfg: ModelConfig
     return idx, (wts * cfg.routed_scaling_factor).astype(np.float32)
 
 
-def moe(be, cfg: ModelConfig, w: dict, x):
-    """Routed experts (plus shared experts for DeepSeek-V3) over packed tokens (T, hidden)."""
+def moe(be, cfg: ModelConfig, w: dict, x, route):
+    """Routed experts (plus shared experts, ``s_*`` weights) over packed tokens (T, hidden);
+    ``route(logits, w, cfg) -> (expert ids (T, k), weights (T, k))`` chooses them."""
     logits = be.to_numpy(be.linear(x, w["router"]))
-    if cfg.arch == "deepseek_v3":
-        idx, wts = route_grouped_sigmoid(logits, w["router_bias"], cfg)
-    else:
-        idx, wts = route_softmax(logits, cfg.n_experts_per_tok, cfg.norm_topk_prob)
+    idx, wts = route(logits, w, cfg)
     out = be.zeros(x.shape)
     e_gu, e_down = w["e_gu"], w["e_down"]
     for e in np.unique(idx):

@@ -7,11 +7,14 @@ Follows transformers' ``modeling_rope_utils`` for the types these families use:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from hpcmac.llm.model.arch.fields import ModelConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

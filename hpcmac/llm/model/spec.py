@@ -1,6 +1,8 @@
 """Each architecture's tensors, described once, and each rank's share of them.
 
-:func:`layer_tensors` lists a layer's tensors: canonical name, shape, class
+:class:`TensorSpec` describes one tensor of a layer (each family's blocks,
+:mod:`hpcmac.llm.model.arch.blocks`, list them: ``arch.layer_tensors``):
+canonical and GGUF name, shape, class
 (``matrix``: a weight that ``backend.linear`` multiplies, quantizable;
 ``vector``: norms and biases; ``array``: kept in float32, MLA's absorbed
 ``kv_b``) and how tensor parallelism splits it (the axis and the unit: query
@@ -21,11 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from hpcmac.llm.model.arch.fields import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class TensorSpec:
     kind: str  # "matrix", "vector" or "array"
     split: str | None = None  # the unit it splits by (see SPLITS); None: replicated
     axis: int = 0  # the axis that splits
+    gguf: str | None = None  # its name in a GGUF file (None: none)
 
 
 #: the units a tensor splits by (see :func:`part`)
@@ -212,95 +218,20 @@ def padded_heads(cfg: ModelConfig, shard: Shard) -> tuple[int, np.ndarray, np.nd
     return n_pad, q_pad, o_take
 
 
-def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
-    """The tensors of global layer ``i`` (routed experts as one (E, out, in) stack each)."""
-    D, H = cfg.hidden, cfg.n_heads
-    p = f"model.layers.{i}."
-    a = p + "self_attn."
-    out = [TensorSpec(p + "input_layernorm.weight", (D,), "vector"),
-           TensorSpec(p + "post_attention_layernorm.weight", (D,), "vector")]
-    if cfg.mla:
-        nope, rd, r, vd = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
-                           cfg.v_head_dim)
-        if cfg.q_lora_rank:
-            out += [TensorSpec(a + "q_a_proj.weight", (cfg.q_lora_rank, D), "matrix"),
-                    TensorSpec(a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "vector"),
-                    TensorSpec(a + "q_b_proj.weight", (H * (nope + rd), cfg.q_lora_rank),
-                               "matrix", "mla_q")]
-        else:
-            out.append(TensorSpec(a + "q_proj.weight", (H * (nope + rd), D), "matrix", "mla_q"))
-        out += [TensorSpec(a + "kv_a_proj_with_mqa.weight", (r + rd, D), "matrix"),
-                TensorSpec(a + "kv_a_layernorm.weight", (r,), "vector"),
-                # absorbed into per-head (nope, r) and (r, vd) blocks: never quantized
-                TensorSpec(a + "kv_b_proj.weight", (H * (nope + vd), r), "array", "mla_kvb"),
-                TensorSpec(a + "o_proj.weight", (D, H * vd), "matrix", "mla_o", 1)]
-    else:
-        KV, d = cfg.n_kv_heads, cfg.head_dim
-        out += [TensorSpec(a + "q_proj.weight", (H * d, D), "matrix", "q"),
-                TensorSpec(a + "k_proj.weight", (KV * d, D), "matrix", "kv"),
-                TensorSpec(a + "v_proj.weight", (KV * d, D), "matrix", "kv")]
-        if cfg.attention_bias:
-            out += [TensorSpec(a + "q_proj.bias", (H * d,), "vector", "q"),
-                    TensorSpec(a + "k_proj.bias", (KV * d,), "vector", "kv"),
-                    TensorSpec(a + "v_proj.bias", (KV * d,), "vector", "kv")]
-        out.append(TensorSpec(a + "o_proj.weight", (D, H * d), "matrix", "heads_in", 1))
-        if cfg.o_bias:
-            out.append(TensorSpec(a + "o_proj.bias", (D,), "vector", "rank0"))
-        if cfg.qk_norm:
-            out += [TensorSpec(a + "q_norm.weight", (d,), "vector"),
-                    TensorSpec(a + "k_norm.weight", (d,), "vector")]
-    m = p + "mlp."
-    if cfg.is_moe_layer(i):
-        E, I = cfg.n_experts, cfg.moe_intermediate
-        out.append(TensorSpec(m + "gate.weight", (E, D), "matrix"))
-        if cfg.arch == "deepseek_v3":
-            out.append(TensorSpec(m + "gate.e_score_correction_bias", (E,), "vector"))
-        out += [TensorSpec(f"{m}experts.gate", (E, I, D), "matrix", "expert_ffn", 1),
-                TensorSpec(f"{m}experts.up", (E, I, D), "matrix", "expert_ffn", 1),
-                TensorSpec(f"{m}experts.down", (E, D, I), "matrix", "expert_ffn", 2)]
-        if cfg.n_shared_experts:
-            S = I * cfg.n_shared_experts
-            s = m + "shared_experts."
-            out += [TensorSpec(s + "gate_proj.weight", (S, D), "matrix", "shared_ffn"),
-                    TensorSpec(s + "up_proj.weight", (S, D), "matrix", "shared_ffn"),
-                    TensorSpec(s + "down_proj.weight", (D, S), "matrix", "shared_ffn", 1)]
-    else:
-        I = cfg.intermediate
-        out += [TensorSpec(m + "gate_proj.weight", (I, D), "matrix", "ffn"),
-                TensorSpec(m + "up_proj.weight", (I, D), "matrix", "ffn"),
-                TensorSpec(m + "down_proj.weight", (D, I), "matrix", "ffn", 1)]
-        if cfg.mlp_bias:
-            out += [TensorSpec(m + "gate_proj.bias", (I,), "vector", "ffn"),
-                    TensorSpec(m + "up_proj.bias", (I,), "vector", "ffn"),
-                    TensorSpec(m + "down_proj.bias", (D,), "vector", "rank0")]
-    return out
-
-
 def is_expert_stack(spec: TensorSpec) -> bool:
     """A routed-expert stack (read with ``ckpt.experts``, not ``ckpt.get``)."""
     return ".experts." in spec.name and not spec.name.endswith(".weight")
 
 
 def embed_spec(cfg: ModelConfig) -> TensorSpec:
-    return TensorSpec("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), "matrix", "vocab")
+    return TensorSpec("model.embed_tokens.weight", (cfg.vocab, cfg.hidden), "matrix", "vocab",
+                      gguf="token_embd.weight")
 
 
 def head_tensors(cfg: ModelConfig) -> list[TensorSpec]:
     """The final norm and (unless tied to the embedding) the head."""
-    out = [TensorSpec("model.norm.weight", (cfg.hidden,), "vector")]
+    out = [TensorSpec("model.norm.weight", (cfg.hidden,), "vector", gguf="output_norm.weight")]
     if not cfg.tie_embeddings:
-        out.append(TensorSpec("lm_head.weight", (cfg.vocab, cfg.hidden), "matrix", "vocab"))
-    return out
-
-
-def stage_tensors(cfg: ModelConfig, start: int, end: int, first: bool,
-                  last: bool) -> list[TensorSpec]:
-    """Every tensor a stage of layers ``[start, end)`` loads (the embedding once)."""
-    out: list[TensorSpec] = []
-    if first or (last and cfg.tie_embeddings):
-        out.append(embed_spec(cfg))
-    for i in range(start, end):
-        out += layer_tensors(cfg, i)
-    if last:
-        out += head_tensors(cfg)
+        out.append(TensorSpec("lm_head.weight", (cfg.vocab, cfg.hidden), "matrix", "vocab",
+                              gguf="output.weight"))
     return out

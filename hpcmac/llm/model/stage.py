@@ -19,19 +19,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model import spec
+from hpcmac.llm.model import arch, spec
+from hpcmac.llm.model.arch.base import Step
 from hpcmac.llm.model.backend import QWeight, get_backend, release_freed_memory
 from hpcmac.llm.model.cache import KVCache
 from hpcmac.llm.model.config import ModelConfig
-from hpcmac.llm.model.layers import attention, latent_attention, mlp, moe
 from hpcmac.llm.model.qkernels import NQWeight
-from hpcmac.llm.model.quant import (
-    QuantTensor,
-    as_float,
-    concat_rows,
-    mlx_held_nbytes,
-    numpy_held_nbytes,
-)
+from hpcmac.llm.model.quant import QuantTensor, as_float, mlx_held_nbytes, numpy_held_nbytes
 from hpcmac.llm.model.rope import cos_sin, rope_frequencies, softmax_scale
 from hpcmac.llm.model.spec import Shard, TensorSpec
 from hpcmac.llm.model.weights import open_checkpoint
@@ -93,6 +87,8 @@ class Stage:
         self.local = _local_config(config, self.shard)
         self._inv_freq, self._att = rope_frequencies(config)
         self._scale = softmax_scale(config)
+        #: each layer's blocks (its family's :class:`~hpcmac.llm.model.arch.blocks.Layer`)
+        self._blocks = [arch.layer(config, i) for i in range(start, end)]
 
     @property
     def vocab(self) -> tuple[int, int]:
@@ -154,13 +150,9 @@ class Stage:
         x = be.asarray(h)
         seqs = batch.seqs()
         cfg = self.local  # this rank's heads (all of them on one rank)
-        attn = latent_attention if cfg.mla else attention
-        for j, w in enumerate(self.layers):
-            a = attn(be, cfg, w, be.rms_norm(x, w["ln1"], cfg.norm_eps), seqs,
-                     cache.k[j], cache.v[j], cos, sin, self._scale)
-            x = x + self._sum(a)
-            y = be.rms_norm(x, w["ln2"], cfg.norm_eps)
-            x = x + self._sum(moe(be, cfg, w, y) if "router" in w else mlp(be, w, y))
+        step = Step(seqs, cos, sin, self._scale, self._sum)
+        for j, (layer, w) in enumerate(zip(self._blocks, self.layers)):
+            x = layer.forward(be, cfg, w, x, step, cache.k[j], cache.v[j])
         be.eval(x, *cache.k, *cache.v)
         for slot, _, n, pos in seqs:
             cache.lengths[slot] = pos + n
@@ -209,7 +201,7 @@ class _Loader:
         self.formats: dict[str, int] = {}
 
     def layer(self, i: int) -> None:
-        self.specs = {t.name: t for t in spec.layer_tensors(self.cfg, i)}
+        self.specs = {t.name: t for t in arch.layer_tensors(self.cfg, i)}
 
     def _read(self, name: str, sp: TensorSpec, keep: bool):
         if spec.is_expert_stack(sp):
@@ -266,66 +258,9 @@ class _Loader:
 
 def _load_layer(ld: _Loader, cfg: ModelConfig, i: int) -> dict:
     """Weights of global layer ``i`` in the backend's arrays, projections fused
-    (this rank's part of each under tensor parallelism)."""
-    be = ld.be
+    (this rank's part of each under tensor parallelism), as its family's blocks read them."""
     ld.layer(i)
-    p = f"model.layers.{i}."
-    a = p + "self_attn."
-    w: dict = {"ln1": ld(p + "input_layernorm.weight"),
-               "ln2": ld(p + "post_attention_layernorm.weight")}
-    if cfg.mla:
-        nope, vd, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        if cfg.q_lora_rank:
-            w["wq_a"] = ld.w(a + "q_a_proj.weight")
-            w["q_a_norm"] = ld(a + "q_a_layernorm.weight")
-            w["wq_b"] = ld.w(a + "q_b_proj.weight")
-        else:
-            w["wq"] = ld.w(a + "q_proj.weight")
-        w["wkv_a"] = ld.w(a + "kv_a_proj_with_mqa.weight")
-        w["kv_a_norm"] = ld(a + "kv_a_layernorm.weight")
-        kvb = ld.np(a + "kv_b_proj.weight").reshape(-1, nope + vd, r)
-        w["w_uk"] = be.asarray(kvb[:, :nope, :])  # (H, nope, r)
-        w["w_uv_t"] = be.asarray(kvb[:, nope:, :].transpose(0, 2, 1))  # (H, r, vd)
-        w["wo"] = ld.w(a + "o_proj.weight")
-    else:
-        qkv = [ld.raw(a + f"{x}_proj.weight") for x in "qkv"]
-        w["wqkv"] = be.weight(concat_rows(qkv))
-        if cfg.attention_bias:
-            w["bqkv"] = be.asarray(np.concatenate([ld.np(a + f"{x}_proj.bias") for x in "qkv"]))
-        w["wo"] = ld.w(a + "o_proj.weight")
-        if cfg.o_bias and ld.has_part(a + "o_proj.bias"):
-            w["bo"] = ld(a + "o_proj.bias")
-        if cfg.qk_norm:
-            w["q_norm"] = ld(a + "q_norm.weight")
-            w["k_norm"] = ld(a + "k_norm.weight")
-        pad = spec.padded_heads(cfg, ld.shard)
-        if pad is not None:  # part of a KV group: heads padded to whole groups
-            w["q_pad"], w["o_take"] = be.index(pad[1]), be.index(pad[2])
-    m = p + "mlp."
-    if cfg.is_moe_layer(i):
-        w["router"] = ld.w(m + "gate.weight")
-        if cfg.arch == "deepseek_v3":
-            w["router_bias"] = ld.np(m + "gate.e_score_correction_bias")
-        gate = ld.raw(m + "experts.gate")
-        up = ld.raw(m + "experts.up")
-        w["e_gu"] = be.weight(concat_rows([gate, up], axis=1))  # (E, 2I, D)
-        del gate, up
-        w["e_down"] = be.weight(ld.raw(m + "experts.down"))
-        if cfg.n_shared_experts:
-            s = m + "shared_experts."
-            w["s_w_gu"] = be.weight(concat_rows(
-                [ld.raw(s + "gate_proj.weight"), ld.raw(s + "up_proj.weight")]))
-            w["s_w_down"] = ld.w(s + "down_proj.weight")
-    else:
-        w["w_gu"] = be.weight(concat_rows(
-            [ld.raw(m + "gate_proj.weight"), ld.raw(m + "up_proj.weight")]))
-        w["w_down"] = ld.w(m + "down_proj.weight")
-        if cfg.mlp_bias:
-            w["b_gu"] = be.asarray(np.concatenate(
-                [ld.np(m + "gate_proj.bias"), ld.np(m + "up_proj.bias")]))
-            if ld.has_part(m + "down_proj.bias"):
-                w["b_down"] = ld(m + "down_proj.bias")
-    return w
+    return arch.layer(cfg, i).load(ld, cfg, i)
 
 
 def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: bool = True,

@@ -25,6 +25,7 @@ import numpy as np
 
 from hpcmac.errors import UsageError
 from hpcmac.io.inputs import decode_text, parse_json, read_text
+from hpcmac.llm.model.backend import release_mapped
 from hpcmac.llm.model.config import ModelConfig, is_gguf, resolve_model
 from hpcmac.llm.model.quant import (
     QuantTensor,
@@ -317,22 +318,6 @@ class SafetensorsCheckpoint:
         return None
 
 
-def release_mapped(arr) -> None:
-    """Drop the pages of a memory-mapped file that this process has read from its
-    resident set (``madvise(MADV_DONTNEED)``): once a stage has copied what it
-    needs, a file's pages would otherwise count in RSS although the kernel may
-    reclaim them. Reading the array again simply reads the file again."""
-    import mmap
-
-    mm = getattr(arr, "_mmap", None)
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    if mm is not None and advice is not None:
-        try:
-            mm.madvise(advice)
-        except (OSError, ValueError):
-            pass
-
-
 def open_checkpoint(path_or_name: str | os.PathLike):
     """A :class:`SafetensorsCheckpoint` or :class:`~hpcmac.llm.model.gguf_loader.GGUFCheckpoint`."""
     path = resolve_model(path_or_name)
@@ -359,10 +344,10 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
     counts its quantized bytes. ``shard``: this rank's part under tensor
     parallelism (:class:`hpcmac.llm.model.spec.Shard`; its share of each
     tensor). Every tensor's shape is checked against the model's description
-    (:mod:`hpcmac.llm.model.spec`), as the loader does. Global: the same on
+    (:func:`hpcmac.llm.model.arch.stage_tensors`), as the loader does. Global: the same on
     every rank.
     """
-    from hpcmac.llm.model import spec
+    from hpcmac.llm.model import arch, spec
 
     ckpt = path_or_ckpt if hasattr(path_or_ckpt, "numel") else open_checkpoint(path_or_ckpt)
     cfg = ckpt.config()
@@ -370,7 +355,7 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
     stored = getattr(ckpt, "stored_nbytes", None)
     held = getattr(ckpt, "experts_nbytes", None)
     total = 0
-    for t in spec.stage_tensors(cfg, start, end, first, last):
+    for t in arch.stage_tensors(cfg, start, end, first, last):
         shape = spec.local_shape(t, cfg, shard)
         numel = int(np.prod(shape, dtype=np.int64))
         frac = numel / max(1, int(np.prod(t.shape, dtype=np.int64)))

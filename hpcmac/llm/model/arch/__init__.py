@@ -1,0 +1,121 @@
+"""Model families, one module each, registered here by ``model_type``.
+
+A family module ``arch/<model_type>.py`` defines ``FAMILY``
+(:class:`~hpcmac.llm.model.arch.base.Family`): its config mappings from
+``config.json`` and GGUF metadata, and the blocks (:mod:`.blocks`) each of its
+layers is made of, which give the layer's tensors (names, GGUF names, shapes,
+class, tensor-parallel split), its loading and its forward. Adding a family is
+its module, its test and one entry in :data:`NAMES`.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+from hpcmac.errors import UsageError
+
+if TYPE_CHECKING:
+    from hpcmac.llm.model.arch.base import Family
+    from hpcmac.llm.model.arch.fields import GGUFMeta, ModelConfig
+    from hpcmac.llm.model.spec import TensorSpec
+
+#: the supported families, by Hugging Face ``model_type`` (= their module's name)
+NAMES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def families() -> dict[str, Family]:
+    """Every family by ``model_type``, in :data:`NAMES` order (their modules imported on
+    first use, so that importing a block or the config imports no family)."""
+    if not _FAMILIES:
+        for n in NAMES:
+            _FAMILIES[n] = import_module(f"{__name__}.{n}").FAMILY
+    return _FAMILIES
+
+
+def family(model_type, where: str) -> Family:
+    """The family of a ``model_type``; UsageError naming ``where``, listing the supported."""
+    fams = families()
+    if model_type not in fams:
+        raise UsageError(f"{where}: model_type {model_type!r} is not supported; "
+                         f"expected one of {', '.join(fams)}")
+    return fams[model_type]
+
+
+def gguf_family(arch, where: str) -> Family:
+    """The family of a GGUF ``general.architecture``; UsageError listing the supported ones."""
+    by_gguf = {f.gguf_arch: f for f in families().values() if f.gguf_arch}
+    if arch not in by_gguf:
+        raise UsageError(f"{where}: general.architecture {arch!r} is not supported; "
+                         f"expected one of {', '.join(by_gguf)}")
+    return by_gguf[arch]
+
+
+def of(cfg: ModelConfig) -> Family:
+    """The family of a :class:`~hpcmac.llm.model.config.ModelConfig`."""
+    return families()[cfg.arch]
+
+
+# -- the configuration ---------------------------------------------------------------
+
+def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
+    """Build a :class:`ModelConfig` from the dict of a Hugging Face ``config.json``
+    by its family's mapping (checked: :meth:`ModelConfig.check`)."""
+    if not isinstance(raw, dict):
+        raise UsageError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    fam = family(raw.get("model_type"), where)
+    try:
+        cfg = fam.from_hf(raw, where)
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise UsageError(f"{where}: num_attention_heads {cfg.n_heads} is not a multiple of "
+                             f"num_key_value_heads {cfg.n_kv_heads}")
+        return cfg.check(where)
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:
+        raise UsageError(f"{where}: a field has the wrong type or value ({exc})") from None
+
+
+def config_from_gguf(meta: GGUFMeta) -> ModelConfig:
+    """Build a :class:`ModelConfig` from GGUF metadata by its family's mapping (checked:
+    :meth:`ModelConfig.check`, and block_count against the layers the tensors hold)."""
+    try:
+        fam = gguf_family(meta.arch, meta.where)
+        cfg = fam.from_gguf(meta)
+    except (TypeError, ValueError, AttributeError, ArithmeticError, KeyError) as exc:
+        raise UsageError(f"{meta.where}: a metadata field has the wrong type or value "
+                         f"({type(exc).__name__}: {exc})") from None
+    return cfg.check(meta.where, max_layers=meta.n_blocks())
+
+
+# -- the tensors ------------------------------------------------------------------
+
+def layer(cfg: ModelConfig, i: int):
+    """The :class:`~hpcmac.llm.model.arch.blocks.Layer` of global layer ``i``."""
+    return of(cfg).layer(cfg, i)
+
+
+def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+    """The tensors of global layer ``i`` (routed experts as one (E, out, in) stack each),
+    as its family's blocks describe them."""
+    return layer(cfg, i).tensors(cfg, i)
+
+
+def stage_tensors(cfg: ModelConfig, start: int, end: int, first: bool,
+                  last: bool) -> list[TensorSpec]:
+    """Every tensor a stage of layers ``[start, end)`` loads (the embedding once)."""
+    from hpcmac.llm.model.spec import embed_spec, head_tensors
+
+    out: list[TensorSpec] = []
+    if first or (last and cfg.tie_embeddings):
+        out.append(embed_spec(cfg))
+    for i in range(start, end):
+        out += layer_tensors(cfg, i)
+    if last:
+        out += head_tensors(cfg)
+    return out
+
+
+def gguf_names(cfg: ModelConfig) -> dict[str, str]:
+    """Canonical name -> GGUF name of every tensor of the model (those with a GGUF form)."""
+    return {t.name: t.gguf for t in stage_tensors(cfg, 0, cfg.n_layers, True, True) if t.gguf}

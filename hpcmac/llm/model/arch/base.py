@@ -1,0 +1,65 @@
+"""What a model family is: its config mappings and the blocks each of its layers is made of.
+
+A family module (``arch/<model_type>.py``) defines one :class:`Family`; the
+registry (``arch/__init__.py``) finds it by ``model_type`` or by GGUF
+``general.architecture``. Everything else (the loader, the planners' byte
+counts, tensor-parallel slicing, the test fixtures) asks the family. Pure: no
+file is read here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcmac.llm.model.arch.fields import GGUFMeta, ModelConfig
+
+
+@dataclass
+class Step:
+    """What every layer of one forward step shares (local to the stage).
+
+    seqs : (slot, row offset, n_new, start position) per sequence (``Batch.seqs``)
+    cos, sin : (T_total, 1, rope_dim/2) rotary angles of the packed tokens
+    scale : attention logit scale
+    sum : the tensor group's sum of a partial result (the identity on one rank)
+    """
+
+    seqs: list
+    cos: Any
+    sin: Any
+    scale: float
+    sum: Callable
+
+
+def _default_gguf_meta(w, cfg: ModelConfig) -> None:
+    """Per-head key/value lengths (every family without latent attention)."""
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture (global: every rank reads the same).
+
+    model_type : Hugging Face ``config.json`` ``model_type``
+    gguf_arch : GGUF ``general.architecture`` (None: no GGUF form)
+    from_hf : ``(raw config.json dict, where) -> ModelConfig`` (unchecked; the caller checks)
+    from_gguf : ``(GGUFMeta) -> ModelConfig``
+    layer : ``(cfg, global layer index) -> Layer``: the blocks of that layer
+    hf_class : transformers' config class (test fixtures build random checkpoints with it)
+    tiny : the fixtures' small shapes (``config.json`` fields)
+    gguf_qk_permuted : llama.cpp's converter permutes the Q/K rows for its rotary layout
+    write_gguf_meta : ``(gguf.GGUFWriter, cfg)``: the family's own GGUF metadata (fixtures)
+    """
+
+    model_type: str
+    gguf_arch: str | None
+    from_hf: Callable[[dict, str], ModelConfig]
+    from_gguf: Callable[[GGUFMeta], ModelConfig] | None
+    layer: Callable[[ModelConfig, int], Any]
+    hf_class: str
+    tiny: dict = field(default_factory=dict)
+    gguf_qk_permuted: bool = False
+    write_gguf_meta: Callable = _default_gguf_meta

@@ -1,0 +1,270 @@
+"""The shared blocks a family's layers are made of, each described once.
+
+A block owns, for its part of a layer: its tensors (canonical and GGUF names,
+shape, class, how tensor parallelism splits it: :class:`~hpcmac.llm.model.spec.TensorSpec`),
+how the loader reads them into the layer's weight dict (fused, this rank's
+slice), and its forward. The numerics are in :mod:`hpcmac.llm.model.layers`
+(attention, MLP, experts, routers) and :mod:`hpcmac.llm.model.rope`; a block
+calls them. Communication-free, like all model code: partial results under
+tensor parallelism are summed by ``step.sum``, which the stage provides.
+
+Blocks: :class:`GQA` (MHA/GQA/MQA, optional Q/K/V and output biases, optional
+per-head Q/K RMSNorm), :class:`MLA` (multi-head latent attention, absorbed
+up-projection), :class:`MLP` (SwiGLU, optional biases), :class:`MoE` (routed
+experts with a router, optional correction bias, optional shared experts) and
+:class:`Layer` (the pre-norm residual layer: ``x + attn(norm x)``, ``x + ffn(norm x)``).
+Routers: :func:`softmax_topk`, :func:`sigmoid_grouped`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hpcmac.llm.model import layers
+from hpcmac.llm.model.quant import concat_rows
+from hpcmac.llm.model.spec import TensorSpec, padded_heads
+
+if TYPE_CHECKING:
+    from hpcmac.llm.model.arch.fields import ModelConfig
+
+
+def tensor(i: int, name: str, gguf: str, shape: tuple[int, ...], kind: str,
+           split: str | None = None, axis: int = 0) -> TensorSpec:
+    """Tensor ``model.layers.{i}.{name}`` of layer ``i``, ``blk.{i}.{gguf}`` in a GGUF file."""
+    return TensorSpec(f"model.layers.{i}.{name}", tuple(int(s) for s in shape), kind, split,
+                      axis, f"blk.{i}.{gguf}")
+
+
+def _p(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+# -- attention ------------------------------------------------------------------
+
+class GQA:
+    """Grouped-query attention: fused QKV; ``cfg.attention_bias`` (Q/K/V biases),
+    ``cfg.o_bias``, ``cfg.qk_norm`` (RMSNorm on each head of Q and K); rotate-half rope.
+    The cache holds per-KV-head K and V."""
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D, H, KV, d = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        out = [tensor(i, "self_attn.q_proj.weight", "attn_q.weight", (H * d, D), "matrix", "q"),
+               tensor(i, "self_attn.k_proj.weight", "attn_k.weight", (KV * d, D), "matrix", "kv"),
+               tensor(i, "self_attn.v_proj.weight", "attn_v.weight", (KV * d, D), "matrix", "kv")]
+        if cfg.attention_bias:
+            out += [tensor(i, "self_attn.q_proj.bias", "attn_q.bias", (H * d,), "vector", "q"),
+                    tensor(i, "self_attn.k_proj.bias", "attn_k.bias", (KV * d,), "vector", "kv"),
+                    tensor(i, "self_attn.v_proj.bias", "attn_v.bias", (KV * d,), "vector", "kv")]
+        out.append(tensor(i, "self_attn.o_proj.weight", "attn_output.weight", (D, H * d),
+                          "matrix", "heads_in", 1))
+        if cfg.o_bias:
+            out.append(tensor(i, "self_attn.o_proj.bias", "attn_output.bias", (D,), "vector",
+                              "rank0"))
+        if cfg.qk_norm:
+            out += [tensor(i, "self_attn.q_norm.weight", "attn_q_norm.weight", (d,), "vector"),
+                    tensor(i, "self_attn.k_norm.weight", "attn_k_norm.weight", (d,), "vector")]
+        return out
+
+    def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
+        be, a = ld.be, _p(i) + "self_attn."
+        qkv = [ld.raw(a + f"{x}_proj.weight") for x in "qkv"]
+        w["wqkv"] = be.weight(concat_rows(qkv))
+        if cfg.attention_bias:
+            w["bqkv"] = be.asarray(np.concatenate([ld.np(a + f"{x}_proj.bias") for x in "qkv"]))
+        w["wo"] = ld.w(a + "o_proj.weight")
+        if cfg.o_bias and ld.has_part(a + "o_proj.bias"):
+            w["bo"] = ld(a + "o_proj.bias")
+        if cfg.qk_norm:
+            w["q_norm"] = ld(a + "q_norm.weight")
+            w["k_norm"] = ld(a + "k_norm.weight")
+        pad = padded_heads(cfg, ld.shard)
+        if pad is not None:  # part of a KV group: heads padded to whole groups
+            w["q_pad"], w["o_take"] = be.index(pad[1]), be.index(pad[2])
+
+    def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv):
+        return layers.attention(be, cfg, w, x, step.seqs, ck, cv, step.cos, step.sin,
+                                step.scale)
+
+
+class MLA:
+    """Multi-head latent attention (DeepSeek-V3): optional Q LoRA (``cfg.q_lora_rank``),
+    the latent and shared rotary key cached, ``kv_b`` absorbed into per-head blocks."""
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D, H = cfg.hidden, cfg.n_heads
+        nope, rd, r, vd = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                           cfg.v_head_dim)
+        a = "self_attn."
+        if cfg.q_lora_rank:
+            out = [tensor(i, a + "q_a_proj.weight", "attn_q_a.weight", (cfg.q_lora_rank, D),
+                          "matrix"),
+                   tensor(i, a + "q_a_layernorm.weight", "attn_q_a_norm.weight",
+                          (cfg.q_lora_rank,), "vector"),
+                   tensor(i, a + "q_b_proj.weight", "attn_q_b.weight",
+                          (H * (nope + rd), cfg.q_lora_rank), "matrix", "mla_q")]
+        else:
+            out = [tensor(i, a + "q_proj.weight", "attn_q.weight", (H * (nope + rd), D),
+                          "matrix", "mla_q")]
+        out += [tensor(i, a + "kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight", (r + rd, D),
+                       "matrix"),
+                tensor(i, a + "kv_a_layernorm.weight", "attn_kv_a_norm.weight", (r,), "vector"),
+                # absorbed into per-head (nope, r) and (r, vd) blocks: never quantized
+                tensor(i, a + "kv_b_proj.weight", "attn_kv_b.weight", (H * (nope + vd), r),
+                       "array", "mla_kvb"),
+                tensor(i, a + "o_proj.weight", "attn_output.weight", (D, H * vd), "matrix",
+                       "mla_o", 1)]
+        return out
+
+    def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
+        be, a = ld.be, _p(i) + "self_attn."
+        nope, vd, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            w["wq_a"] = ld.w(a + "q_a_proj.weight")
+            w["q_a_norm"] = ld(a + "q_a_layernorm.weight")
+            w["wq_b"] = ld.w(a + "q_b_proj.weight")
+        else:
+            w["wq"] = ld.w(a + "q_proj.weight")
+        w["wkv_a"] = ld.w(a + "kv_a_proj_with_mqa.weight")
+        w["kv_a_norm"] = ld(a + "kv_a_layernorm.weight")
+        kvb = ld.np(a + "kv_b_proj.weight").reshape(-1, nope + vd, r)
+        w["w_uk"] = be.asarray(kvb[:, :nope, :])  # (H, nope, r)
+        w["w_uv_t"] = be.asarray(kvb[:, nope:, :].transpose(0, 2, 1))  # (H, r, vd)
+        w["wo"] = ld.w(a + "o_proj.weight")
+
+    def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv):
+        return layers.latent_attention(be, cfg, w, x, step.seqs, ck, cv, step.cos, step.sin,
+                                       step.scale)
+
+
+# -- feed-forward -----------------------------------------------------------------
+
+class MLP:
+    """Dense SwiGLU MLP, gate and up fused; ``cfg.mlp_bias``."""
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D, I = cfg.hidden, cfg.intermediate
+        out = [tensor(i, "mlp.gate_proj.weight", "ffn_gate.weight", (I, D), "matrix", "ffn"),
+               tensor(i, "mlp.up_proj.weight", "ffn_up.weight", (I, D), "matrix", "ffn"),
+               tensor(i, "mlp.down_proj.weight", "ffn_down.weight", (D, I), "matrix", "ffn", 1)]
+        if cfg.mlp_bias:
+            out += [tensor(i, "mlp.gate_proj.bias", "ffn_gate.bias", (I,), "vector", "ffn"),
+                    tensor(i, "mlp.up_proj.bias", "ffn_up.bias", (I,), "vector", "ffn"),
+                    tensor(i, "mlp.down_proj.bias", "ffn_down.bias", (D,), "vector", "rank0")]
+        return out
+
+    def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
+        be, m = ld.be, _p(i) + "mlp."
+        w["w_gu"] = be.weight(concat_rows(
+            [ld.raw(m + "gate_proj.weight"), ld.raw(m + "up_proj.weight")]))
+        w["w_down"] = ld.w(m + "down_proj.weight")
+        if cfg.mlp_bias:
+            w["b_gu"] = be.asarray(np.concatenate(
+                [ld.np(m + "gate_proj.bias"), ld.np(m + "up_proj.bias")]))
+            if ld.has_part(m + "down_proj.bias"):
+                w["b_down"] = ld(m + "down_proj.bias")
+
+    def forward(self, be, cfg: ModelConfig, w: dict, x):
+        return layers.mlp(be, w, x)
+
+
+def softmax_topk(logits: np.ndarray, w: dict, cfg: ModelConfig):
+    """Softmax over the experts, top ``n_experts_per_tok``, renormalised if
+    ``norm_topk_prob`` (Qwen3-MoE)."""
+    return layers.route_softmax(logits, cfg.n_experts_per_tok, cfg.norm_topk_prob)
+
+
+def sigmoid_grouped(logits: np.ndarray, w: dict, cfg: ModelConfig):
+    """Sigmoid scores, the correction bias for the choice only, group-limited top-k
+    (``n_group``, ``topk_group``), ``routed_scaling_factor`` (DeepSeek-V3)."""
+    return layers.route_grouped_sigmoid(logits, w["router_bias"], cfg)
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Routed experts (one (E, out, in) stack per projection) chosen by ``route``,
+    plus ``cfg.n_shared_experts`` shared experts (one SwiGLU of their summed width).
+
+    route : ``(router logits (T, E) float32, weights, cfg) -> (expert ids, weights)``
+    correction_bias : the router has ``e_score_correction_bias`` (read as ``router_bias``)
+    """
+
+    route: Callable = softmax_topk
+    correction_bias: bool = False
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D, E, I = cfg.hidden, cfg.n_experts, cfg.moe_intermediate
+        out = [tensor(i, "mlp.gate.weight", "ffn_gate_inp.weight", (E, D), "matrix")]
+        if self.correction_bias:
+            out.append(tensor(i, "mlp.gate.e_score_correction_bias", "exp_probs_b.bias", (E,),
+                              "vector"))
+        out += [tensor(i, "mlp.experts.gate", "ffn_gate_exps.weight", (E, I, D), "matrix",
+                       "expert_ffn", 1),
+                tensor(i, "mlp.experts.up", "ffn_up_exps.weight", (E, I, D), "matrix",
+                       "expert_ffn", 1),
+                tensor(i, "mlp.experts.down", "ffn_down_exps.weight", (E, D, I), "matrix",
+                       "expert_ffn", 2)]
+        if cfg.n_shared_experts:
+            S = I * cfg.n_shared_experts
+            s = "mlp.shared_experts."
+            out += [tensor(i, s + "gate_proj.weight", "ffn_gate_shexp.weight", (S, D), "matrix",
+                           "shared_ffn"),
+                    tensor(i, s + "up_proj.weight", "ffn_up_shexp.weight", (S, D), "matrix",
+                           "shared_ffn"),
+                    tensor(i, s + "down_proj.weight", "ffn_down_shexp.weight", (D, S), "matrix",
+                           "shared_ffn", 1)]
+        return out
+
+    def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
+        be, m = ld.be, _p(i) + "mlp."
+        w["router"] = ld.w(m + "gate.weight")
+        if self.correction_bias:
+            w["router_bias"] = ld.np(m + "gate.e_score_correction_bias")
+        gate = ld.raw(m + "experts.gate")
+        up = ld.raw(m + "experts.up")
+        w["e_gu"] = be.weight(concat_rows([gate, up], axis=1))  # (E, 2I, D)
+        del gate, up
+        w["e_down"] = be.weight(ld.raw(m + "experts.down"))
+        if cfg.n_shared_experts:
+            s = m + "shared_experts."
+            w["s_w_gu"] = be.weight(concat_rows(
+                [ld.raw(s + "gate_proj.weight"), ld.raw(s + "up_proj.weight")]))
+            w["s_w_down"] = ld.w(s + "down_proj.weight")
+
+    def forward(self, be, cfg: ModelConfig, w: dict, x):
+        return layers.moe(be, cfg, w, x, self.route)
+
+
+# -- the layer ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layer:
+    """A pre-norm decoder layer: ``x += attention(rms_norm(x))``, ``x += ffn(rms_norm(x))``
+    (``input_layernorm``, ``post_attention_layernorm``)."""
+
+    attention: object
+    ffn: object
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D = cfg.hidden
+        return [tensor(i, "input_layernorm.weight", "attn_norm.weight", (D,), "vector"),
+                tensor(i, "post_attention_layernorm.weight", "ffn_norm.weight", (D,), "vector"),
+                *self.attention.tensors(cfg, i), *self.ffn.tensors(cfg, i)]
+
+    def load(self, ld, cfg: ModelConfig, i: int) -> dict:
+        p = _p(i)
+        w: dict = {"ln1": ld(p + "input_layernorm.weight"),
+                   "ln2": ld(p + "post_attention_layernorm.weight")}
+        self.attention.load(ld, cfg, i, w)
+        self.ffn.load(ld, cfg, i, w)
+        return w
+
+    def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv):
+        a = self.attention.forward(be, cfg, w, be.rms_norm(x, w["ln1"], cfg.norm_eps), step,
+                                   ck, cv)
+        x = x + step.sum(a)
+        y = be.rms_norm(x, w["ln2"], cfg.norm_eps)
+        return x + step.sum(self.ffn.forward(be, cfg, w, y))
