@@ -14,6 +14,12 @@ that acts at once, whatever the main thread is doing:
    ``MPI_Finalize`` (which would wait for ranks that are not coming); the
    launcher sees a rank leave and ends the others.
 
+A rank started by Open MPI's launcher (``prterun``/``prted``, or MPICH's proxy) also
+asks the kernel for a SIGTERM when that parent exits (``PR_SET_PDEATHSIG``, Linux): the
+launcher puts each rank in a process group of its own, so a launcher that is killed or
+crashes would otherwise leave its ranks running (a one-rank ``serve`` has no MPI
+connection that could notice). The SIGTERM ends the rank as above.
+
 A command that installs its own SIGINT handler (the LLM pipeline's
 stop-after-this-step on the first Ctrl-C) keeps it: the watcher acts only on
 signals whose handler is still :func:`install`'s. A SIGINT ignored by the
@@ -160,3 +166,22 @@ def install() -> None:
     _state["sockets"] = (reader, writer)  # kept alive with the process
     threading.Thread(target=_watch, args=(reader, tuple(handled)), daemon=True,
                      name="hpcmac-interrupts").start()
+    if launcher_parent():
+        from hpcmac.mpirun import die_with_parent
+
+        die_with_parent(signal.SIGTERM)
+
+
+#: the processes that start ranks: Open MPI 5 (PRRTE), Open MPI 4, MPICH (hydra)
+LAUNCHERS = ("prterun", "prted", "orted", "mpirun", "mpiexec", "hydra_pmi_proxy")
+
+
+def launcher_parent() -> bool:
+    """Whether this process is a rank whose parent is an MPI launcher or its daemon."""
+    if not any(v in os.environ for v in ("PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")):
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/comm") as fh:
+            return fh.read().strip() in LAUNCHERS
+    except OSError:
+        return False

@@ -151,57 +151,245 @@ def _foreground_of_a_terminal() -> bool:
         return False
 
 
-def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) -> int:
-    """Start mpirun, forward signals, enforce ``timeout``; mpirun's exit code (124 past it)."""
-    child = subprocess.Popen(argv, env=env)
-    tty_signals = _foreground_of_a_terminal()
-    received: list[int] = []
+# -- the job's lifetime: nothing of it outlives this process ------------------------------------
 
-    def forward(signum, _frame):
-        received.append(signum)
-        # a Ctrl-C at the terminal already reached mpirun (same process group): a second
-        # copy would make it abort without cleaning up
-        if tty_signals and signum in (signal.SIGINT, signal.SIGQUIT):
-            return
+STOPS = (signal.SIGINT, signal.SIGTERM)
+POLL_S = 0.2
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_libc = None
+
+
+def _prctl(option: int, value: int) -> bool:
+    """``prctl(option, value)`` (Linux); False elsewhere or when refused."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL(None, use_errno=True)
+        return _libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(signum: int) -> bool:
+    """Have the kernel send ``signum`` to this process when its parent exits (Linux;
+    survives exec). A parent already gone gets the signal sent at once."""
+    ppid = os.getppid()
+    if not _prctl(_PR_SET_PDEATHSIG, signum):
+        return False
+    if os.getppid() != ppid:
+        os.kill(os.getpid(), signum)
+    return True
+
+
+def is_open_mpi(mpirun: str) -> bool:
+    """Open MPI 5's launcher (PRRTE's ``prterun``, which ``mpirun`` becomes)."""
+    return (os.path.basename(os.path.realpath(mpirun)) == "prterun"
+            or os.path.exists(os.path.join(os.path.dirname(mpirun), "prterun")))
+
+
+def pending_stops(pid: int) -> list[int]:
+    """SIGINT/SIGTERM pending (blocked, not yet taken) in process ``pid``, from /proc."""
+    bits = 0
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(("SigPnd:", "ShdPnd:")):
+                    bits |= int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        return []
+    return [s for s in STOPS if bits >> (s - 1) & 1]
+
+
+def _children() -> list[int]:
+    """This process's children (orphans of the job land here: we are a subreaper)."""
+    me = str(os.getpid())
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
         try:
-            child.send_signal(signum)
+            with open(f"/proc/{d}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2:].split()[1] == me:
+            found.append(int(d))
+    return found
+
+
+def _reap(pid: int) -> bool:
+    """Whether ``pid`` (our child) has exited; reaps it."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return done == pid
+
+
+def end_orphans(grace: float = 2.0) -> int:
+    """TERM, then KILL after ``grace`` seconds, every live child of ours; how many there were.
+
+    mpirun's ranks run in process groups of their own; when mpirun dies without ending
+    them (killed, crashed) the kernel gives them to us (``PR_SET_CHILD_SUBREAPER``).
+    """
+    live = [p for p in _children() if not _reap(p)]
+    for pid in live:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    left = live
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = [p for p in left if not _reap(p)]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    return len(live)
+
+
+def _exited(child: subprocess.Popen, seconds: float, pidfd: int | None) -> int | None:
+    """The child's return code once it has exited, waiting at most ``seconds``."""
+    if pidfd is not None:
+        import select
+
+        select.select([pidfd], [], [], seconds)
+        return child.poll()
+    try:
+        return child.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) -> int:
+    """Start mpirun, pass stops on, enforce ``timeout``; mpirun's exit code (124 past it,
+    128 + the signal for a job stopped by SIGINT/SIGTERM to us or to mpirun itself).
+
+    Open MPI's mpirun (PRRTE) takes SIGINT, SIGTERM and SIGHUP alike: end the ranks,
+    exit 1, print nothing. It starts here with SIGINT and SIGTERM blocked (its ranks get
+    a clean mask, PRRTE resets it): a stop for us, or one sent to mpirun itself (seen
+    pending in /proc), becomes one SIGHUP, and we say which signal it was, once. mpirun
+    gets SIGHUP if this process dies, and a rank it leaves behind is ended here.
+    """
+    openmpi = is_open_mpi(argv[0])
+    tty_signals = _foreground_of_a_terminal()
+    state: dict = {"child": None, "stops": 0, "why": None}
+    subreaper = _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+    def pass_on(signum: int) -> None:
+        child = state["child"]
+        if child is None or child.returncode is not None:
+            return
+        if openmpi and signum in STOPS:
+            signum = signal.SIGHUP
+        try:
+            os.kill(child.pid, signum)
         except ProcessLookupError:
             pass
 
-    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    def on_signal(signum, _frame):
+        if signum in STOPS:
+            state["stops"] += 1
+            state["why"] = state["why"] or (name, signum)
+        # a Ctrl-C at the terminal already reached a non-Open MPI mpirun (same process
+        # group): a second copy would make it abort without cleaning up
+        if not openmpi and tty_signals and signum in (signal.SIGINT, signal.SIGQUIT):
+            return
+        pass_on(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in FORWARDED}
+    me = os.getpid()
+    death = signal.SIGHUP if openmpi else signal.SIGTERM
+
+    def child_setup() -> None:  # in the child, between fork and exec
+        if not openmpi:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+        if _prctl(_PR_SET_PDEATHSIG, death) and os.getppid() != me:
+            os._exit(1)  # we died in between: nobody would stop it
+
+    child = None
     try:
+        # blocked around the start: a stop now is taken once the child is known
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
         try:
-            rc = _wait(child, timeout, name)
-            # mpirun exits 1 when a signal ended the job: say which (130 INT, 143 TERM)
-            stop = [s for s in received if s in (signal.SIGINT, signal.SIGTERM)]
-            return 128 + stop[0] if stop and rc not in (0, 124) else rc
+            if state["stops"]:
+                return _stopped(state, name)  # stopped before the job started
+            child = subprocess.Popen(argv, env=env, preexec_fn=child_setup
+                                     if sys.platform.startswith("linux") else None)
+            state["child"] = child
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        rc = _wait(child, timeout, name, state, openmpi, pass_on)
+        raw = child.returncode
     finally:
-        if child.poll() is None:
-            child.kill()
+        for s, h in old.items():
+            signal.signal(s, h)
+        if child is not None and child.poll() is None:
+            pass_on(signal.SIGTERM)
+            if _exited(child, GRACE_S, None) is None:
+                child.kill()
+                child.wait()
+    left = end_orphans() if subreaper else 0
+    if state["why"] is not None and rc not in (0, 124):
+        return _stopped(state, name)
+    if raw is not None and raw < 0 and rc != 124:
+        tail = f"; {left} process(es) of the job it left were ended" if left else ""
+        print(f"error: {name}: mpirun (pid {child.pid}) was killed by "
+              f"{signal.Signals(-raw).name}{tail}", file=sys.stderr, flush=True)
+    elif left:
+        print(f"error: {name}: mpirun exited and left {left} process(es) of the job "
+              "running; they were ended", file=sys.stderr, flush=True)
+    return rc
 
 
-def _wait(child: subprocess.Popen, timeout: float | None, name: str) -> int:
-    if timeout is None:
-        rc = child.wait()
-        return 128 - rc if rc < 0 else rc
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            rc = child.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-            return 128 - rc if rc < 0 else rc
-        except subprocess.TimeoutExpired:
-            if time.monotonic() >= deadline:
+def _stopped(state: dict, name: str) -> int:
+    who, signum = state["why"]
+    print(f"interrupted: {who} got {signal.Signals(signum).name}; the job is stopped",
+          file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def _wait(child: subprocess.Popen, timeout: float | None, name: str, state: dict,
+          openmpi: bool, pass_on) -> int:
+    try:
+        pidfd = os.pidfd_open(child.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            rc = _exited(child, max(0.0, left), pidfd)
+            if rc is not None:
+                return 128 - rc if rc < 0 else rc
+            if openmpi and not state["stops"]:
+                sent = pending_stops(child.pid)  # a signal to mpirun itself
+                if sent:
+                    state["stops"] = 1
+                    state["why"] = (f"mpirun (pid {child.pid})", sent[0])
+                    pass_on(sent[0])
+            if deadline is not None and time.monotonic() >= deadline:
                 break
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     print(f"error: {name}: the job ran past HPCMAC_MPIRUN_TIMEOUT={timeout:g} s and is being "
           "stopped (set HPCMAC_MPIRUN_TIMEOUT=SECONDS for a longer limit, 0 for none)",
           file=sys.stderr, flush=True)
-    child.terminate()
-    try:
-        child.wait(timeout=GRACE_S)
-    except subprocess.TimeoutExpired:
+    pass_on(signal.SIGTERM)
+    if _exited(child, GRACE_S, None) is None:
         child.kill()
         child.wait()
     return 124
