@@ -342,6 +342,8 @@ def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) 
                 child.kill()
                 child.wait()
     left = end_orphans() if subreaper else 0
+    if raw is not None and raw < 0 and openmpi:
+        _drop_session(env, child.pid)
     if state["why"] is not None and rc not in (0, 124):
         return _stopped(state, name)
     if raw is not None and raw < 0 and rc != 124:
@@ -352,6 +354,17 @@ def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) 
         print(f"error: {name}: mpirun exited and left {left} process(es) of the job "
               "running; they were ended", file=sys.stderr, flush=True)
     return rc
+
+
+def _drop_session(env: dict[str, str], pid: int) -> None:
+    """Remove the session directory of a killed Open MPI mpirun (``$TMPDIR/ompi.PID``: its
+    PMIx rendezvous files, which it removes itself when it can)."""
+    path = os.path.join(env.get("TMPDIR") or "/tmp", f"ompi.{pid}")
+    try:
+        if os.lstat(path).st_uid == os.getuid() and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
 
 
 def _stopped(state: dict, name: str) -> int:

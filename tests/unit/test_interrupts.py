@@ -92,6 +92,29 @@ def test_signal_to_the_launcher_and_to_one_rank(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["HPL.dat", "res.out"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_mpirun_itself(tmp_path, sig):
+    """SIGINT/SIGTERM sent to Open MPI's mpirun (prterun) rather than to tools/mpirun: one
+    line naming it and the signal, 130 / 143 (a bare mpirun exits 1 and says nothing)."""
+    long_dat(tmp_path, 2, 2)
+    proc = subprocess.Popen([str(ROOT / "tools" / "mpirun"), "4", sys.executable, "-m",
+                             "hpcmac.hpl"], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    started(proc, tmp_path)
+    mpirun = [pid for pid in _children(proc.pid) if b"prterun" in _cmdline(pid)]
+    assert len(mpirun) == 1, mpirun
+    t0 = time.monotonic()
+    os.kill(mpirun[0], sig)
+    _out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == 128 + sig, err
+    want = (f"interrupted: mpirun (pid {mpirun[0]}) got {signal.Signals(sig).name}; "
+            "the job is stopped")
+    assert err.splitlines() == [want], err
+    assert (tmp_path / "res.out").read_text() == "previous results\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["HPL.dat", "res.out"]
+
+
 def _children(pid):
     out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
     kids: dict[int, list[int]] = {}
