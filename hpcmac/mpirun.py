@@ -19,8 +19,12 @@ checkout's ``tools/mpirun``, which calls it):
   closing them cost ~1 s of ``MPI_Init`` per rank), unless any of these three is
   set already or ``HPCMAC_OMPI_DEFAULTS=0``;
 * ``HPCMAC_MPIRUN_TIMEOUT=SECONDS`` (unset or 0: no limit): a wall-clock cap;
-  a job that reaches it is stopped (TERM, then KILL after 10 s) with one line
-  saying so, and the exit code is 124 like ``timeout``'s.
+  a job that reaches it is stopped (as for a SIGTERM, then KILL after 10 s) with one line
+  saying so, and the exit code is 124 like ``timeout``'s;
+* stops that leave nothing: SIGINT or SIGTERM, to it or to mpirun itself, end the
+  job with one line (``interrupted: ... got SIGTERM; the job is stopped``) and exit
+  130 / 143; a killed mpirun's ranks and files are ended and removed, and a killed
+  wrapper's mpirun ends its job (docs/faults.md).
 
 Options between NP and COMMAND go to ``mpirun`` unchanged. ``-np NP`` and
 ``-n NP`` are accepted as well as a bare NP.

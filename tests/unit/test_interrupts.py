@@ -92,7 +92,7 @@ def test_signal_to_the_launcher_and_to_one_rank(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["HPL.dat", "res.out"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
 def test_signal_to_mpirun_itself(tmp_path, sig):
     """SIGINT/SIGTERM sent to Open MPI's mpirun (prterun) rather than to tools/mpirun: one
     line naming it and the signal, 130 / 143 (a bare mpirun exits 1 and says nothing)."""
