@@ -32,7 +32,7 @@ from functools import partial
 import numpy as np
 
 from hpcmac.errors import ArgumentParser, UsageError
-from hpcmac.io.outputs import checked_output
+from hpcmac.io.outputs import check_on_root, output_path
 from hpcmac.lifecycle import run_cli
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -267,7 +267,7 @@ def _size_arg(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m hpcmac.bench.comm", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=checked_output("--json"),
+    parser.add_argument("--json", type=output_path,
                         metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--transports", default="mpi,ring,rdma",
                         help="shim transports to measure when usable (default: mpi,ring,rdma)")
@@ -290,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     for t in wanted:
         if t not in ("mpi", "ring", "rdma"):
             raise UsageError(f"--transports: {t!r} is not one of mpi, ring, rdma")
-    world = comm.init("mpi")
+    world = comm.init("mpi", announce=False)
+    check_on_root(world, args.json, "--json")  # before any measurement
+    comm.announce()
     impls, skipped = [Raw()], {}
     for t in wanted:
         try:

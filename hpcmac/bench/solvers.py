@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from hpcmac.errors import ArgumentParser, UsageError
-from hpcmac.io.outputs import checked_output
+from hpcmac.io.outputs import check_on_root, output_path
 
 
 def run(world, n: int, nb: int, reps: int) -> list[dict]:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=1000, help="matrix order (default 1000)")
     ap.add_argument("--nb", type=int, default=64, help="block size (default 64)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (median)")
-    ap.add_argument("--json", type=checked_output("--json"),
+    ap.add_argument("--json", type=output_path,
                     metavar="FILE", help="also write the records as JSON (rank 0)")
     args = ap.parse_args(argv)
     for name in ("n", "nb", "reps"):
@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--{name}: expected a positive integer (n >= 2)")
     from hpcmac import comm
 
-    world = comm.init()
+    world = comm.init(announce=False)
+    check_on_root(world, args.json, "--json")  # before any measurement
+    comm.announce()
     records = run(world, args.n, args.nb, args.reps)
     if world.rank == 0:
         print(f"hpcmac.bench.solvers on {platform.node()}, {world.size} rank(s), 1 x "

@@ -162,15 +162,32 @@ def output_path(text: str) -> str:
 
 
 def checked_output(what: str):
-    """argparse ``type=`` for a command whose every rank may check its output as the flags
-    are read (one process, or ranks that share the file system): :func:`output_path`, then
-    :func:`check_writable` (one line, exit 2, before any work)."""
+    """argparse ``type=`` for a command run as one process: :func:`output_path`, then
+    :func:`check_writable` as the flags are read (one line, exit 2, before any work).
+    A command run by mpirun checks on rank 0 instead (:func:`check_on_root`)."""
     def check(text: str) -> str:
         check_writable(output_path(text), what)
         return text
 
     check.__name__ = "output path"  # argparse names the type in its messages
     return check
+
+
+def check_on_root(group, path: str | None, what: str) -> None:
+    """Collective: :func:`check_writable` on rank 0 (the writer) before any work, its
+    verdict raised on every rank alike (ranks on other hosts may not see rank 0's
+    folder). ``group``: anything with ``rank`` and ``bcast_obj``."""
+    if not path:
+        return
+    err = None
+    if group.rank == 0:
+        try:
+            check_writable(path, what)
+        except UsageError as exc:
+            err = str(exc)
+    err = group.bcast_obj(err, 0)
+    if err:
+        raise UsageError(err)
 
 
 _NOTED: set[str] = set()

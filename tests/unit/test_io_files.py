@@ -294,3 +294,13 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
     with outputs.AtomicText(str(path)) as out:
         out.write("done\n")
     assert not stale.exists() and path.read_text() == "done\n"
+
+
+def test_check_on_root_refuses_on_every_rank(tmp_path):
+    """What mpirun-run benchmarks call before measuring: rank 0's verdict, everywhere."""
+    from hpcmac.comm.local import LocalGroup
+
+    outputs.check_on_root(LocalGroup(), str(tmp_path / "r.json"), "--json")
+    outputs.check_on_root(LocalGroup(), None, "--json")
+    with pytest.raises(UsageError, match="^--json .*: cannot write: it is a directory$"):
+        outputs.check_on_root(LocalGroup(), str(tmp_path), "--json")
