@@ -137,7 +137,10 @@ def check_writable(path: str, what: str) -> Target:
         fd, probe = tempfile.mkstemp(prefix=_tmp_prefix(real.name), suffix=".probe",
                                      dir=parent)
         os.close(fd)
-        os.unlink(probe)
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:  # a lock holder elsewhere swept it: it was made
+            pass
     except OSError as exc:
         if real.exists() and os.access(real, os.W_OK):  # e.g. root-squashed NFS
             t = Target(t.path, t.real, "inplace")
@@ -362,21 +365,29 @@ def _tmp_prefix(name: str) -> str:
     return f".{name}.{_host()}.{os.getpid()}."
 
 
-def remove_stale(real: str) -> list[str]:
+def remove_stale(real: str, locked: bool = False) -> list[str]:
     """Remove the temporaries (``.NAME.HOST.PID.*.tmp`` or ``.probe``) that writers of
     ``real`` left on this host and whose process is gone (killed mid-run); a live
-    writer's and another host's (a shared file system) are kept. Returns the removed."""
+    writer's and another host's (a shared file system) are kept. ``locked``: the caller
+    holds the :class:`OutputLock`, so no other job writes ``real`` and every temporary of
+    it but this process's goes, another host's and the unnamed ``.NAME.XXXXXXXX.tmp`` of
+    older versions too. Returns the removed."""
     folder, name = os.path.split(real)
-    pattern = re.compile(rf"^\.{re.escape(name)}\.{re.escape(_host())}\.(\d+)\.[^.]+"
-                         r"\.(tmp|probe)$")
+    mine = re.compile(rf"^\.{re.escape(name)}\.{re.escape(_host())}\.(\d+)\.[^.]+"
+                      r"\.(tmp|probe)$")
+    anyone = re.compile(rf"^\.{re.escape(name)}\.(?:[^.]+\.\d+\.)?[A-Za-z0-9_]+"
+                        r"\.(tmp|probe)$")
     removed = []
     try:
         entries = os.listdir(folder or ".")
     except OSError:
         return removed
     for entry in entries:
-        m = pattern.match(entry)
-        if m is None or _alive(int(m.group(1))):
+        m = mine.match(entry)
+        if m is not None:
+            if _alive(int(m.group(1))):
+                continue
+        elif not (locked and anyone.match(entry)):
             continue
         try:
             os.unlink(os.path.join(folder or ".", entry))
@@ -452,6 +463,7 @@ class OutputLock:
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
         interrupts.on_interrupt(self.release)
+        remove_stale(t.real, locked=True)  # no other job writes it: any temporary is stale
 
     def _lock_itself(self, t: Target, what: str) -> None:
         import fcntl

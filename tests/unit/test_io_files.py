@@ -294,6 +294,14 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
     with outputs.AtomicText(str(path)) as out:
         out.write("done\n")
     assert not stale.exists() and path.read_text() == "done\n"
+    # the lock holder knows no other job writes the file: every temporary of it is stale,
+    # another host's and an older version's unnamed one too; other files' stay
+    legacy = tmp_path / ".HPL.out.k3j_x9q2.tmp"
+    legacy.write_text("half")
+    live.write_text("half")  # this host, a live pid that is not a writer (the lock says so)
+    with outputs.OutputLock(str(path), "out"):
+        assert not legacy.exists() and not other_host.exists() and other_file.exists()
+        assert live.exists()  # a live process of this host is never guessed at
 
 
 def test_check_on_root_refuses_on_every_rank(tmp_path):
