@@ -8,7 +8,10 @@ otherwise. Importing this package does not start MPI.
 
     from hpcmac.linalg import Grid, DistMatrix, lu_factor, lu_solve, solve, inv, det, slogdet
     from hpcmac.linalg import cholesky, cho_factor, cho_solve, solve_triangular, lstsq, eigh
-    from hpcmac.linalg import matmul, norm, diag, trace, transpose, cg, gmres
+    from hpcmac.linalg import matmul, norm, diag, trace, transpose, cg, gmres, bicgstab, minres
+
+Sparse matrices (DistCSR) and their solvers and preconditioners live in
+``hpcmac.linalg.sparse``.
 
 No submodule is named like a function (``hpcmac.linalg.cholesky`` is the
 function; the Cholesky code lives in ``chol.py``).
@@ -32,6 +35,7 @@ _LAZY = {
     "DistMatrix": "distmatrix",
     "det": "inverse", "inv": "inverse", "slogdet": "inverse",
     "KrylovResult": "krylov", "cg": "krylov", "gmres": "krylov", "jacobi": "krylov",
+    "bicgstab": "lanczos", "minres": "lanczos",
     "lstsq": "leastsq", "norm": "norms", "matmul": "summa", "eigh": "symeig",
     "solve_triangular": "trisolve", "BlockVector": "vectors",
 }
@@ -60,7 +64,8 @@ def transpose(a: DistMatrix, conj: bool = False) -> DistMatrix:
 
 
 __all__ = [
-    "BlockVector", "DistMatrix", "Grid", "KrylovResult", "LinAlgError", "cg", "cho_factor",
-    "cho_solve", "cholesky", "det", "diag", "eigh", "gmres", "inv", "jacobi", "lstsq", "lu_factor",
-    "lu_solve", "matmul", "norm", "slogdet", "solve", "solve_triangular", "trace", "transpose",
+    "BlockVector", "DistMatrix", "Grid", "KrylovResult", "LinAlgError", "bicgstab", "cg",
+    "cho_factor", "cho_solve", "cholesky", "det", "diag", "eigh", "gmres", "inv", "jacobi",
+    "lstsq", "lu_factor", "lu_solve", "matmul", "minres", "norm", "slogdet", "solve",
+    "solve_triangular", "trace", "transpose",
 ]

@@ -16,6 +16,23 @@ from hpcmac.linalg.sparse import build as _build
 from hpcmac.linalg.sparse import files as _files
 from hpcmac.linalg.sparse.build import assemble
 from hpcmac.linalg.sparse.distcsr import DistCSR, Transposed
+from hpcmac.linalg.sparse.multigrid import SmoothedAggregation, amg
+from hpcmac.linalg.sparse.precond import (
+           AdditiveSchwarz,
+           BlockJacobi,
+           Jacobi,
+           asm,
+           block_jacobi,
+           jacobi,
+)
+from hpcmac.linalg.sparse.solvers import (
+           LinearOperator,
+           aslinearoperator,
+           bicgstab,
+           cg,
+           gmres,
+           minres,
+)
 
 # constructors as classmethods, so the type carries its ways in (as scipy's)
 DistCSR.from_scipy = staticmethod(_build.from_scipy)
@@ -28,5 +45,7 @@ DistCSR.write_hdf5 = _files.write_hdf5
 from_scipy, from_rows, from_coo = _build.from_scipy, _build.from_rows, _build.from_coo
 mmread, read_hdf5, write_hdf5 = _files.mmread, _files.read_hdf5, _files.write_hdf5
 
-__all__ = ["DistCSR", "Transposed", "assemble", "from_coo", "from_rows", "from_scipy", "mmread",
-           "read_hdf5", "write_hdf5"]
+__all__ = ["AdditiveSchwarz", "BlockJacobi", "DistCSR", "Jacobi", "LinearOperator",
+           "SmoothedAggregation", "Transposed", "amg", "aslinearoperator", "asm", "assemble",
+           "bicgstab", "block_jacobi", "cg", "from_coo", "from_rows", "from_scipy", "gmres",
+           "jacobi", "minres", "mmread", "read_hdf5", "write_hdf5"]
