@@ -107,6 +107,11 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
         raise SystemExit(130) from None
     except SystemExit:
         raise
+    except BrokenPipeError:  # `| head` closed standard output: leave quietly, as a shell
+        # tool killed by SIGPIPE does (stdout to /dev/null: the exit's flush cannot fail)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _abort_if_parallel(141)
+        raise SystemExit(141) from None
     except BaseException:
         import traceback
 

@@ -24,7 +24,7 @@ import sys
 import time
 
 from hpcmac.errors import ArgumentParser, UsageError
-from hpcmac.io.outputs import output_path
+from hpcmac.io.outputs import checked_output
 from hpcmac.lifecycle import run_cli
 from hpcmac.plan import cluster as clmod
 from hpcmac.plan import hpl as hplmod
@@ -73,7 +73,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", type=output_path,
+    p.add_argument("--json", type=checked_output("--json"),
                    metavar="FILE", help="also write the results as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="plot the scaling table (needs matplotlib)")
 
@@ -349,12 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     _output_args(lm)
     lm.set_defaults(func=cmd_llm)
     c = sub.add_parser("calibrate", help="measure this node (DGEMM, memory bandwidth, panel)")
-    c.add_argument("--json", type=output_path, metavar="FILE",
+    c.add_argument("--json", type=checked_output("--json"), metavar="FILE",
                    help="write the measurements ('-': stdout)")
     c.add_argument("--quick", action="store_true", help="fewer repeats")
     c.set_defaults(func=cmd_calibrate)
     m = sub.add_parser("machines", help="the table of machines and links")
-    m.add_argument("--json", type=output_path, metavar="FILE")
+    m.add_argument("--json", type=checked_output("--json"), metavar="FILE")
     m.set_defaults(func=cmd_machines)
     return parser
 

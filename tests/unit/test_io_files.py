@@ -312,3 +312,19 @@ def test_check_on_root_refuses_on_every_rank(tmp_path):
     outputs.check_on_root(LocalGroup(), None, "--json")
     with pytest.raises(UsageError, match="^--json .*: cannot write: it is a directory$"):
         outputs.check_on_root(LocalGroup(), str(tmp_path), "--json")
+
+
+def test_closed_standard_output_is_a_quiet_exit(tmp_path):
+    """`cmd | head`: the reader goes away; the command leaves as a SIGPIPE'd tool does
+    (exit 141, nothing on stderr), not with a BrokenPipeError traceback."""
+    code = ("from hpcmac.lifecycle import run_cli\n"
+            "def main(argv):\n"
+            "    for _ in range(10**6):\n"
+            "        print('x' * 100)\n"
+            "raise SystemExit(run_cli(main))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141 and err == "", err
