@@ -225,10 +225,19 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        async def watch():  # a client that leaves before the whole answer is cancelled
+            while not await request.is_disconnected():
+                await asyncio.sleep(1.0)
+            source.cancel(key)
+
+        watcher = asyncio.create_task(watch())
         reason = "cancelled"
-        async for what, value in events():
-            if what == "end":
-                reason = value
+        try:
+            async for what, value in events():
+                if what == "end":
+                    reason = value
+        finally:
+            watcher.cancel()
         if reason in ("error", "cancelled"):
             return err(ApiError(500, req.error or source.error or "generation failed",
                                 kind="server_error"))

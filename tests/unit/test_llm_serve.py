@@ -253,6 +253,18 @@ def test_client_disconnect_frees_its_slot(server):
     assert r.usage.completion_tokens == 2
 
 
+def test_client_leaving_a_whole_answer_frees_its_slot(server):
+    """Not streaming: a client that gives up (its timeout) is cancelled all the same."""
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", timeout=2,
+                   json={"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0})
+    t0 = time.monotonic()
+    while httpx.get(server.url + "/health").json()["load"] and time.monotonic() - t0 < 30:
+        time.sleep(0.2)
+    assert httpx.get(server.url + "/health").json()["load"] == 0
+    assert time.monotonic() - t0 < 20
+
+
 def test_over_capacity_is_429_with_retry_after():
     """(Also: a host other than loopback prints the one-line no-authentication warning.)"""
     s = Server(1, "--max-batch", "1", "--queue", "0", "--host", "0.0.0.0")
