@@ -78,22 +78,34 @@ def target(path: str, what: str) -> Target:
     if not path:
         raise UsageError(f"{what}: empty path (name a file, or leave the option out)")
     try:
-        real = os.path.realpath(path, strict=False)
-        st = os.stat(real)
+        st = os.stat(path)  # the kernel follows the links (also /proc's fd links)
     except (FileNotFoundError, NotADirectoryError):  # check_writable says which
         st = None
     except OSError as exc:  # a symlink loop, a name too long, ...
         raise UsageError(f"{what} {path}: cannot write: {_reason(exc)}") from None
-    if st is None:
-        return Target(path, real, _atomic_or_inplace(real, None))
-    if stat.S_ISDIR(st.st_mode):
+    if st is not None and stat.S_ISDIR(st.st_mode):
         raise UsageError(f"{what} {path}: cannot write: it is a directory")
-    if stat.S_ISSOCK(st.st_mode):
+    if st is not None and stat.S_ISSOCK(st.st_mode):
         raise UsageError(f"{what} {path}: cannot write: it is a socket (open() cannot "
                          "write to one)")
-    if not stat.S_ISREG(st.st_mode):
-        return Target(path, real, "stream")
+    if (st is not None and not stat.S_ISREG(st.st_mode)) or _via_dev(path):
+        return Target(path, path, "stream")  # opened by its own name, links and all
+    real = os.path.realpath(path, strict=False)
     return Target(path, real, _atomic_or_inplace(real, st))
+
+
+def _via_dev(path: str) -> bool:
+    """True when ``path`` or a symlink it leads through lies under /dev or /proc:
+    ``/dev/stdout`` or ``/dev/fd/1`` redirected to a file must be written through that
+    descriptor's file, never replaced (the shell's redirection would lose it)."""
+    p = os.path.abspath(path)
+    for _ in range(40):
+        if p.startswith(("/dev/", "/proc/")):
+            return True
+        if not os.path.islink(p):
+            return False
+        p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+    return False
 
 
 def _atomic_or_inplace(real: str, st: os.stat_result | None) -> str:
@@ -228,7 +240,11 @@ class AtomicText:
         self.tmp: str | None = None
         try:
             if self.t.how == "stream":
-                self.fh = open(self.t.real, "w")  # noqa: SIM115 (closed by commit/discard)
+                # standard output or error by another name (/dev/stdout, /dev/fd/2, the
+                # tty): write through the process's own stream, at its offset
+                std = _std_alias(self.t.real)
+                self.fh = _Borrowed(std) if std is not None \
+                    else open(self.t.real, "w")  # noqa: SIM115 (closed by commit/discard)
             elif self.t.how == "inplace":
                 self.fh = io.StringIO()
             else:
@@ -345,6 +361,42 @@ class AtomicText:
             self.commit()
         else:
             self.discard()
+
+
+class _Borrowed:
+    """sys.stdout or sys.stderr lent to an output: closing it only flushes it."""
+
+    def __init__(self, stream):
+        self.stream, self.closed = stream, False
+
+    def write(self, text: str) -> int:
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.stream.flush()
+
+
+def _std_alias(path: str):
+    """sys.stdout or sys.stderr when ``path`` is the file it writes to, else None."""
+    if path in ("-", "/dev/stdout"):
+        return sys.stdout
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fst = os.fstat(stream.fileno())
+        except (OSError, ValueError, AttributeError):  # replaced or closed
+            continue
+        if (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino):
+            return stream
+    return None
 
 
 def _reason(exc: OSError) -> str:

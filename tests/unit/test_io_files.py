@@ -328,3 +328,19 @@ def test_closed_standard_output_is_a_quiet_exit(tmp_path):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(60) == 141 and err == "", err
+
+
+@pytest.mark.parametrize("name", ["/dev/stdout", "/dev/fd/1", "-"])
+def test_standard_output_by_any_name_is_written_through(tmp_path, name):
+    """`--json /dev/stdout > out.txt`: the JSON follows what the process printed, in the
+    same file (neither truncated by a second open nor renamed over the shell's file)."""
+    out = tmp_path / "out.txt"
+    code = ("from hpcmac.io.outputs import write_atomic\n"
+            "print('printed first', flush=True)\n"
+            f"write_atomic({name!r}, '[1, 2]\\n', '--json')\n"
+            "print('printed after')\n")
+    with open(out, "w") as fh:
+        ino = os.fstat(fh.fileno()).st_ino
+        subprocess.run([sys.executable, "-c", code], stdout=fh, check=True, timeout=60)
+    assert out.read_text() == "printed first\n[1, 2]\nprinted after\n"
+    assert out.stat().st_ino == ino
