@@ -99,12 +99,17 @@ def cos_sin(inv_freq: np.ndarray, att: float, positions: np.ndarray):
 
 
 def apply_rope(x, cos, sin, interleave: bool, xp):
-    """Rotate the last axis of x (T, H, dim) by per-token angles cos/sin (T, 1, dim/2).
+    """Rotate the last axis of x (T, H, d) by per-token angles cos/sin (T, 1, rd/2).
 
     ``interleave`` rotates pairs (x0, x1), (x2, x3) ... and returns them
     de-interleaved (the DeepSeek layout, as transformers does); otherwise the
-    halves are rotated (rotate_half).
+    halves are rotated (rotate_half). Partial rotary (``rd < d``, GLM-4): the
+    first ``rd`` dimensions are rotated, the rest pass through.
     """
+    rd = 2 * cos.shape[-1]
+    if rd < x.shape[-1]:
+        return xp.concatenate([apply_rope(x[..., :rd], cos, sin, interleave, xp),
+                               x[..., rd:]], axis=-1)
     half = x.shape[-1] // 2
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]

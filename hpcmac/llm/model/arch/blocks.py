@@ -47,7 +47,8 @@ def _p(i: int) -> str:
 
 class GQA:
     """Grouped-query attention: fused QKV; ``cfg.attention_bias`` (Q/K/V biases),
-    ``cfg.o_bias``, ``cfg.qk_norm`` (RMSNorm on each head of Q and K); rotate-half rope.
+    ``cfg.o_bias``, ``cfg.qk_norm`` (RMSNorm on each head of Q and K); rotate-half rope on
+    the first ``cfg.rope_dim`` dimensions of each head (``partial_rotary_factor``).
     The cache holds per-KV-head K and V."""
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:

@@ -34,6 +34,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type, factor, ...
+    partial_rotary_factor: float = 1.0  # the share of each head rotated (GLM-4: 0.5)
     max_position: int = 4096
     tie_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2: always)
@@ -84,10 +85,15 @@ class ModelConfig:
         for name in ("n_group", "topk_group", "decoder_sparse_step"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UsageError(f"{where}: {name} = {getattr(self, name)!r}: expected >= 1")
-        for name in ("norm_eps", "rope_theta", "routed_scaling_factor"):
+        for name in ("norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor"):
             v = getattr(self, name)
             if not isinstance(v, float) or not math.isfinite(v) or v <= 0:
                 raise UsageError(f"{where}: {name} = {v!r}: expected a finite number > 0")
+        f = self.partial_rotary_factor
+        if f > 1 or (f < 1 and (self.rope_dim < 2 or self.rope_dim % 2)):
+            raise UsageError(f"{where}: partial_rotary_factor {self.partial_rotary_factor} "
+                             f"rotates {self.rope_dim} of {self.head_dim} dimensions per head; "
+                             "expected an even number from 2 to head_dim")
         if self.n_experts_per_tok > self.n_experts:
             raise UsageError(f"{where}: {self.n_experts_per_tok} experts per token of "
                              f"{self.n_experts}")
@@ -108,8 +114,10 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Number of rotated dimensions per head."""
-        return self.qk_rope_head_dim if self.mla else self.head_dim
+        """Number of rotated dimensions per head (the first ones: partial rotary)."""
+        if self.mla:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 def json_int(raw: dict, key: str, where: str, default: int | None = None) -> int:
