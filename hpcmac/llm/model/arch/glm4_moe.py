@@ -1,0 +1,55 @@
+"""GLM-4.5 / GLM-4.6 / GLM-4.7 (``glm4_moe``): grouped-query attention with Q/K/V biases
+(``attention_bias``; none on the output), optional per-head Q/K RMSNorm (``use_qk_norm``)
+and rotary on part of each head
+(``partial_rotary_factor``, 0.5 unless set); the first ``first_k_dense_replace`` layers
+dense, then routed experts chosen as DeepSeek-V3 does (sigmoid scores, correction bias,
+group-limited top-k, ``routed_scaling_factor``) plus shared experts.
+
+The multi-token-prediction layers (``num_nextn_predict_layers``) are not run: decoding
+uses the ``num_hidden_layers`` layers, as transformers does. No GGUF form yet.
+"""
+
+from __future__ import annotations
+
+from hpcmac.errors import UsageError
+from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.blocks import GQA, MLP, Layer, MoE, sigmoid_grouped
+from hpcmac.llm.model.arch.fields import (
+    ModelConfig,
+    hf_fields,
+    hf_moe_fields,
+    json_float,
+    json_int,
+)
+
+_DENSE = Layer(GQA(), MLP())
+_SPARSE = Layer(GQA(), MoE(route=sigmoid_grouped, correction_bias=True))
+
+
+def from_hf(raw: dict, where: str) -> ModelConfig:
+    params = raw.get("rope_parameters") or {}
+    partial = json_float(params, "partial_rotary_factor", where,
+                         json_float(raw, "partial_rotary_factor", where, 0.5))
+    cfg = ModelConfig(
+        **{**hf_fields(raw, where), "o_bias": False}, **hf_moe_fields(raw, where),
+        qk_norm=bool(raw.get("use_qk_norm", False)),
+        partial_rotary_factor=partial,
+        n_shared_experts=json_int(raw, "n_shared_experts", where, 0),
+        first_k_dense=json_int(raw, "first_k_dense_replace", where, 0),
+        n_group=json_int(raw, "n_group", where, 0) or 1,
+        topk_group=json_int(raw, "topk_group", where, 0) or 1,
+        routed_scaling_factor=json_float(raw, "routed_scaling_factor", where, 1.0))
+    if cfg.n_experts % cfg.n_group:
+        raise UsageError(f"{where}: n_routed_experts {cfg.n_experts} is not a multiple "
+                         f"of n_group {cfg.n_group}")
+    return cfg
+
+
+FAMILY = Family(
+    model_type="glm4_moe", gguf_arch=None, from_hf=from_hf, from_gguf=None,
+    layer=lambda cfg, i: _SPARSE if cfg.is_moe_layer(i) else _DENSE, hf_class="Glm4MoeConfig",
+    tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=72, moe_intermediate_size=20,
+              num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=1, head_dim=12,
+              n_routed_experts=6, num_experts_per_tok=2, n_group=2, topk_group=1,
+              first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.5,
+              attention_bias=True, use_qk_norm=True, max_position_embeddings=256))
