@@ -12,7 +12,7 @@ import sys
 from hpcmac import comm
 from hpcmac.errors import ArgumentParser, UsageError
 from hpcmac.hpl import config as hplconfig
-from hpcmac.io.inputs import int_arg, read_text
+from hpcmac.io.inputs import int_arg
 from hpcmac.io.outputs import output_path
 from hpcmac.lifecycle import run_cli
 
@@ -110,25 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_input(world, dat: str | None) -> tuple[str, str]:
-    """Collective: (text, name) of the HPL.dat to use, read on world rank 0 and
-    broadcast (other hosts need not see the file); ("", "") means the embedded default."""
-    got = None
-    if world.rank == 0:
-        path = dat if dat is not None else ("HPL.dat" if os.path.exists("HPL.dat") else None)
-        if path is None:
-            got = ("ok", "", "")
-        else:
-            try:  # at most 1 MiB, from a regular file (a FIFO or /dev/zero is refused)
-                got = ("ok", read_text(path, "--dat" if dat is not None else "./HPL.dat"), path)
-            except UsageError as exc:
-                got = ("error", str(exc), "")
-    status, text, name = world.bcast_obj(got, 0)
-    if status == "error":
-        raise UsageError(text)
-    return text, name
-
-
 def _check_memory(world, cfg: hplconfig.HPLConfig, ranks_here: int) -> None:
     """Collective: UsageError on every rank when a run's matrix cannot fit the smallest
     rank's share of its host's memory (checked before any matrix is made)."""
@@ -138,71 +119,6 @@ def _check_memory(world, cfg: hplconfig.HPLConfig, ranks_here: int) -> None:
     hplconfig.check_memory(cfg, world.size, per_rank)
 
 
-def _open_outputs(world, cfg: hplconfig.HPLConfig, json_path: str | None):
-    """Collective: (HPL.out's stream, locks) on rank 0, (None, []) elsewhere.
-
-    Before any run: both outputs are checked writable and locked against a
-    second job; HPL.out, when it is a file, goes to a temporary beside it that
-    replaces the old file only when complete (see hpcmac.io.outputs).
-    """
-    from hpcmac.io.outputs import AtomicText, OutputLock, check_writable
-
-    err = None
-    out = None
-    locks: list = []
-    if world.rank == 0:
-        try:
-            if json_path:
-                check_writable(json_path, "--json")
-                locks.append(OutputLock(json_path, "--json"))
-            if cfg.device == 6:
-                out = sys.stdout
-            elif cfg.device == 7:
-                out = sys.stderr
-            else:
-                what = f"{cfg.source}:3: output file"
-                check_writable(cfg.outfile, what)
-                locks.append(OutputLock(cfg.outfile, what))
-                out = AtomicText(cfg.outfile, what)
-        except (UsageError, OSError) as exc:
-            for lock in locks:
-                lock.release()
-            err = str(exc) if isinstance(exc, UsageError) else f"output: {exc}"
-    err = world.bcast_obj(err, 0)
-    if err:
-        raise UsageError(err)
-    return out, locks
-
-
-def json_writers(world, json_path: str | None, write):
-    """(on_result, finish) for ``--json``, ``write(path, results)`` doing the writing.
-
-    A file's list is rewritten after each run (a kill leaves the runs finished so
-    far); a stream (a FIFO, a device) gets the list once, at the end, as one JSON
-    document (a reader of a FIFO sees one list, and a second open never waits for a
-    reader that has gone). ``finish(results)`` is collective: a failed write is one
-    line on every rank.
-    """
-    from hpcmac.io.outputs import OutputError, target
-
-    if not json_path:
-        return None, lambda results: None
-    stream = target(json_path, "--json").how == "stream"
-
-    def finish(results) -> None:
-        err = None
-        if world.rank == 0 and (stream or not results):
-            try:
-                write(json_path, results)
-            except OutputError as exc:
-                err = str(exc)
-        err = world.bcast_obj(err, 0)
-        if err:
-            raise OutputError(err, local=False)
-
-    return (None if stream else lambda results: write(json_path, results)), finish
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.blas_threads is not None and args.blas_threads < 0:
@@ -210,45 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.blas_threads is not None:   # comm.init applies it (hpcmac.blas_threads)
         os.environ["HPCMAC_BLAS_THREADS"] = str(args.blas_threads)
 
-    from hpcmac.hpl import driver, report
+    from hpcmac.hpl import driver, job, report
     from hpcmac.hpl.progress import want_progress
 
     # the transport line waits until the input is known good: bad input is one line
     world = comm.init(args.transport, args.transport_strict, announce=False)
-    text, name = _read_input(world, args.dat)
-    if name:
-        cfg = hplconfig.parse_hpl_dat(text, name)
-    else:
-        cfg = hplconfig.default_config(world.size)
-    cfg = hplconfig.apply_overrides(cfg, world.size, args.ns, args.nbs, args.P, args.Q)
+    cfg = job.load_config(world, args)
     hplconfig.check_grids(cfg, world.size)  # same verdict on every rank
-
-    ranks_here = driver.local_ranks(world)
-    _check_memory(world, cfg, ranks_here)
-
-    json_path = args.json
-    out, locks = _open_outputs(world, cfg, json_path)
-    comm.announce()
-    on_result, finish_json = json_writers(world, json_path, report.write_json)
-    done = False
-    try:
-        d = driver.Driver(
-            world, cfg, out,
-            show_progress=want_progress(args.progress),
-            notes=sys.stderr,
-            on_result=on_result,
-            show_phases=args.phases,
-        )
-        failed = d.run()
-        finish_json(d.results)
-        done = True
-    finally:
-        if out is not None and out not in (sys.stdout, sys.stderr):
-            # HPL.out replaces the previous file only when complete
-            out.commit() if done else out.discard()
-        for lock in locks:
-            lock.release()
-    return 1 if failed else 0
+    _check_memory(world, cfg, driver.local_ranks(world))
+    return job.run(world, cfg, args.json, report.write_json, lambda out, on_result: driver.Driver(
+        world, cfg, out, show_progress=want_progress(args.progress), notes=sys.stderr,
+        on_result=on_result, show_phases=args.phases))
 
 
 if __name__ == "__main__":

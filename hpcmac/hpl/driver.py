@@ -31,16 +31,9 @@ from hpcmac.comm.grid import Grid
 from hpcmac.hpl import matgen, memory
 from hpcmac.hpl.config import HPLConfig, Variant
 from hpcmac.hpl.progress import Progress
-from hpcmac.hpl.report import (
-    RunResult,
-    footer,
-    gflops,
-    header,
-    phase_lines,
-    result_lines,
-    results_header,
-)
+from hpcmac.hpl.report import RunResult, gflops, header, phase_lines, result_lines
 from hpcmac.hpl.residual import check_regenerated, check_solution  # noqa: F401 (API)
+from hpcmac.hpl.sweep import Sweep
 from hpcmac.linalg.distmatrix import DistMatrix
 
 #: netlib's eps: HPL_pdlamch(HPL_MACH_EPS), the unit round-off of float64
@@ -159,7 +152,7 @@ def local_ranks(world: Group) -> int:
     return hosts.count(hosts[world.rank])
 
 
-class Driver:
+class Driver(Sweep):
     """Runs every combination of an HPLConfig on a world group (collective: every rank).
 
     ``out`` is the HPL.out stream on world rank 0 (None elsewhere); ``show_phases``
@@ -180,72 +173,21 @@ class Driver:
         after_panel: Callable[[int, DistMatrix], None] | None = None,
         show_phases: bool = False,
     ):
+        super().__init__(world, cfg, out, show_progress, notes, on_result)
         if solve is None or make_options is None:
             from hpcmac.linalg.lu import LUOptions, hpl_solve
 
             solve = hpl_solve if solve is None else solve
             make_options = LUOptions if make_options is None else make_options
-        self.world, self.cfg, self.out = world, cfg, out
         self.solve, self.make_options = solve, make_options
-        self.show_progress = show_progress and world.rank == 0
-        self.notes = notes
-        self.on_result = on_result
         self.after_panel = after_panel
         self.show_phases = show_phases
-        self.results: list[RunResult] = []
-        self.kpass = self.kfail = self.kskip = 0
 
-    def _write(self, text: str) -> None:
-        if self.out is not None and text:
-            self.out.write(text)
-            self.out.flush()
+    def header(self) -> str:
+        return header(self.cfg, EPS)
 
-    def _report(self, grid: Grid) -> None:
-        """Collective over the grid: hand the results to ``on_result`` (rank 0) and check
-        that every output took them; a failed write (a full disk) is then one line on
-        every rank at once, not rank 0's abort."""
-        from hpcmac.io.outputs import OutputError
-
-        err = None
-        if self.world.rank == 0:
-            try:
-                if self.on_result is not None:
-                    self.on_result(self.results)
-            except OutputError as exc:
-                err = str(exc)
-            err = err or getattr(self.out, "error", None)
-        err = grid.all.bcast_obj(err, 0)
-        if err:
-            raise OutputError(err, local=False)
-
-    def _note(self, text: str) -> None:
-        if self.world.rank == 0 and self.notes is not None:
-            self.notes.write(f"note: {text}\n")
-            self.notes.flush()
-
-    def run(self) -> int:
-        """Collective: all runs; returns the number of runs that FAILED the check."""
-        cfg, world = self.cfg, self.world
-        self._write(header(cfg, EPS))
-        per_grid = len(cfg.ns) * len(cfg.nbs) * sum(1 for _ in cfg.variants())
-        first = True
-        for p, q in cfg.grids:
-            if p * q > world.size:
-                self._note(f"grid {p}x{q} needs {p * q} ranks, have {world.size}: skipped")
-                self.kskip += per_grid
-                continue
-            grid = Grid(world, p, q, order="col" if cfg.pmap == 1 else "row")
-            if not grid.in_grid:
-                continue  # idle for this grid
-            for n in cfg.ns:
-                for nb in cfg.nbs:
-                    for v in cfg.variants():
-                        if first or cfg.threshold > 0.0:
-                            self._write(results_header())
-                            first = False
-                        self._one(grid, n, nb, v)
-        self._write(footer(self.kpass, self.kfail, self.kskip, cfg.threshold))
-        return self.kfail
+    def results_header_due(self, first: bool) -> bool:
+        return first or self.cfg.threshold > 0.0  # xhpl: once when the check is off
 
     def _one(self, grid: Grid, n: int, nb: int, v: Variant) -> None:
         label = f"{v.tv} N={n} NB={nb} {grid.nprow}x{grid.npcol}"

@@ -160,43 +160,23 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["HPCMAC_BLAS_THREADS"] = str(args.blas_threads)
 
     from hpcmac.hpl import driver as hpl_driver
-    from hpcmac.hpl.__main__ import _open_outputs, _read_input, json_writers
+    from hpcmac.hpl import job
     from hpcmac.hpl.progress import want_progress
     from hpcmac.hpl_mxp import report
     from hpcmac.hpl_mxp.driver import Driver, MxPOptions
 
     world = comm.init(args.transport, args.transport_strict, announce=False)
-    text, name = _read_input(world, args.dat)
-    cfg = hplconfig.parse_hpl_dat(text, name) if name else hplconfig.default_config(world.size)
-    cfg = hplconfig.apply_overrides(cfg, world.size, args.ns, args.nbs, args.P, args.Q)
+    cfg = job.load_config(world, args)
     if not cfg.threshold > 0.0:
         raise UsageError(f"{cfg.source}:13: threshold: expected a number > 0 for HPL-MxP (the "
                          f"refinement runs until the scaled residual is below it), found "
                          f"{cfg.threshold}")
     hplconfig.check_grids(cfg, world.size)
-    ranks_here = hpl_driver.local_ranks(world)
-    check_memory(world, cfg, args.restart, ranks_here)
-
-
-    json_path = args.json
-    out, locks = _open_outputs(world, cfg, json_path)  # checked writable, locked
-    comm.announce()
+    check_memory(world, cfg, args.restart, hpl_driver.local_ranks(world))
     mxp = MxPOptions(args.precision, args.backend, args.maxit, args.restart, args.diag)
-    on_result, finish_json = json_writers(world, json_path, report.write_json)
-    done = False
-    try:
-        d = Driver(world, cfg, mxp, out, show_progress=want_progress(args.progress),
-                   notes=sys.stderr, on_result=on_result)
-        failed = d.run()
-        finish_json(d.results)
-        done = True
-    finally:
-        if out is not None and out not in (sys.stdout, sys.stderr):
-            # HPL.out replaces the previous file only when complete
-            out.commit() if done else out.discard()
-        for lock in locks:
-            lock.release()
-    return 1 if failed else 0
+    return job.run(world, cfg, args.json, report.write_json, lambda out, on_result: Driver(
+        world, cfg, mxp, out, show_progress=want_progress(args.progress), notes=sys.stderr,
+        on_result=on_result))
 
 
 if __name__ == "__main__":

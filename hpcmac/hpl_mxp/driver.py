@@ -32,7 +32,8 @@ from hpcmac.comm.base import Group
 from hpcmac.comm.grid import Grid
 from hpcmac.hpl.config import HPLConfig, Variant
 from hpcmac.hpl.progress import Progress
-from hpcmac.hpl.report import footer, gflops, results_header
+from hpcmac.hpl.report import gflops
+from hpcmac.hpl.sweep import Sweep
 from hpcmac.hpl_mxp import kernels, matgen, refine
 from hpcmac.hpl_mxp.report import MxPResult, header, result_lines
 from hpcmac.linalg.distmatrix import DistMatrix
@@ -118,7 +119,7 @@ def _low_copy(a: DistMatrix, b: np.ndarray) -> DistMatrix:
     return lu
 
 
-class Driver:
+class Driver(Sweep):
     """Runs every combination of an HPLConfig with HPL-MxP (collective: every rank).
 
     ``out`` is the HPL.out stream on world rank 0 (None elsewhere).
@@ -127,61 +128,12 @@ class Driver:
     def __init__(self, world: Group, cfg: HPLConfig, mxp: MxPOptions, out: TextIO | None,
                  show_progress: bool = False, notes: TextIO | None = None,
                  on_result: Callable[[list[MxPResult]], None] | None = None):
-        self.world, self.cfg, self.mxp, self.out = world, cfg, mxp, out
-        self.show_progress = show_progress and world.rank == 0
-        self.notes = notes
-        self.on_result = on_result
-        self.results: list[MxPResult] = []
-        self.kpass = self.kfail = self.kskip = 0
+        super().__init__(world, cfg, out, show_progress, notes, on_result)
+        self.mxp = mxp
 
-    def _write(self, text: str) -> None:
-        if self.out is not None and text:
-            self.out.write(text)
-            self.out.flush()
-
-    def _report(self, grid: Grid) -> None:
-        """Collective over the grid: hand the results to ``on_result`` (rank 0) and check
-        that every output took them; a failed write (a full disk) is then one line on
-        every rank at once, not rank 0's abort."""
-        from hpcmac.io.outputs import OutputError
-
-        err = None
-        if self.world.rank == 0:
-            try:
-                if self.on_result is not None:
-                    self.on_result(self.results)
-            except OutputError as exc:
-                err = str(exc)
-            err = err or getattr(self.out, "error", None)
-        err = grid.all.bcast_obj(err, 0)
-        if err:
-            raise OutputError(err, local=False)
-
-    def _note(self, text: str) -> None:
-        if self.world.rank == 0 and self.notes is not None:
-            self.notes.write(f"note: {text}\n")
-            self.notes.flush()
-
-    def run(self) -> int:
-        """Collective: all runs; returns the number of runs that FAILED."""
-        cfg, world, m = self.cfg, self.world, self.mxp
-        self._write(header(cfg, EPS, m.precision, m.backend, m.maxit, m.restart, m.diag))
-        per_grid = len(cfg.ns) * len(cfg.nbs) * sum(1 for _ in cfg.variants())
-        for p, q in cfg.grids:
-            if p * q > world.size:
-                self._note(f"grid {p}x{q} needs {p * q} ranks, have {world.size}: skipped")
-                self.kskip += per_grid
-                continue
-            grid = Grid(world, p, q, order="col" if cfg.pmap == 1 else "row")
-            if not grid.in_grid:
-                continue  # idle for this grid
-            for n in cfg.ns:
-                for nb in cfg.nbs:
-                    for v in cfg.variants():
-                        self._write(results_header())
-                        self._one(grid, n, nb, v)
-        self._write(footer(self.kpass, self.kfail, self.kskip, cfg.threshold))
-        return self.kfail
+    def header(self) -> str:
+        m = self.mxp
+        return header(self.cfg, EPS, m.precision, m.backend, m.maxit, m.restart, m.diag)
 
     def _one(self, grid: Grid, n: int, nb: int, v: Variant) -> None:
         label = f"{v.tv} N={n} NB={nb} {grid.nprow}x{grid.npcol} {self.mxp.precision}"
