@@ -10,6 +10,7 @@ BENCHES = {
     "hpl": "hpcmac HPL vs netlib HPL and the DGEMM ceiling",
     "linalg": "SUMMA matmul and Cholesky vs numpy/scipy",
     "solvers": "eigh, lstsq, inv vs scipy on one core (run it under mpirun)",
+    "sparse": "DistCSR SpMV, CG + Jacobi, CG + AMG vs PETSc (petsc4py) at 1 and 2 ranks",
     "llm": "decode tok/s vs the memory-bandwidth bound and llama.cpp",
     "llm_pipeline": "pipeline decode at 1/2/4 ranks: TTFT, prefill, decode, bytes per link, busy",
     "llm_parallel": "tensor vs pipeline at 2 ranks vs 1, quiet and loaded; all-reduce costs",

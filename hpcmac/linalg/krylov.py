@@ -141,6 +141,17 @@ def _setup(A, b, x0, M):
     return b, matvec, prec, x, back
 
 
+def _axpy(a, x: np.ndarray, y: np.ndarray) -> None:
+    """``y += a * x`` in place (BLAS axpy when the dtypes allow, else numpy)."""
+    if x.dtype == y.dtype and x.dtype.kind in "fc" and y.flags.c_contiguous and \
+            x.flags.c_contiguous and (np.isrealobj(a) or y.dtype.kind == "c"):
+        from scipy.linalg.blas import get_blas_funcs
+
+        get_blas_funcs("axpy", (y,))(x, y, a=a)
+    else:
+        y += a * x
+
+
 def _sums(group, *values) -> np.ndarray:
     """Collective: the elementwise sums of a few local numbers, in one reduction."""
     return group.allreduce(np.array(values))
@@ -191,8 +202,8 @@ def cg(A, b, x0=None, *, rtol: float = 1e-5, atol: float = 0.0, maxiter: int | N
         if pq == 0:
             break  # breakdown: A is not definite along p
         alpha = rz / pq
-        x += alpha * p
-        r -= alpha * q
+        _axpy(alpha, p, x)                   # in place: no temporaries of length n
+        _axpy(-alpha, q, r)
         z = prec(r)
         rr, rz_new = _sums(group, np.vdot(r, r).real, np.vdot(r, z))
         it += 1
@@ -201,7 +212,8 @@ def cg(A, b, x0=None, *, rtol: float = 1e-5, atol: float = 0.0, maxiter: int | N
             callback(x)
         beta = rz_new / rz
         rz = rz_new
-        p = z + beta * p
+        p *= beta
+        p += z
     info = 0 if history[-1] <= tol else max(it, 1)
     return KrylovResult(back(b.like(x)), info, it, history)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from hpcmac.linalg.sparse import build as _build
 from hpcmac.linalg.sparse import files as _files
-from hpcmac.linalg.sparse.build import assemble
+from hpcmac.linalg.sparse.build import assemble, assemble_vector
 from hpcmac.linalg.sparse.distcsr import DistCSR, Transposed
 from hpcmac.linalg.sparse.multigrid import SmoothedAggregation, amg
 from hpcmac.linalg.sparse.precond import (
@@ -47,5 +47,6 @@ mmread, read_hdf5, write_hdf5 = _files.mmread, _files.read_hdf5, _files.write_hd
 
 __all__ = ["AdditiveSchwarz", "BlockJacobi", "DistCSR", "Jacobi", "LinearOperator",
            "SmoothedAggregation", "Transposed", "amg", "aslinearoperator", "asm", "assemble",
+           "assemble_vector",
            "bicgstab", "block_jacobi", "cg", "from_coo", "from_rows", "from_scipy", "gmres",
            "jacobi", "minres", "mmread", "read_hdf5", "write_hdf5"]

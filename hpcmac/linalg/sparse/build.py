@@ -208,3 +208,17 @@ def from_scipy(a, group: Group, root: int | None = 0, row_starts=None, col_start
         dat = group.recv(np.empty(k, dtype=dtype), root, TAG_VALS)
     local = sp.csr_matrix((dat, ind, ptr), shape=(nloc, shape[1]))
     return DistCSR(local, shape, rs, cs, group)
+
+
+def assemble_vector(rows, vals, n: int, group: Group, row_starts=None):
+    """Collective: a vector from (index, value) pairs set on any rank, duplicates summed
+    (``VecSetValues(ADD_VALUES)``); a BlockVector split by ``row_starts`` (default even)."""
+    from hpcmac.linalg.vectors import BlockVector
+
+    rows = np.asarray(rows).reshape(-1)
+    rs = rowpart.check(row_starts, n, group.size) if row_starts is not None else \
+        rowpart.even(n, group.size)
+    v = assemble(rows, np.zeros(rows.size, dtype=np.int64), vals, (n, 1), group, rs,
+                 (0,) + (1,) * group.size)
+    local = np.ascontiguousarray(v.local_rows().toarray()[:, 0])
+    return BlockVector(local, n, tuple(np.diff(rs).tolist()), group)
