@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     from hpcmac.comm import mpi_start
 
     t0 = time.perf_counter()
-    world = comm.init(args.transport, args.transport_strict)
+    from hpcmac.launch.hostfile import job_hostfile
+
+    world = comm.init(args.transport, args.transport_strict, hostfile=job_hostfile())
     t_init = time.perf_counter() - t0
     MPI = mpi_start.load()
     t0 = time.perf_counter()

@@ -290,13 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     for t in wanted:
         if t not in ("mpi", "ring", "rdma"):
             raise UsageError(f"--transports: {t!r} is not one of mpi, ring, rdma")
-    world = comm.init("mpi", announce=False)
+    from hpcmac.launch.hostfile import job_hostfile
+
+    hostfile = job_hostfile()
+    world = comm.init("mpi", announce=False, hostfile=hostfile)
     check_on_root(world, args.json, "--json")  # before any measurement
     comm.announce()
     impls, skipped = [Raw()], {}
     for t in wanted:
         try:
-            impls.append(Shim(world if t == "mpi" else comm.init(t, strict=True)))
+            group = world if t == "mpi" else comm.init(t, strict=True, hostfile=hostfile)
+            impls.append(Shim(group))
         except UsageError as exc:  # agreed on every rank by init
             skipped[t] = str(exc)
     p2p = [m for m in impls if m.name in ("raw mpi4py", "mpi")]

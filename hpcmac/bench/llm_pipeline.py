@@ -162,12 +162,13 @@ class _Stream:
 def worker(args) -> int:
     """Collective: load every pipeline's stages once, measure them round-robin; rank 0 writes."""
     from hpcmac import comm
+    from hpcmac.launch.hostfile import job_hostfile
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.parallel.pipeline import Request, run_pipeline
     from hpcmac.llm.parallel.plan import agree, plan_stages
 
-    world = comm.init(args.transport)
+    world = comm.init(args.transport, hostfile=job_hostfile())
     ranks = _ints(args.ranks, "--ranks")
     cfg = agree(world, lambda: load_config(args.model))
     batches = _ints(args.batches, "--batches")

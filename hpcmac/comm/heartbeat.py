@@ -13,7 +13,7 @@ watch off) ends this rank with one line naming both ranks and hosts::
 
 and exit code 1, without MPI_Finalize; the launcher then ends the other ranks
 (both ends of a dead link notice it). The datagrams take the same path as
-MPI's traffic where the hostfile says so (``HPCMAC_HOSTFILE``: the peer's
+MPI's traffic where the hostfile says so (the job's hostfile, handed to ``start``: the peer's
 address on the cable between the two hosts, else its ``ips``); ranks on one
 host use the loopback address. Jobs of more than :data:`ALL_PAIRS` ranks
 watch their ring neighbours and the ranks at power-of-two distances only.
@@ -67,19 +67,6 @@ def peers_of(rank: int, size: int) -> list[int]:
     return sorted(out)
 
 
-def _hostfile():
-    """The job's hostfile (``HPCMAC_HOSTFILE``, set by hpcmac.launch), or None."""
-    path = os.environ.get("HPCMAC_HOSTFILE")
-    if not path:
-        return None
-    try:
-        from hpcmac.launch.hostfile import load
-
-        return load(path, check=False)
-    except Exception:  # noqa: BLE001 - the launcher checked it; here it is only a hint
-        return None
-
-
 def _host_in(hf, hostname: str) -> str | None:
     """The hostfile's name for the machine called ``hostname`` (by name or ssh), or None."""
     short = hostname.split(".")[0]
@@ -111,7 +98,7 @@ def _address(hf, me: str | None, peer: str | None, peer_hostname: str,
 
 
 class _Watch:
-    def __init__(self, group: Group, period: float, timeout: float):
+    def __init__(self, group: Group, period: float, timeout: float, hf=None):
         self.rank = group.rank
         self.period, self.timeout = period, timeout
         hostname = socket.gethostname()
@@ -124,7 +111,6 @@ class _Watch:
         everyone = group.allgather_obj((hostname, port))
         self.cookie = cookie
         self.hosts = [h for h, _ in everyone]
-        hf = _hostfile()
         names = [_host_in(hf, h) if hf is not None else None for h in self.hosts]
         me = names[group.rank]
         self.targets: dict[int, tuple[str, int]] = {}
@@ -201,9 +187,11 @@ class _Watch:
         self.sock.close()
 
 
-def start(group: Group, period: float = 1.0, timeout: float | None = None) -> None:
+def start(group: Group, period: float = 1.0, timeout: float | None = None,
+          hostfile=None) -> None:
     """Collective over ``group``: start watching its ranks (no-op for one rank, or when
-    ``HPCMAC_HEARTBEAT_TIMEOUT=0``). Idempotent per process."""
+    ``HPCMAC_HEARTBEAT_TIMEOUT=0``). Idempotent per process. ``hostfile`` (global): the
+    job's parsed hostfile, when it has one (heartbeats then take the cables)."""
     timeout = timeout_from_env() if timeout is None else timeout
     if group.size <= 1 or timeout <= 0 or _running:
         return
@@ -211,7 +199,7 @@ def start(group: Group, period: float = 1.0, timeout: float | None = None) -> No
     from hpcmac.comm import cleanup
 
     cleanup.before_finalize(stop)
-    _running.append(_Watch(group, period, timeout))
+    _running.append(_Watch(group, period, timeout, hostfile))
 
 
 def stop() -> None:

@@ -98,11 +98,13 @@ def launched_by_mlx(env: dict[str, str] | None = None) -> str | None:
 
 # -- bootstrap -----------------------------------------------------------------
 
-def init_group(name: str, world: Group | None) -> MLXGroup:
+def init_group(name: str, world: Group | None, hostfile=None) -> MLXGroup:
     """Collective over ``world`` (an MPI group) or over the mlx.launch job when None.
 
     Builds the MLX ``name`` group ("ring" or "rdma") and returns it wrapped as
     a :class:`MLXGroup`, with ``world`` as the fallback for what MLX lacks.
+    ``hostfile`` (global): the job's parsed hostfile; its links choose the ring's
+    addresses.
     """
     mx = _mx()
     if world is None:
@@ -112,7 +114,7 @@ def init_group(name: str, world: Group | None) -> MLXGroup:
         unset = {k: None for k in ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_RANK")}
         group = _with_env(unset, lambda: mx.distributed.init(strict=False, backend=_BACKEND[name]))
     elif name == "ring":
-        group = _ring_over_mpi(mx, world)
+        group = _ring_over_mpi(mx, world, hostfile)
     else:
         group = _jaccl_over_mpi(mx, world)
     if group.size() != world.size or group.rank() != world.rank:
@@ -141,14 +143,14 @@ def _with_env(extra: dict[str, str | None], fn):
                 os.environ[k] = v
 
 
-def _ring_over_mpi(mx, world: Group):
+def _ring_over_mpi(mx, world: Group, hf=None):
     import socket
 
     conns = int(os.environ.get("HPCMAC_RING_CONNECTIONS", "1"))
     hosts = world.allgather_obj(socket.gethostname())
     mine = ring_env.local_ipv4() if len(set(hosts)) > 1 else []
     ips = world.allgather_obj(mine)
-    hf = _mesh_hostfile()
+    hf = hf if hf is not None and hf.links else None
     mesh = world.allgather_obj(ring_env.mesh_host(hf, mine) if hf is not None else None)
     ip = ring_env.listen_address(world.rank, hosts, ips, mesh, hf)
     mine = [f"{ip}:{ring_env.free_port(ip)}" for _ in range(conns)]
@@ -161,25 +163,6 @@ def _ring_over_mpi(mx, world: Group):
         return _with_env(env, lambda: mx.distributed.init(strict=True, backend="ring"))
     finally:
         os.unlink(fh.name)
-
-
-def _mesh_hostfile():
-    """The launcher's hostfile (``HPCMAC_HOSTFILE``) when it has links, else None.
-
-    Not collective. A hostfile that cannot be read here only loses the link
-    addresses (the routing table decides), never the job.
-    """
-    path = os.environ.get("HPCMAC_HOSTFILE")
-    if not path:
-        return None
-    from hpcmac.errors import UsageError
-    from hpcmac.launch.hostfile import load
-
-    try:
-        hf = load(path)
-    except UsageError:
-        return None
-    return hf if hf.links else None
 
 
 def mpi_all_gather_factory(comm):

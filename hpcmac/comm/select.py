@@ -52,7 +52,7 @@ def add_transport_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def init(transport: str | None = None, strict: bool | None = None,
-         announce: bool = True) -> Group:
+         announce: bool = True, hostfile=None) -> Group:
     """Collective over the launcher's world: the Group for ``transport`` (cached).
 
     Parameters
@@ -68,6 +68,10 @@ def init(transport: str | None = None, strict: bool | None = None,
     announce : bool (global)
         False holds the "transport: ..." line back until :func:`announce`, so a
         command can check its input first (bad input then prints one line).
+    hostfile : Hostfile, optional (global)
+        The job's parsed hostfile (``hpcmac.launch.hostfile.job_hostfile``), read by
+        whoever starts the job: its links carry the ring's and the heartbeat's
+        traffic. comm itself reads no launcher file.
 
     The first call also sets this process's BLAS threads
     (:mod:`hpcmac.blas_threads`: cores shared among the ranks on each host).
@@ -86,7 +90,7 @@ def init(transport: str | None = None, strict: bool | None = None,
     global _holding
     _holding = not announce
     try:
-        group = _choose(name, strict)
+        group = _choose(name, strict, hostfile)
     finally:
         _holding = False
     _configure_blas(group)
@@ -94,7 +98,8 @@ def init(transport: str | None = None, strict: bool | None = None,
     if group.size > 1 and group.transport != "local":
         from hpcmac.comm import heartbeat
 
-        heartbeat.start(group)  # collective: a silent peer ends the job (comm.heartbeat)
+        # collective: a silent peer ends the job (comm.heartbeat)
+        heartbeat.start(group, hostfile=hostfile)
     return group
 
 
@@ -118,7 +123,7 @@ def announce() -> None:
         _log(line)
 
 
-def _choose(name: str, strict: bool) -> Group:
+def _choose(name: str, strict: bool, hostfile=None) -> Group:
     if name == "local":
         from hpcmac.comm.local import LocalGroup
 
@@ -157,7 +162,7 @@ def _choose(name: str, strict: bool) -> Group:
             raise UsageError(reason)
         _log_rank0(world.rank, f"transport: mpi ({reason})")
         return world
-    group, failure = init_or_fallback(world, wanted)
+    group, failure = init_or_fallback(world, wanted, hostfile)
     if failure:
         if strict:
             raise UsageError(failure)
@@ -167,7 +172,7 @@ def _choose(name: str, strict: bool) -> Group:
     return group
 
 
-def init_or_fallback(world: Group, name: str) -> tuple[Group | None, str]:
+def init_or_fallback(world: Group, name: str, hostfile=None) -> tuple[Group | None, str]:
     """Collective over ``world``: (the MLX group, '') or (None, why it failed to initialise).
 
     Every rank tries :func:`hpcmac.comm.mlx.init_group`; the outcome is agreed
@@ -185,7 +190,7 @@ def init_or_fallback(world: Group, name: str) -> tuple[Group | None, str]:
 
     group, why = None, ""
     try:
-        group = mlx_backend.init_group(name, world)
+        group = mlx_backend.init_group(name, world, hostfile)
     except Exception as exc:  # JACCL/ring raise RuntimeError; anything else is a failure too
         why = f"{name}: {_launcher_backend(name)} failed to initialise on rank {world.rank} " \
               f"({socket.gethostname()}): {str(exc).splitlines()[0] if str(exc) else exc!r}"

@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     from hpcmac.hpl.progress import want_progress
 
     # the transport line waits until the input is known good: bad input is one line
-    world = comm.init(args.transport, args.transport_strict, announce=False)
+    from hpcmac.launch.hostfile import job_hostfile
+
+    world = comm.init(args.transport, args.transport_strict, announce=False,
+                      hostfile=job_hostfile())
     cfg = job.load_config(world, args)
     hplconfig.check_grids(cfg, world.size)  # same verdict on every rank
     _check_memory(world, cfg, driver.local_ranks(world))

@@ -164,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     from hpcmac.hpl.progress import want_progress
     from hpcmac.hpl_mxp import report
     from hpcmac.hpl_mxp.driver import Driver, MxPOptions
+    from hpcmac.launch.hostfile import job_hostfile
 
-    world = comm.init(args.transport, args.transport_strict, announce=False)
+    world = comm.init(args.transport, args.transport_strict, announce=False,
+                      hostfile=job_hostfile())
     cfg = job.load_config(world, args)
     if not cfg.threshold > 0.0:
         raise UsageError(f"{cfg.source}:13: threshold: expected a number > 0 for HPL-MxP (the "

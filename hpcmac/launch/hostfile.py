@@ -347,6 +347,36 @@ def _parse_mlx(data: dict, source: str) -> Hostfile:
     )
 
 
+_job: dict[str, Hostfile | UsageError] = {}
+
+
+def job_hostfile(path: str | None = None, strict: bool = False) -> Hostfile | None:
+    """The hostfile this job was started with: ``path``, else ``HPCMAC_HOSTFILE`` (set by
+    hpcmac.launch), else None. Read and validated once per process; whoever starts the
+    job hands the value down (``comm.init(hostfile=...)``, the planners).
+
+    ``strict``: a bad file raises its one-line UsageError; otherwise it is None (the
+    launcher checked it; a rank only loses the link addresses). Not collective.
+    """
+    import os
+
+    path = path or os.environ.get("HPCMAC_HOSTFILE") or None
+    if not path:
+        return None
+    key = os.path.abspath(path)
+    if key not in _job:
+        try:
+            _job[key] = load(path)
+        except UsageError as exc:
+            _job[key] = exc
+    got = _job[key]
+    if isinstance(got, UsageError):
+        if strict:
+            raise got
+        return None
+    return got
+
+
 def load(path: str | Path, check: bool = True) -> Hostfile:
     """Read and (with ``check``) validate a hostfile; any problem is one UsageError line."""
     p = Path(path)

@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     """Collective: every rank of the job must run it."""
     a = _args(argv)
     from hpcmac import comm
+    from hpcmac.launch.hostfile import job_hostfile
 
-    g = comm.init(a.transport)
+    g = comm.init(a.transport, hostfile=job_hostfile())
     host = socket.gethostname()
     hosts = g.allgather_obj(host)
     if g.rank == 0:

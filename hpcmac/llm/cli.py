@@ -326,7 +326,10 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     out = sys.stdout if out is None else out
     if group is None:  # one rank without --transport: no MPI to start
         # the transport line waits until the input is known good: bad input is one line
-        group = comm.init(args.transport, announce=False) \
+        from hpcmac.launch.hostfile import job_hostfile
+
+        group = comm.init(args.transport, announce=False,
+                          hostfile=job_hostfile(getattr(args, "hostfile", None))) \
             if world_size() > 1 or args.transport else LocalGroup()
     agree(group, lambda: _check_output(args), ranks="root")
     agree(group, lambda: check_threads(args.threads))

@@ -396,8 +396,10 @@ def run_serve(args, group=None) -> int:
         raise UsageError(f"--max-body-mb {args.max_body_mb}: expected a size in MiB, "
                          "above 0 and at most 4096")
     if group is None:
-        group = comm.init(args.transport) if world_size() > 1 or args.transport \
-            else LocalGroup()
+        from hpcmac.launch.hostfile import job_hostfile
+
+        group = comm.init(args.transport, hostfile=job_hostfile(args.hostfile)) \
+            if world_size() > 1 or args.transport else LocalGroup()
     cfg = agree(group, lambda: load_config(args.model))
     context = agree(group, lambda: context_length(args, cfg))
     slots = args.max_batch or 16

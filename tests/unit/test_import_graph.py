@@ -167,3 +167,11 @@ def test_plan_does_not_import_bench():
 def test_errors_imports_nothing_of_hpcmac():
     graph, _ = import_graph()
     assert not graph.get("hpcmac.errors")
+
+
+def test_comm_reads_no_launcher_file():
+    # the job's hostfile is parsed by whoever starts the job and handed to comm.init
+    graph, _ = import_graph()
+    for mod, targets in graph.items():
+        if mod.startswith("hpcmac.comm"):
+            assert not {t for t in targets if t.startswith("hpcmac.launch")}, mod
