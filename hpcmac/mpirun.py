@@ -159,6 +159,8 @@ def _foreground_of_a_terminal() -> bool:
 
 STOPS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 0.2
+#: stops closer together than this are one (a signal to the process group reaches both)
+SAME_STOP_S = 0.5
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = None
@@ -287,9 +289,10 @@ def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) 
     pending in /proc), becomes one SIGHUP, and we say which signal it was, once. mpirun
     gets SIGHUP if this process dies, and a rank it leaves behind is ended here.
     """
-    openmpi = is_open_mpi(argv[0])
+    # where /proc cannot show us what mpirun has pending (macOS), it keeps its own handlers
+    openmpi = is_open_mpi(argv[0]) and os.path.exists(f"/proc/{os.getpid()}/status")
     tty_signals = _foreground_of_a_terminal()
-    state: dict = {"child": None, "stops": 0, "why": None}
+    state: dict = {"child": None, "stops": 0, "why": None, "last": float("-inf")}
     subreaper = _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
     def pass_on(signum: int) -> None:
@@ -305,7 +308,11 @@ def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) 
 
     def on_signal(signum, _frame):
         if signum in STOPS:
+            now = time.monotonic()
+            if now - state["last"] < SAME_STOP_S:
+                return  # one kill of the whole process group: mpirun's copy was taken
             state["stops"] += 1
+            state["last"] = now
             state["why"] = state["why"] or (name, signum)
         # a Ctrl-C at the terminal already reached a non-Open MPI mpirun (same process
         # group): a second copy would make it abort without cleaning up
@@ -395,6 +402,7 @@ def _wait(child: subprocess.Popen, timeout: float | None, name: str, state: dict
                 sent = pending_stops(child.pid)  # a signal to mpirun itself
                 if sent:
                     state["stops"] = 1
+                    state["last"] = time.monotonic()
                     state["why"] = (f"mpirun (pid {child.pid})", sent[0])
                     pass_on(sent[0])
             if deadline is not None and time.monotonic() >= deadline:

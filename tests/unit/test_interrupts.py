@@ -92,25 +92,32 @@ def test_signal_to_the_launcher_and_to_one_rank(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["HPL.dat", "res.out"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
-def test_signal_to_mpirun_itself(tmp_path, sig):
-    """SIGINT/SIGTERM sent to Open MPI's mpirun (prterun) rather than to tools/mpirun: one
-    line naming it and the signal, 130 / 143 (a bare mpirun exits 1 and says nothing)."""
+@pytest.mark.parametrize("to,sig", [("mpirun", signal.SIGINT), ("mpirun", signal.SIGTERM),
+                                    ("group", signal.SIGTERM)],
+                         ids=["mpirun-INT", "mpirun-TERM", "group-TERM"])
+def test_signal_to_mpirun_itself(tmp_path, to, sig):
+    """SIGINT/SIGTERM sent to Open MPI's mpirun (prterun) rather than to tools/mpirun, or to
+    the process group of both (as Slurm and ``timeout`` do): one line naming who got it,
+    130 / 143 (a bare mpirun exits 1 and says nothing)."""
     long_dat(tmp_path, 2, 2)
     proc = subprocess.Popen([str(ROOT / "tools" / "mpirun"), "4", sys.executable, "-m",
                              "hpcmac.hpl"], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     started(proc, tmp_path)
     mpirun = [pid for pid in _children(proc.pid) if b"prterun" in _cmdline(pid)]
     assert len(mpirun) == 1, mpirun
     t0 = time.monotonic()
-    os.kill(mpirun[0], sig)
+    if to == "group":
+        os.killpg(proc.pid, sig)
+        who = "tools/mpirun"
+    else:
+        os.kill(mpirun[0], sig)
+        who = f"mpirun (pid {mpirun[0]})"
     _out, err = proc.communicate(timeout=30)
     assert time.monotonic() - t0 < 10
     assert proc.returncode == 128 + sig, err
-    want = (f"interrupted: mpirun (pid {mpirun[0]}) got {signal.Signals(sig).name}; "
-            "the job is stopped")
-    assert err.splitlines() == [want], err
+    assert err.splitlines() == [f"interrupted: {who} got {signal.Signals(sig).name}; "
+                                "the job is stopped"], err
     assert (tmp_path / "res.out").read_text() == "previous results\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["HPL.dat", "res.out"]
 
