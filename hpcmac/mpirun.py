@@ -228,6 +228,66 @@ def _children() -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (its children, theirs, ...), from /proc."""
+    kids: dict[str, list[str]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        kids.setdefault(stat[stat.rfind(")") + 2:].split()[1], []).append(d)
+    found, todo = [], [str(pid)]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            found.append(int(c))
+            todo.append(c)
+    return found
+
+
+#: the shared-memory files of a job (hpcmac.comm.cleanup, hpcmac.llm.parallel.shmsum):
+#: Open MPI's, named sm_segment.HOST.UID.JOBID.LOCALRANK, and hpcmac's tensor sums
+_SEGMENTS = ("sm_segment.", "vader_segment.", "hpcmac-tp-")
+
+
+def job_segments(pids: list[int]) -> set[str]:
+    """/dev/shm files of a job that these processes have mapped."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as fh:
+                for line in fh:
+                    path = line.rstrip("\n").split(None, 5)[-1]
+                    name = path[len("/dev/shm/"):] if path.startswith("/dev/shm/") else ""
+                    if name.startswith(_SEGMENTS):
+                        found.add(name.removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return found
+
+
+def drop_segments(names: set[str], shm: str = "/dev/shm") -> int:
+    """Remove what is left of ``names`` and of every other segment of the same Open MPI
+    jobs (a rank killed before its own clean-up leaves its segment); how many."""
+    jobs = {n.rsplit(".", 1)[0] + "." for n in names if n.startswith(_SEGMENTS[:2])}
+    try:
+        present = os.listdir(shm)
+    except OSError:
+        return 0
+    gone = 0
+    for name in present:
+        if name in names or any(name.startswith(j) for j in jobs):
+            try:
+                os.unlink(os.path.join(shm, name))
+                gone += 1
+            except OSError:
+                pass
+    return gone
+
+
 def _reap(pid: int) -> bool:
     """Whether ``pid`` (our child) has exited; reaps it."""
     try:
@@ -295,11 +355,16 @@ def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) 
     state: dict = {"child": None, "stops": 0, "why": None, "last": float("-inf")}
     subreaper = _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
+    segments: set[str] = set()
+
     def pass_on(signum: int) -> None:
         child = state["child"]
         if child is None or child.returncode is not None:
             return
         if openmpi and signum in STOPS:
+            # PRRTE's SIGKILL follows its SIGTERM at the first rank's exit: a slower rank
+            # may not have removed its segment by then
+            segments.update(job_segments(descendants(child.pid)))
             signum = signal.SIGHUP
         try:
             os.kill(child.pid, signum)
@@ -352,9 +417,13 @@ def run(argv: list[str], env: dict[str, str], timeout: float | None, name: str) 
             if _exited(child, GRACE_S, None) is None:
                 child.kill()
                 child.wait()
+    if subreaper:
+        segments.update(job_segments(_children()))
     left = end_orphans() if subreaper else 0
     if raw is not None and raw < 0 and openmpi:
         _drop_session(env, child.pid)
+    if segments:
+        drop_segments(segments)
     if state["why"] is not None and rc not in (0, 124):
         return _stopped(state, name)
     if raw is not None and raw < 0 and rc != 124:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpcmac.hpl.config import DEFAULT_DAT
+from hpcmac.mpirun import descendants, job_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -106,6 +107,8 @@ def test_signal_to_mpirun_itself(tmp_path, to, sig):
     started(proc, tmp_path)
     mpirun = [pid for pid in _children(proc.pid) if b"prterun" in _cmdline(pid)]
     assert len(mpirun) == 1, mpirun
+    segments = job_segments(descendants(proc.pid))
+    assert len(segments) == 4, segments
     t0 = time.monotonic()
     if to == "group":
         os.killpg(proc.pid, sig)
@@ -119,7 +122,9 @@ def test_signal_to_mpirun_itself(tmp_path, to, sig):
     assert err.splitlines() == [f"interrupted: {who} got {signal.Signals(sig).name}; "
                                 "the job is stopped"], err
     assert (tmp_path / "res.out").read_text() == "previous results\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["HPL.dat", "res.out"]
+    # PRRTE sends SIGKILL as soon as the first rank has left: another may not have removed
+    # its temporary by then (docs/faults.md); its shared-memory segment the launcher removes
+    assert not [n for n in segments if os.path.exists(f"/dev/shm/{n}")], segments
 
 
 def _children(pid):
