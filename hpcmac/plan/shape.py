@@ -80,7 +80,7 @@ def layer_costs(cfg) -> tuple[LayerCost, ...]:
     matrices (:func:`hpcmac.llm.model.arch.layer_tensors`; norms and biases, under 0.01%,
     left out), a routed expert as its three stacks' share of one expert."""
     from hpcmac.llm.model.arch import layer_tensors
-    from hpcmac.llm.model.spec import is_expert_stack
+    from hpcmac.llm.model.spec import is_routed
 
     out = []
     for i in range(cfg.n_layers):
@@ -91,7 +91,7 @@ def layer_costs(cfg) -> tuple[LayerCost, ...]:
             n = 1
             for s in t.shape:
                 n *= s
-            if is_expert_stack(t):
+            if is_routed(t):
                 expert += n // t.shape[0]
             else:
                 dense += n

@@ -22,8 +22,9 @@ def random_checkpoint(arch: str, folder: str | Path, seed: int = 0,
 
     Its shapes are the family's ``tiny`` fields (``arch/<model_type>.py``) with ``overrides``.
 
-    Norm weights, biases and DeepSeek's routing correction bias are perturbed
-    too (transformers initialises them to constants), so every tensor matters.
+    Norm weights, biases (gpt-oss's per-expert ones too) and DeepSeek's routing
+    correction bias are perturbed too (transformers initialises them to constants), so
+    every tensor matters.
     """
     import torch
     import transformers
@@ -41,6 +42,8 @@ def random_checkpoint(arch: str, folder: str | Path, seed: int = 0,
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 t.copy_(0.05 * torch.randn(t.shape, generator=gen))
+            elif name.endswith("_bias"):  # per-expert biases (E, n): gpt-oss
+                t.copy_(0.1 * torch.randn(t.shape, generator=gen))
             elif t.ndim == 1 and "inv_freq" not in name:
                 base = 1.0 if name.endswith("norm.weight") else 0.0
                 t.copy_(base + 0.1 * torch.randn(t.shape, generator=gen))

@@ -1,4 +1,5 @@
-"""The numerics of a decoder layer's blocks: attention (GQA or latent), dense MLP,
+"""The numerics of a decoder layer's blocks: attention (GQA, optionally windowed and with
+sinks, or latent), dense MLP,
 routed experts and their routers (the blocks, :mod:`hpcmac.llm.model.arch.blocks`, call them).
 
 Pure functions of (backend, config, weights, packed activations, cache arrays);
@@ -21,13 +22,34 @@ if TYPE_CHECKING:
 NEG_INF = float("-inf")
 
 
-def _causal_mask(pos: int, n: int, length: int) -> np.ndarray:
-    """(n, length) True where query pos+i may see key j (j <= pos+i)."""
-    return np.arange(length)[None, :] <= (pos + np.arange(n))[:, None]
+def _causal_mask(pos: int, n: int, length: int, window: int = 0) -> np.ndarray:
+    """(n, length) True where query pos+i may see key j (j <= pos+i; with a sliding
+    ``window``, also j > pos+i - window)."""
+    q = (pos + np.arange(n))[:, None]
+    j = np.arange(length)[None, :]
+    if window:
+        return (j <= q) & (j > q - window)
+    return j <= q
 
 
-def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: float):
-    """Grouped-query attention (Llama, Qwen2, Qwen3); appends K/V to ``ck``/``cv``."""
+def _softmax(be, s, sinks):
+    """Softmax over the last axis of the scores ``s``; with ``sinks`` (broadcastable to
+    ``s[..., :1]``: one logit per query head), each row's sink joins the denominator
+    and is dropped after (gpt-oss)."""
+    if sinks is None:
+        return be.softmax(s)
+    xp = be.xp
+    col = xp.broadcast_to(sinks, s.shape[:-1] + (1,))
+    return be.softmax(xp.concatenate([s, col], axis=-1))[..., :-1]
+
+
+def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: float,
+              window: int = 0):
+    """Grouped-query attention (Llama, Qwen2, Qwen3, gpt-oss); appends K/V to ``ck``/``cv``.
+
+    ``window``: a query sees only the ``window`` latest keys (itself included); the cache
+    keeps every key. ``w["sinks"]`` (H,): per-head logits joining the softmax (gpt-oss).
+    """
     xp = be.xp
     T = x.shape[0]
     H, KV, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -52,11 +74,12 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
             k = be.rms_norm(k, w["k_norm"], cfg.norm_eps)
         q = apply_rope(q, cos, sin, False, xp) * scale
         k = apply_rope(k, cos, sin, False, xp)
+    sinks = w.get("sinks")  # (H,) in the padded head order
     if be.name == "numpy" and T == len(seqs):
-        o = (_decode_one(be, q, k, v, seqs[0], ck, cv, g) if T == 1 else
-             _decode_attention(be, q, k, v, seqs, ck, cv, g))
+        o = (_decode_one(be, q, k, v, seqs[0], ck, cv, g, window, sinks) if T == 1 else
+             _decode_attention(be, q, k, v, seqs, ck, cv, g, window, sinks))
     else:
-        o = _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g)
+        o = _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g, window, sinks)
     if "o_take" in w:
         o = o.reshape(T, H, d)[:, w["o_take"]].reshape(T, Hq * d)
     o = be.linear(o, w["wo"])
@@ -65,18 +88,20 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     return o
 
 
-def _decode_one(be, q, k, v, seq, ck, cv, g: int):
+def _decode_one(be, q, k, v, seq, ck, cv, g: int, window: int = 0, sinks=None):
     """Decode step of one sequence (one new token): the per-sequence attention's
     arithmetic (the same bits) with its reshapes and copies for a single row left out."""
     slot, _, _, pos = seq
     KV, d = k.shape[1], k.shape[2]
     ck[slot, :, pos] = k[0]  # (KV, d)
     cv[slot, :, pos] = v[0]
-    s = q.reshape(KV, g, d) @ ck[slot, :, :pos + 1].swapaxes(-1, -2)  # (KV, g, L)
-    return (be.softmax(s) @ cv[slot, :, :pos + 1]).reshape(1, KV * g * d)  # (1, H*d)
+    j0 = max(0, pos + 1 - window) if window else 0  # the keys the window sees
+    s = q.reshape(KV, g, d) @ ck[slot, :, j0:pos + 1].swapaxes(-1, -2)  # (KV, g, L)
+    p = _softmax(be, s, None if sinks is None else sinks.reshape(KV, g, 1))
+    return (p @ cv[slot, :, j0:pos + 1]).reshape(1, KV * g * d)  # (1, H*d)
 
 
-def _decode_attention(be, q, k, v, seqs, ck, cv, g: int):
+def _decode_attention(be, q, k, v, seqs, ck, cv, g: int, window: int = 0, sinks=None):
     """Decode step of several sequences (one new token each) as one batched attention.
 
     Keys of a shorter sequence are padded to the longest and masked, so each
@@ -89,19 +114,24 @@ def _decode_attention(be, q, k, v, seqs, ck, cv, g: int):
     ck[slots, :, pos] = k  # (B, KV, d): row b is sequence b (one token each)
     cv[slots, :, pos] = v
     L = int(pos.max()) + 1
+    j0 = max(0, int(pos.min()) + 1 - window) if window else 0  # keys some window sees
     if slots[0] + B - 1 == slots[-1] and np.all(np.diff(slots) == 1):
-        K, V = ck[slots[0]:slots[0] + B, :, :L], cv[slots[0]:slots[0] + B, :, :L]
+        K, V = ck[slots[0]:slots[0] + B, :, j0:L], cv[slots[0]:slots[0] + B, :, j0:L]
     else:
-        K, V = ck[slots, :, :L], cv[slots, :, :L]  # (B, KV, L, d)
-    s = q.reshape(B, KV, g, d) @ K.swapaxes(-1, -2)  # (B, KV, g, L)
-    if pos.min() + 1 < L:
-        beyond = np.arange(L)[None, :] > pos[:, None]  # (B, L): another sequence's padding
-        s = be.where(beyond[:, None, None, :], NEG_INF, s)
-    p = be.softmax(s)
+        K, V = ck[slots, :, j0:L], cv[slots, :, j0:L]  # (B, KV, L - j0, d)
+    s = q.reshape(B, KV, g, d) @ K.swapaxes(-1, -2)  # (B, KV, g, L - j0)
+    j = np.arange(j0, L)[None, :]
+    hidden = j > pos[:, None]  # (B, L - j0): another sequence's padding
+    if window:
+        hidden |= j <= pos[:, None] - window  # outside this sequence's window
+    if hidden.any():
+        s = be.where(hidden[:, None, None, :], NEG_INF, s)
+    p = _softmax(be, s, None if sinks is None else sinks.reshape(1, KV, g, 1))
     return (p @ V).reshape(B, KV * g * d)  # (B, H*d)
 
 
-def _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g: int):
+def _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g: int, window: int = 0,
+                            sinks=None):
     """Prefill (or a mixed step): each sequence's new tokens against its own cache."""
     T, KV, d = k.shape
     outs = []
@@ -109,13 +139,18 @@ def _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g: int):
         L = pos + n
         be.set(ck, (slot, slice(None), slice(pos, L)), k[off:off + n].transpose(1, 0, 2))
         be.set(cv, (slot, slice(None), slice(pos, L)), v[off:off + n].transpose(1, 0, 2))
-        K = ck[slot, :, :L]  # (KV, L, d)
-        V = cv[slot, :, :L]
+        j0 = max(0, pos + 1 - window) if window else 0  # keys the first query's window sees
+        K = ck[slot, :, j0:L]  # (KV, L - j0, d)
+        V = cv[slot, :, j0:L]
         qs = q[off:off + n].reshape(n, KV, g, d).transpose(1, 2, 0, 3).reshape(KV, g * n, d)
-        s = qs @ K.swapaxes(-1, -2)  # (KV, g*n, L)
+        s = qs @ K.swapaxes(-1, -2)  # (KV, g*n, L - j0)
         if n > 1:
-            s = be.where(np.tile(_causal_mask(pos, n, L), (g, 1)), s, NEG_INF)
-        p = be.softmax(s)
+            mask = _causal_mask(pos - j0, n, L - j0, window)
+            s = be.where(np.tile(mask, (g, 1)), s, NEG_INF)
+        sk = None
+        if sinks is not None:  # rows are (head in group, token): (KV, g, 1, 1) -> (KV, g*n, 1)
+            sk = xp.broadcast_to(sinks.reshape(KV, g, 1, 1), (KV, g, n, 1)).reshape(KV, g * n, 1)
+        p = _softmax(be, s, sk)
         o = p @ V  # (KV, g*n, d)
         outs.append(o.reshape(KV, g, n, d).transpose(2, 0, 1, 3).reshape(n, KV * g * d))
     return outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=0)
@@ -203,20 +238,47 @@ def route_grouped_sigmoid(logits: np.ndarray, bias: np.ndarray, cfg: ModelConfig
     return idx, (wts * cfg.routed_scaling_factor).astype(np.float32)
 
 
+def swiglu(be, gu, limit: float = 0.0, alpha: float = 1.702):
+    """``silu(gate) * up`` of a fused (T, 2I) gate/up product (gate first); with ``limit``,
+    gpt-oss's clamped form: gate clamped above and up on both sides at ``limit``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    i = gu.shape[1] // 2
+    if not limit:
+        return be.silu(gu[:, :i]) * gu[:, i:]
+    xp = be.xp
+    gate = xp.minimum(gu[:, :i], limit)
+    up = xp.clip(gu[:, i:], -limit, limit)
+    return (up + 1.0) * (gate * be.sigmoid(alpha * gate))
+
+
+def route_topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss (and Mixtral) routing: the top-k logits, softmax over those k."""
+    idx = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, idx, axis=-1)
+    e = np.exp(top - top[:, :1])
+    return idx, (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
 def moe(be, cfg: ModelConfig, w: dict, x, route):
     """Routed experts (plus shared experts, ``s_*`` weights) over packed tokens (T, hidden);
-    ``route(logits, w, cfg) -> (expert ids (T, k), weights (T, k))`` chooses them."""
+    ``route(logits, w, cfg) -> (expert ids (T, k), weights (T, k))`` chooses them.
+    Optional per-expert biases ``e_b_gu`` (E, 2I) and ``e_b_down`` (E, hidden), and the
+    clamped SwiGLU when ``cfg.swiglu_limit`` (gpt-oss)."""
     logits = be.to_numpy(be.linear(x, w["router"]))
     idx, wts = route(logits, w, cfg)
     out = be.zeros(x.shape)
     e_gu, e_down = w["e_gu"], w["e_down"]
+    b_gu, b_down = w.get("e_b_gu"), w.get("e_b_down")
     for e in np.unique(idx):
         rows, which = np.nonzero(idx == e)
         ri = be.index(rows)
         xe = x[ri]
         gu = be.linear(xe, e_gu[int(e)])
-        i = gu.shape[1] // 2
-        ye = be.linear(be.silu(gu[:, :i]) * gu[:, i:], e_down[int(e)])
+        if b_gu is not None:
+            gu = gu + b_gu[int(e)]
+        ye = be.linear(swiglu(be, gu, cfg.swiglu_limit, cfg.swiglu_alpha), e_down[int(e)])
+        if b_down is not None:
+            ye = ye + b_down[int(e)]
         ye = ye * be.asarray(wts[rows, which][:, None])
         out = be.index_add(out, ri, ye)
     if "s_w_gu" in w:

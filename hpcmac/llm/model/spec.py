@@ -46,8 +46,8 @@ class TensorSpec:
 
 
 #: the units a tensor splits by (see :func:`part`)
-SPLITS = ("q", "kv", "heads_in", "mla_q", "mla_kvb", "mla_o", "ffn", "expert_ffn",
-          "shared_ffn", "vocab", "rank0")
+SPLITS = ("q", "kv", "heads_in", "heads", "mla_q", "mla_kvb", "mla_o", "ffn", "expert_ffn",
+          "expert_ffn_pairs", "shared_ffn", "vocab", "rank0")
 
 
 @dataclass(frozen=True)
@@ -149,10 +149,13 @@ def part(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> tuple[int, int] | 
     d = cfg.head_dim
     unit, (lo, hi) = {
         "q": (d, shard.heads), "kv": (d, shard.kv_heads), "heads_in": (d, shard.heads),
+        "heads": (1, shard.heads),  # one value per query head (attention sinks)
         "mla_q": (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, shard.heads),
         "mla_kvb": (cfg.qk_nope_head_dim + cfg.v_head_dim, shard.heads),
         "mla_o": (cfg.v_head_dim, shard.heads),
         "ffn": (1, shard.ffn), "expert_ffn": (1, shard.expert_ffn),
+        # gate and up interleaved, column 2j and 2j+1 of intermediate column j (gpt-oss)
+        "expert_ffn_pairs": (2, shard.expert_ffn),
         "shared_ffn": (1, shard.shared_ffn), "vocab": (1, shard.vocab),
         "rank0": (1, (0, 0) if shard.rank else (0, spec.shape[spec.axis])),
     }[spec.split]
@@ -219,8 +222,16 @@ def padded_heads(cfg: ModelConfig, shard: Shard) -> tuple[int, np.ndarray, np.nd
 
 
 def is_expert_stack(spec: TensorSpec) -> bool:
-    """A routed-expert stack (read with ``ckpt.experts``, not ``ckpt.get``)."""
-    return ".experts." in spec.name and not spec.name.endswith(".weight")
+    """A routed-expert stack (read with ``ckpt.experts``, not ``ckpt.get``): the canonical
+    ``mlp.experts.gate`` / ``up`` / ``down``. A family whose checkpoints hold the experts as
+    (E, ...) tensors under their own names (gpt-oss) reads those with ``ckpt.get``."""
+    return ".experts." in spec.name and spec.name.rsplit(".", 1)[1] in ("gate", "up", "down")
+
+
+def is_routed(spec: TensorSpec) -> bool:
+    """A tensor of the routed experts, one row of its first axis per expert (a stack or a
+    family's own (E, ...) tensor): a token reads ``n_experts_per_tok`` of its rows."""
+    return ".mlp.experts." in spec.name
 
 
 def embed_spec(cfg: ModelConfig) -> TensorSpec:

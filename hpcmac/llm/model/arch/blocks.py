@@ -9,11 +9,13 @@ calls them. Communication-free, like all model code: partial results under
 tensor parallelism are summed by ``step.sum``, which the stage provides.
 
 Blocks: :class:`GQA` (MHA/GQA/MQA, optional Q/K/V and output biases, optional
-per-head Q/K RMSNorm), :class:`MLA` (multi-head latent attention, absorbed
-up-projection), :class:`MLP` (SwiGLU, optional biases), :class:`MoE` (routed
-experts with a router, optional correction bias, optional shared experts) and
-:class:`Layer` (the pre-norm residual layer: ``x + attn(norm x)``, ``x + ffn(norm x)``).
-Routers: :func:`softmax_topk`, :func:`sigmoid_grouped`.
+per-head Q/K RMSNorm, optional attention sinks and sliding window), :class:`MLA`
+(multi-head latent attention, absorbed up-projection), :class:`MLP` (SwiGLU, optional
+biases), :class:`MoE` (routed experts with a router, optional correction bias,
+optional shared experts), :class:`InterleavedMoE` (gpt-oss's experts: interleaved
+gate/up, biases, clamped SwiGLU) and :class:`Layer` (the pre-norm residual layer:
+``x + attn(norm x)``, ``x + ffn(norm x)``).
+Routers: :func:`softmax_topk`, :func:`sigmoid_grouped`, :func:`topk_softmax`.
 """
 
 from __future__ import annotations
@@ -45,11 +47,21 @@ def _p(i: int) -> str:
 
 # -- attention ------------------------------------------------------------------
 
+@dataclass(frozen=True)
 class GQA:
     """Grouped-query attention: fused QKV; ``cfg.attention_bias`` (Q/K/V biases),
     ``cfg.o_bias``, ``cfg.qk_norm`` (RMSNorm on each head of Q and K); rotate-half rope on
     the first ``cfg.rope_dim`` dimensions of each head (``partial_rotary_factor``).
-    The cache holds per-KV-head K and V."""
+    The cache holds per-KV-head K and V.
+
+    sinks : a learned logit per query head (``self_attn.sinks``) joins each softmax's
+        denominator (gpt-oss)
+    sliding : each query sees only the ``cfg.sliding_window`` latest keys; the cache
+        still keeps every key, masked by the window (simple first: no ring buffer)
+    """
+
+    sinks: bool = False
+    sliding: bool = False
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D, H, KV, d = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -68,6 +80,9 @@ class GQA:
         if cfg.qk_norm:
             out += [tensor(i, "self_attn.q_norm.weight", "attn_q_norm.weight", (d,), "vector"),
                     tensor(i, "self_attn.k_norm.weight", "attn_k_norm.weight", (d,), "vector")]
+        if self.sinks:
+            out.append(tensor(i, "self_attn.sinks", "attn_sinks.weight", (H,), "vector",
+                              "heads"))
         return out
 
     def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
@@ -85,10 +100,15 @@ class GQA:
         pad = padded_heads(cfg, ld.shard)
         if pad is not None:  # part of a KV group: heads padded to whole groups
             w["q_pad"], w["o_take"] = be.index(pad[1]), be.index(pad[2])
+        if self.sinks:
+            sinks = ld.np(a + "sinks")  # this rank's query heads
+            if pad is not None:  # an empty slot's sink: any finite value (its output is dropped)
+                sinks = np.concatenate([sinks, np.zeros(1, np.float32)])[pad[1]]
+            w["sinks"] = be.asarray(np.ascontiguousarray(sinks, dtype=np.float32))
 
     def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv):
         return layers.attention(be, cfg, w, x, step.seqs, ck, cv, step.cos, step.sin,
-                                step.scale)
+                                step.scale, cfg.sliding_window if self.sliding else 0)
 
 
 class MLA:
@@ -184,6 +204,12 @@ def sigmoid_grouped(logits: np.ndarray, w: dict, cfg: ModelConfig):
     return layers.route_grouped_sigmoid(logits, w["router_bias"], cfg)
 
 
+def topk_softmax(logits: np.ndarray, w: dict, cfg: ModelConfig):
+    """The router's bias added (``router_b``), the top ``n_experts_per_tok`` logits,
+    softmax over those (gpt-oss)."""
+    return layers.route_topk_softmax(logits + w["router_b"], cfg.n_experts_per_tok)
+
+
 @dataclass(frozen=True)
 class MoE:
     """Routed experts (one (E, out, in) stack per projection) chosen by ``route``,
@@ -237,6 +263,48 @@ class MoE:
 
     def forward(self, be, cfg: ModelConfig, w: dict, x):
         return layers.moe(be, cfg, w, x, self.route)
+
+
+class InterleavedMoE:
+    """Routed experts as gpt-oss stores them: ``mlp.experts.gate_up_proj`` (E, hidden, 2I)
+    with gate and up columns interleaved (gate 2j, up 2j+1), ``gate_up_proj_bias`` (E, 2I),
+    ``down_proj`` (E, I, hidden), ``down_proj_bias`` (E, hidden) (inputs first: x @ W);
+    a router with a bias (``mlp.router``) choosing by :func:`topk_softmax`; the clamped
+    SwiGLU (``cfg.swiglu_limit``, ``cfg.swiglu_alpha``). Loaded into the :class:`MoE`
+    layout (gate rows, then up rows, each (out, in)), so the forward is the same."""
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D, E, I = cfg.hidden, cfg.n_experts, cfg.moe_intermediate
+        e = "mlp.experts."
+        return [tensor(i, "mlp.router.weight", "ffn_gate_inp.weight", (E, D), "matrix"),
+                tensor(i, "mlp.router.bias", "ffn_gate_inp.bias", (E,), "vector"),
+                tensor(i, e + "gate_up_proj", "ffn_gate_up_exps.weight", (E, D, 2 * I),
+                       "matrix", "expert_ffn_pairs", 2),
+                tensor(i, e + "gate_up_proj_bias", "ffn_gate_up_exps.bias", (E, 2 * I),
+                       "vector", "expert_ffn_pairs", 1),
+                tensor(i, e + "down_proj", "ffn_down_exps.weight", (E, I, D), "matrix",
+                       "expert_ffn", 1),
+                tensor(i, e + "down_proj_bias", "ffn_down_exps.bias", (E, D), "vector",
+                       "rank0", 1)]
+
+    def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
+        be, m = ld.be, _p(i) + "mlp."
+        w["router"] = ld.w(m + "router.weight")
+        w["router_b"] = ld.np(m + "router.bias")
+        gu = ld.np(m + "experts.gate_up_proj")  # (E, D, 2I) this rank's column pairs
+        w["e_gu"] = be.weight(np.ascontiguousarray(
+            np.concatenate([gu[:, :, 0::2], gu[:, :, 1::2]], axis=2).transpose(0, 2, 1)))
+        del gu
+        b = ld.np(m + "experts.gate_up_proj_bias")  # (E, 2I)
+        w["e_b_gu"] = be.asarray(np.ascontiguousarray(
+            np.concatenate([b[:, 0::2], b[:, 1::2]], axis=1)))
+        w["e_down"] = be.weight(np.ascontiguousarray(
+            ld.np(m + "experts.down_proj").transpose(0, 2, 1)))  # (E, D, I)
+        if ld.has_part(m + "experts.down_proj_bias"):  # added once, after the sum
+            w["e_b_down"] = be.asarray(ld.np(m + "experts.down_proj_bias"))
+
+    def forward(self, be, cfg: ModelConfig, w: dict, x):
+        return layers.moe(be, cfg, w, x, topk_softmax)
 
 
 # -- the layer ----------------------------------------------------------------------

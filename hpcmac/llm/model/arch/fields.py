@@ -41,6 +41,8 @@ class ModelConfig:
     o_bias: bool = False  # bias on o_proj (Llama attention_bias=True)
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of Q and K
+    sliding_window: int = 0  # keys a sliding-window layer's query sees (itself included)
+    layer_types: list[str] = field(default_factory=list)  # "sliding_attention" / "full_attention"
     # mixture of experts (Qwen3-MoE, DeepSeek-V3)
     n_experts: int = 0
     n_experts_per_tok: int = 0
@@ -53,6 +55,8 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    swiglu_limit: float = 0.0  # gpt-oss's clamped SwiGLU in the experts (0: plain SwiGLU)
+    swiglu_alpha: float = 1.702  # its sigmoid gain
     # multi-head latent attention (DeepSeek-V3)
     mla: bool = False
     q_lora_rank: int | None = None
@@ -77,15 +81,16 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 31:
                 raise UsageError(f"{where}: {name} = {v!r}: expected an integer from 1 to 2^31")
         for name in ("intermediate", "n_experts", "n_experts_per_tok", "moe_intermediate",
-                     "n_shared_experts", "first_k_dense", "kv_lora_rank", "qk_nope_head_dim",
-                     "qk_rope_head_dim", "v_head_dim"):
+                     "n_shared_experts", "first_k_dense", "sliding_window", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 31:
                 raise UsageError(f"{where}: {name} = {v!r}: expected an integer from 0 to 2^31")
         for name in ("n_group", "topk_group", "decoder_sparse_step"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UsageError(f"{where}: {name} = {getattr(self, name)!r}: expected >= 1")
-        for name in ("norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor"):
+        for name in ("norm_eps", "rope_theta", "routed_scaling_factor", "partial_rotary_factor",
+                     "swiglu_alpha"):
             v = getattr(self, name)
             if not isinstance(v, float) or not math.isfinite(v) or v <= 0:
                 raise UsageError(f"{where}: {name} = {v!r}: expected a finite number > 0")
@@ -94,6 +99,10 @@ class ModelConfig:
             raise UsageError(f"{where}: partial_rotary_factor {self.partial_rotary_factor} "
                              f"rotates {self.rope_dim} of {self.head_dim} dimensions per head; "
                              "expected an even number from 2 to head_dim")
+        if not isinstance(self.swiglu_limit, float) or not self.swiglu_limit >= 0 or \
+                not math.isfinite(self.swiglu_limit):
+            raise UsageError(f"{where}: swiglu_limit = {self.swiglu_limit!r}: expected a finite "
+                             "number >= 0")
         if self.n_experts_per_tok > self.n_experts:
             raise UsageError(f"{where}: {self.n_experts_per_tok} experts per token of "
                              f"{self.n_experts}")
@@ -104,6 +113,11 @@ class ModelConfig:
             raise UsageError(f"{where}: {self.n_layers} layers declared, the checkpoint's "
                              f"tensors hold {max_layers}")
         return self
+
+    def is_sliding(self, i: int) -> bool:
+        """Whether global layer ``i`` attends within ``sliding_window`` only."""
+        return bool(self.sliding_window) and bool(self.layer_types) and \
+            self.layer_types[i] == "sliding_attention"
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether global layer ``i`` uses routed experts instead of a dense MLP: past the
