@@ -1,0 +1,186 @@
+"""gpt_oss against transformers at any rank count: the whole model on one rank, tensor
+parallel over all ranks, a pipeline of all ranks (and 2 x 2 at four ranks).
+
+Odd shapes: 5 query heads over 1 KV head (a KV group split between ranks: the sinks
+padded with the heads) and 6 over 2; 6 and 7 experts, 4 per token, of 21 and 13 columns;
+sliding windows of 8 and 5 tokens, alternating as transformers' default and as a given
+``layer_types``; gpt-oss's own YaRN (factor 32, no truncation) and a YaRN of factor 4
+over 16 positions; the SwiGLU clamp at 7 and at 2 (so that it bites); every bias
+perturbed. The oracle is transformers itself (rank 0 runs it, each prompt alone): 16
+greedy tokens equal and logits within 1e-4 of the largest at every step, with three
+prompts (23, 9 and 17 tokens: longer than the window) prefilled together in chunks of 3
+tokens and decoded together.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+from hpcmac.errors import UsageError
+from hpcmac.testing import parallel_assert, world
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
+
+N_NEW = 16
+VOCAB = 97
+#: case -> (seed, config.json fields); seeds whose greedy runs are not degenerate
+CASES = {
+    "kv1-window8-yarn32": (3, dict(
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=21, num_hidden_layers=3,
+        num_attention_heads=5, num_key_value_heads=1, head_dim=12, num_local_experts=6,
+        num_experts_per_tok=4, sliding_window=8, max_position_embeddings=256)),
+    "kv2-window5-clamp2-tied": (5, dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=13, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=8, num_local_experts=7,
+        num_experts_per_tok=4, sliding_window=5, max_position_embeddings=256,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                     "full_attention"],
+        swiglu_limit=2.0, swiglu_alpha=1.2, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
+                             original_max_position_embeddings=16))),
+}
+
+
+def hf_reference(model, prompts, n_new):
+    """transformers' greedy tokens and per-step logits of each prompt alone."""
+    import torch
+
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            # an explicit mask: generate would take token 0 (pad_token_id) for padding
+            r = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                               dtype=torch.long), max_new_tokens=n_new,
+                               min_new_tokens=n_new, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0,
+                               eos_token_id=None)
+        out.append((r.sequences[0, len(prompt):].tolist(),
+                    np.array([lg[0].numpy() for lg in r.logits])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    """Each case written once by rank 0, with transformers' tokens and logits."""
+    g = world()
+    root = g.bcast_obj(tempfile.mkdtemp(prefix="hpcmac-gptoss-") if g.rank == 0 else None, 0)
+    rng = np.random.default_rng(7)
+    prompts = [list(map(int, rng.integers(0, VOCAB, n))) for n in (23, 9, 17)]
+    out = {}
+    for name, (seed, fields) in CASES.items():
+        path, ref = f"{root}/{name}", None
+        if g.rank == 0:
+            import torch
+            import transformers
+
+            from hpcmac.llm.model.fixtures import random_checkpoint
+
+            random_checkpoint("gpt_oss", path, seed=seed, initializer_range=0.3, **fields)
+            # the eager experts and attention (the sinks): the reference formulas
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, experts_implementation="eager",
+                attn_implementation="eager").eval()
+            ref = hf_reference(model, prompts, N_NEW)
+        out[name] = (path, prompts, g.bcast_obj(ref, 0))
+    g.barrier()
+    yield out
+    g.barrier()
+    if g.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(path, tp, prompts):
+    """Collective: the prompts together through ``tp`` x ``size/tp`` ranks."""
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.spec import make_shards
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.parallel import plan as S
+    from hpcmac.llm.parallel.pipeline import Request
+    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+
+    g = world()
+    cfg = load_config(path)
+    groups = make_groups(g, tp)
+    spec = S.stages_from_counts(S.even_counts(cfg.n_layers, groups.pp))[groups.stage]
+    shards = make_shards(cfg, [1.0] * tp)
+    tg = None
+    if tp > 1:
+        members = [groups.stage * tp + t for t in range(tp)]
+        tg = TensorGroup(groups.tensor, [groups.hosts[r] for r in members], 60.0, members)
+        tg.set_vocab_slices([s.vocab[1] - s.vocab[0] for s in shards])
+    stage = load_stage(path, spec.start, spec.end, spec.first, spec.last,
+                       shard=shards[groups.tp_rank], reduce=tg.allreduce if tg else None)
+    reqs = [Request(list(p), N_NEW) for p in prompts] if g.rank == 0 else None
+    return run_tensor_pipeline(groups, tg, stage, spec, cfg.hidden, reqs, keep_logits=True,
+                               prefill_chunk=3)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_transformers(checkpoints, name):
+    g = world()
+    path, prompts, ref = checkpoints[name]
+    layouts = {f"tensor {g.size}": g.size}
+    if g.size > 1:
+        layouts[f"pipeline {g.size}"] = 1
+    if g.size == 4:
+        layouts["pipeline 2 x tensor 2"] = 2
+    for layout, tp in layouts.items():
+        res = run(path, tp, prompts)
+        for i, (s, (toks, logits)) in enumerate(zip(res.seqs, ref)):
+            what = f"gpt_oss {name} np={g.size} {layout} seq {i}"
+            parallel_assert(s.tokens == toks, f"{what}: {s.tokens} != {toks}", g)
+            err = float(np.max(np.abs(np.array(s.logits) - logits)))
+            parallel_assert(err <= 1e-4 * float(np.max(np.abs(logits))),
+                            f"{what}: logits differ by {err:.3g}", g)
+    parallel_assert(all(len(set(t)) > 3 for t, _ in ref), "degenerate greedy sequence", g)
+
+
+def test_window_and_sinks_matter(checkpoints):
+    """The checks above can fail: the same prompts with the window or the sinks taken
+    away give other logits (one rank's whole model, rank 0)."""
+    from dataclasses import replace
+
+    from hpcmac.llm.model.fixtures import stage_greedy
+    from hpcmac.llm.model.stage import load_stage
+
+    g = world()
+    path, prompts, ref = checkpoints["kv1-window8-yarn32"]
+    if g.rank == 0:
+        stage = load_stage(path, 0, 3)
+        assert stage_greedy(stage, prompts[0], N_NEW) == ref[0][0]
+        no_window = load_stage(path, 0, 3)
+        no_window.config = no_window.local = replace(stage.config, sliding_window=0)
+        no_sinks = load_stage(path, 0, 3)
+        for w in no_sinks.layers:
+            w["sinks"] = w["sinks"] - 1e9
+        for other in (no_window, no_sinks):
+            from hpcmac.llm.model.stage import Batch
+
+            cache = other.new_cache(1, 64)
+            x = other.forward(other.embed(prompts[0]), Batch([0], [23], [0]), cache)
+            assert np.abs(other.logits(x[-1:])[0] - ref[0][1][0]).max() > 1e-2
+    g.barrier()
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("quantization_config", {"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
+    ("layer_types", ["sliding_attention"], "field 'layer_types'"),
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+     "rope_type 'dynamic'"),
+])
+def test_refused_in_one_line(field, value, says):
+    from hpcmac.llm.model.arch import config_from_hf
+
+    raw = dict(model_type="gpt_oss", vocab_size=VOCAB, hidden_size=40, intermediate_size=21,
+               num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
+               head_dim=12, num_local_experts=6, num_experts_per_tok=4, sliding_window=8)
+    cfg = config_from_hf(dict(raw))
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_theta == 150000.0
+    with pytest.raises(UsageError, match=says) as e:
+        config_from_hf({**raw, field: value})
+    assert "\n" not in str(e.value)
