@@ -76,6 +76,13 @@ def test_each_solver_and_preconditioner_reaches_scipys_solution(problem, built):
             err = np.linalg.norm(res.x - ref) / np.linalg.norm(ref)
             parallel_assert(res.info == 0 and err < 1e-6,
                             f"{problem} {solver.__name__} {pname}: info {res.info} err {err:.1e}")
+    # the non-symmetric variants, for the solvers that allow them
+    for pname, M in (("ilu", block_jacobi(A, solver="ilu")), ("ras", asm(A, restrict=True))):
+        for solver in (gmres, bicgstab):
+            res = solver(A, b, rtol=1e-10, M=M)
+            err = np.linalg.norm(res.x - ref) / np.linalg.norm(ref)
+            parallel_assert(res.info == 0 and err < 1e-6,
+                            f"{problem} {solver.__name__} {pname}: info {res.info} err {err:.1e}")
     # the name works as M= too, and AMG's iteration count is small
     res = (cg if symmetric else gmres)(A, b, rtol=1e-8, M="amg")
     parallel_assert(res.info == 0 and res.iterations <= 25, f"{problem} amg: {res.iterations}")
