@@ -96,6 +96,7 @@ class DistCSR:
         self.off = self._block(rowid[~mine], off_cols, csr.data[~mine], nloc, self.ghosts.size)
         self.plan = GhostPlan(self.ghosts, self.col_starts, group)
         self._gbuf: dict = {}
+        self._offc = None
 
     @staticmethod
     def _block(rowid, cols, data, nrows, ncols) -> sp.csr_matrix:
@@ -110,8 +111,16 @@ class DistCSR:
         """The same layout and plan with other values (not collective)."""
         out = object.__new__(DistCSR)
         out.__dict__.update(self.__dict__)
-        out.diag, out.off, out.dtype, out._gbuf = diag, off, diag.dtype, {}
+        out.diag, out.off, out.dtype, out._gbuf, out._offc = diag, off, diag.dtype, {}, None
         return out
+
+    def _off_compressed(self) -> tuple[np.ndarray, sp.csr_matrix]:
+        """(rows with ghost entries, ``off`` restricted to them): few rows touch ghosts, and a
+        kernel over all of ``off``'s rows would walk every local row (PETSc's compressed rows)."""
+        if self._offc is None:
+            rows = np.flatnonzero(np.diff(self.off.indptr))
+            self._offc = (rows, sp.csr_matrix(self.off[rows]))
+        return self._offc
 
     # -- sizes --------------------------------------------------------------------
     @property
@@ -207,7 +216,11 @@ class DistCSR:
         reqs = self.plan.start(x_local, g)
         _gemv(self.diag, x_local, out)        # while the ghosts travel
         self.plan.finish(reqs)
-        _gemv(self.off, g, out)
+        rows, offc = self._off_compressed()
+        if offc.nnz:
+            part = np.zeros(rows.size, dtype=dtype)
+            _gemv(offc, g, part)
+            out[rows] += part
         return out
 
     def rmatvec(self, x_local: np.ndarray) -> np.ndarray:
@@ -215,7 +228,9 @@ class DistCSR:
         dtype = np.result_type(self.dtype, x_local.dtype)
         x_local = np.ascontiguousarray(x_local, dtype=dtype)
         g = np.zeros(self.ghosts.size, dtype=dtype)
-        _gemv_t(self.off, x_local, g)
+        rows, offc = self._off_compressed()
+        if offc.nnz:
+            _gemv_t(offc, np.ascontiguousarray(x_local[rows]), g)
         pending = self.plan.reverse_start(g)
         y = np.zeros(self.diag.shape[1], dtype=dtype)
         _gemv_t(self.diag, x_local, y)        # while the ghost sums travel
