@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcmac.mpirun import die_with_parent
+
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
@@ -85,13 +87,16 @@ class Job:
             [MPIRUN, str(np_), sys.executable, "-m", "hpcmac.llm", "serve", "--model",
              "smollm2", "--port", str(self.port), "--max-context", "256", "--max-batch", "2"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         deadline = time.monotonic() + 240
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"server did not come up: {self.proc.stderr.read()}")
-            time.sleep(0.05)
+        try:
+            while not self._healthy():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"server did not come up: {self.proc.stderr.read()}")
+                time.sleep(0.05)
+        except BaseException:
+            self.kill()
+            raise
         procs = job_processes(self.tag)
         self.mpirun = next(p for p, cmd in procs.items() if "prterun" in cmd)
         self.ranks = [p for p in procs if p not in (self.proc.pid, self.mpirun)]
