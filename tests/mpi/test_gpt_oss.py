@@ -9,7 +9,10 @@ over 16 positions; the SwiGLU clamp at 7 and at 2 (so that it bites); every bias
 perturbed. The oracle is transformers itself (rank 0 runs it, each prompt alone): 16
 greedy tokens equal and logits within 1e-4 of the largest at every step, with three
 prompts (23, 9 and 17 tokens: longer than the window) prefilled together in chunks of 3
-tokens and decoded together.
+tokens and decoded together. A third checkpoint holds its experts in MXFP4 as gpt-oss
+publishes them (random codes and scales); transformers decodes the same file
+(``Mxfp4Config(dequantize=True)``) and the weights are exact in float32, so the bound is
+the same.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ CASES = {
         swiglu_limit=2.0, swiglu_alpha=1.2, tie_word_embeddings=True,
         rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
                              original_max_position_embeddings=16))),
+    # the experts as gpt-oss publishes them: MXFP4 blocks and scales (sizes of 32s)
+    "mxfp4-experts": (3, dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=5, num_key_value_heads=1, head_dim=12, num_local_experts=6,
+        num_experts_per_tok=4, sliding_window=8, max_position_embeddings=256)),
 }
 
 
@@ -79,11 +87,20 @@ def checkpoints():
 
             from hpcmac.llm.model.fixtures import random_checkpoint
 
-            random_checkpoint("gpt_oss", path, seed=seed, initializer_range=0.3, **fields)
+            kw = {}
+            if name.startswith("mxfp4"):  # transformers decodes the same blocks itself
+                from hpcmac.llm.model.fixtures import mxfp4_checkpoint
+
+                random_checkpoint("gpt_oss", path + "-float", seed=seed, initializer_range=0.3,
+                                  **fields)
+                mxfp4_checkpoint(path + "-float", path, seed=seed)
+                kw["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+            else:
+                random_checkpoint("gpt_oss", path, seed=seed, initializer_range=0.3, **fields)
             # the eager experts and attention (the sinks): the reference formulas
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.float32, experts_implementation="eager",
-                attn_implementation="eager").eval()
+                attn_implementation="eager", **kw).eval()
             ref = hf_reference(model, prompts, N_NEW)
         out[name] = (path, prompts, g.bcast_obj(ref, 0))
     g.barrier()
@@ -166,8 +183,27 @@ def test_window_and_sinks_matter(checkpoints):
     g.barrier()
 
 
+def test_planner_counts_the_bytes_held(checkpoints):
+    """weights.stage_nbytes (the planners' count, from headers) is what a stage holds:
+    float and MXFP4 checkpoints (decoded to float32), whole and as one tensor rank's part."""
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.spec import make_shards
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.model.weights import stage_nbytes
+
+    g = world()
+    if g.rank == 0:
+        for name in ("kv1-window8-yarn32", "mxfp4-experts"):
+            path = checkpoints[name][0]
+            shard = make_shards(load_config(path), [1.0, 1.0])[1]
+            assert stage_nbytes(path, 0, 3, True, True) == load_stage(path, 0, 3).nbytes
+            part = load_stage(path, 1, 3, False, True, shard=shard, reduce=lambda a: a)
+            assert stage_nbytes(path, 1, 3, False, True, shard=shard) == part.nbytes
+    g.barrier()
+
+
 @pytest.mark.parametrize("field, value, says", [
-    ("quantization_config", {"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
+    ("quantization_config", {"quant_method": "fp8"}, "quant_method 'fp8'"),
     ("layer_types", ["sliding_attention"], "field 'layer_types'"),
     ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
      "rope_type 'dynamic'"),

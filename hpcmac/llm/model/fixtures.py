@@ -52,6 +52,38 @@ def random_checkpoint(arch: str, folder: str | Path, seed: int = 0,
     return folder
 
 
+def mxfp4_checkpoint(folder: str | Path, out: str | Path, seed: int = 0) -> Path:
+    """A copy of a random gpt_oss ``folder`` whose experts are MXFP4, as gpt-oss publishes
+    them: random codes and power-of-two scales (2^-5 to 2^-2) written as
+    ``experts.{gate_up,down}_proj_{blocks,scales}`` (E, out, in/32, 16) and (E, out, in/32)
+    uint8, and ``quantization_config`` ``mxfp4`` in config.json. Needs hidden and
+    intermediate sizes that are multiples of 32."""
+    from safetensors.numpy import load_file, save_file
+
+    folder, out = Path(folder), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                E, inp, outs = t.shape  # transformers' (E, in, out): stored (E, out, in)
+                tensors[name + "_blocks"] = rng.integers(0, 256, (E, outs, inp // 32, 16),
+                                                         dtype=np.uint8)
+                tensors[name + "_scales"] = rng.integers(122, 126, (E, outs, inp // 32),
+                                                         dtype=np.uint8)
+            else:
+                tensors[name] = t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
 def hf_model(folder: str | Path):
     """The transformers model of a folder, float32, eval mode (the oracle)."""
     import torch

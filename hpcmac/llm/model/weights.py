@@ -116,6 +116,10 @@ class SafetensorsCheckpoint:
             for f in files:
                 for name in self._header(f)[1]:
                     self._file_of[name] = f
+        #: gpt-oss's MXFP4 tensors: name -> (its _blocks, its _scales)
+        self._mxfp4 = {n[:-len("_blocks")]: (n, n[:-len("_blocks")] + "_scales")
+                       for n in self._file_of
+                       if n.endswith("_blocks") and n[:-len("blocks")] + "scales" in self._file_of}
 
     def _header(self, f: Path) -> tuple[int, dict]:
         """(data start offset, tensor table) of one file; checks it is complete."""
@@ -236,7 +240,20 @@ class SafetensorsCheckpoint:
         return list(self._file_of)
 
     def has(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._file_of or name in self._mxfp4
+
+    # -- MXFP4 (gpt-oss's experts) -------------------------------------------------
+    def _mxfp4_get(self, name: str) -> np.ndarray:
+        """An MXFP4 tensor decoded to float32, laid out as transformers' gpt-oss expert
+        parameter: the stored (E, out, in) with its last two axes swapped, (E, in, out)."""
+        from hpcmac.llm.model import mxfp4
+
+        bname, sname = self._mxfp4[name]
+        blocks, scales = self._raw(bname), self._raw(sname)
+        try:
+            return mxfp4.dequantize(blocks, scales).swapaxes(-1, -2)
+        except ValueError as exc:
+            raise UsageError(f"{self.path}: tensor {bname} / {sname}: {exc}") from None
 
     def _info(self, name: str) -> tuple[Path, int, dict]:
         if name not in self._file_of:
@@ -248,6 +265,11 @@ class SafetensorsCheckpoint:
         return f, start, table[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._mxfp4:  # see _mxfp4_get: (E, in, out)
+            from hpcmac.llm.model.mxfp4 import logical_shape
+
+            *lead, out, inp = logical_shape(tuple(self._info(self._mxfp4[name][0])[2]["shape"]))
+            return (*lead, inp, out)
         shape = tuple(self._info(name)[2]["shape"])
         if self.is_quantized(name):  # the logical (..., out, in), not the packed words
             bits, _ = self.quant_params(name)
@@ -258,7 +280,10 @@ class SafetensorsCheckpoint:
         return int(np.prod(self.shape(name), dtype=np.int64))
 
     def stored_nbytes(self, name: str) -> int:
-        """Bytes ``name`` takes in memory as :meth:`get_weight` returns it."""
+        """Bytes ``name`` takes in memory as :meth:`get_weight` returns it (MXFP4: decoded
+        to float32)."""
+        if name in self._mxfp4:
+            return 4 * self.numel(name)
         if self.is_quantized(name):  # as the numpy backend holds it (see quant.held_nbytes)
             base = name[:-len("weight")]
             size = {"F32": 4, "F16": 2, "BF16": 2}
@@ -272,7 +297,10 @@ class SafetensorsCheckpoint:
         return as_float(self.get_weight(name))
 
     def get_weight(self, name: str):
-        """The tensor as stored: a QuantTensor when MLX-quantized, else float32."""
+        """The tensor as stored: a QuantTensor when MLX-quantized, else float32 (MXFP4
+        decoded)."""
+        if name in self._mxfp4:
+            return self._mxfp4_get(name)
         if self.is_quantized(name):
             return self._quant(name)
         return self._float(name)

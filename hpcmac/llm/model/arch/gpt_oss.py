@@ -4,9 +4,10 @@ as ``layer_types`` says; every layer routed experts (4 of 32 or 128) chosen by t
 router logits (with a bias), softmax over those k, each expert a clamped SwiGLU with
 biases (``swiglu_limit``, ``swiglu_alpha``) stored gate/up interleaved; YaRN rope.
 
-Float checkpoints only for now: the MXFP4 experts (``*_blocks`` / ``*_scales``, as
-published) are refused in one line. The sliding layers' cache keeps every token and
-masks by the window. No GGUF form yet.
+Float checkpoints, and the MXFP4 experts as published (``*_blocks`` / ``*_scales``,
+``quant_method: mxfp4``), decoded to float32 at load (exact; not kept 4-bit yet); any
+other quantization is refused in one line. The sliding layers' cache keeps every token
+and masks by the window. No GGUF form yet.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ _ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, trunc
 
 def from_hf(raw: dict, where: str) -> ModelConfig:
     q = raw.get("quantization_config") or raw.get("quantization")
-    if q:
-        method = q.get("quant_method") if isinstance(q, dict) else q
+    method = q.get("quant_method") if isinstance(q, dict) else q
+    if q and method != "mxfp4":  # MXFP4 experts (as published) are decoded at load
         raise UsageError(f"{where}: quantization_config (quant_method {method!r}) is not "
-                         "supported for gpt_oss yet; expected a float checkpoint "
-                         "(bfloat16 / float32 experts)")
+                         "supported for gpt_oss; expected 'mxfp4' experts or a float "
+                         "checkpoint")
     base = hf_fields(raw, where)
     if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
         base["rope_scaling"] = dict(_ROPE)
