@@ -156,3 +156,24 @@ def test_bad_input_names_the_argument():
     msg = same_error_everywhere(g, lambda: DistCSR.from_rows(sp.eye(2, 3 + (g.rank == 0)), g),
                                 ValueError) if g.size > 1 else "local: every rank"
     assert msg.startswith("local: every rank")
+
+
+def test_unreadable_files_get_one_line(tmpdir_shared):
+    from hpcmac.errors import UsageError
+
+    g = world()
+    missing = os.path.join(tmpdir_shared, "nope.mtx")
+    for root in (0, None):
+        msg = same_error_everywhere(g, lambda r=root: DistCSR.mmread(missing, g, root=r),
+                                    UsageError)
+        assert msg.startswith(f"{missing}: cannot read")
+    bad = os.path.join(tmpdir_shared, "bad.mtx")
+    if g.rank == 0:
+        with open(bad, "w") as f:
+            f.write("%%MatrixMarket matrix coordinate real general\n3 3 4\n1 1 1.0\n2 2 2.0\n")
+    g.barrier()
+    msg = same_error_everywhere(g, lambda: DistCSR.mmread(bad, g, root=None), UsageError)
+    assert msg == f"{bad}:2: the size line promises 4 entries, found 2"
+    h5 = os.path.join(tmpdir_shared, "none.h5")
+    msg = same_error_everywhere(g, lambda: DistCSR.read_hdf5(h5, g, "A"), UsageError)
+    assert msg.startswith(f"{h5}:A: cannot read the CSR arrays")

@@ -195,8 +195,9 @@ def from_scipy(a, group: Group, root: int | None = 0, row_starts=None, col_start
             if r == me:
                 mine = (dat, ind, ptr)
                 continue
-            keep.append((ptr, ind, dat))
-            reqs.append(group.isend(np.array([ind.size], dtype=np.int64), r, TAG_COUNTS))
+            count = np.array([ind.size], dtype=np.int64)
+            keep.append((count, ptr, ind, dat))    # alive until the sends complete
+            reqs.append(group.isend(count, r, TAG_COUNTS))
             reqs += [group.isend(ptr, r, TAG_ROWS), group.isend(ind, r, TAG_COLS),
                      group.isend(dat, r, TAG_VALS)]
         group.waitall(reqs)
