@@ -1,0 +1,118 @@
+"""One model family against transformers at any rank count (the family tests share it).
+
+``write_cases`` has rank 0 write each case's random checkpoint (transformers builds it:
+``fixtures.random_checkpoint``) and run transformers on each prompt alone: 16 greedy tokens
+and the logits of every step. ``check_case`` runs the prompts together, prefilled in chunks
+of 3 tokens, as the whole model on one rank (tensor N at N ranks), a pipeline of all ranks
+and (at four ranks) 2 x 2, and asserts tokens equal and logits within 1e-4 of the largest.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from contextlib import contextmanager
+
+import numpy as np
+
+from hpcmac.testing import parallel_assert, world
+
+N_NEW = 16
+
+
+def hf_reference(model, prompts, n_new=N_NEW):
+    """transformers' greedy tokens and per-step logits of each prompt alone."""
+    import torch
+
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            r = model.generate(torch.tensor([prompt]), max_new_tokens=n_new,
+                               min_new_tokens=n_new, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0,
+                               eos_token_id=None)
+        out.append((r.sequences[0, len(prompt):].tolist(),
+                    np.array([lg[0].numpy() for lg in r.logits])))
+    return out
+
+
+@contextmanager
+def write_cases(model_type: str, cases: dict, vocab: int):
+    """Collective. ``cases``: name -> (seed, config.json fields). Yields name -> (folder,
+    prompts, transformers' (tokens, logits) per prompt), the same on every rank; the
+    folders are removed afterwards."""
+    g = world()
+    root = g.bcast_obj(tempfile.mkdtemp(prefix=f"hpcmac-{model_type}-") if g.rank == 0
+                       else None, 0)
+    rng = np.random.default_rng(11)
+    prompts = [list(map(int, rng.integers(0, vocab, 9))),
+               list(map(int, rng.integers(0, vocab, 4)))]
+    out = {}
+    try:
+        for name, (seed, fields) in cases.items():
+            path, ref = f"{root}/{name}", None
+            if g.rank == 0:
+                import torch
+                import transformers
+
+                from hpcmac.llm.model.fixtures import random_checkpoint
+
+                random_checkpoint(model_type, path, seed=seed, initializer_range=0.3, **fields)
+                # the eager experts: torch's grouped GEMM wants 16-byte strides (odd widths)
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, dtype=torch.float32, experts_implementation="eager").eval()
+                ref = hf_reference(model, prompts)
+            out[name] = (path, prompts, g.bcast_obj(ref, 0))
+        g.barrier()
+        yield out
+    finally:
+        g.barrier()
+        if g.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(path, tp, prompts, n_new=N_NEW):
+    """Collective: the prompts together through ``tp`` x ``size/tp`` ranks."""
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.spec import make_shards
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.parallel import plan as S
+    from hpcmac.llm.parallel.pipeline import Request
+    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+
+    g = world()
+    cfg = load_config(path)
+    groups = make_groups(g, tp)
+    spec = S.stages_from_counts(S.even_counts(cfg.n_layers, groups.pp))[groups.stage]
+    shards = make_shards(cfg, [1.0] * tp)
+    tg = None
+    if tp > 1:
+        members = [groups.stage * tp + t for t in range(tp)]
+        tg = TensorGroup(groups.tensor, [groups.hosts[r] for r in members], 60.0, members)
+        tg.set_vocab_slices([s.vocab[1] - s.vocab[0] for s in shards])
+    stage = load_stage(path, spec.start, spec.end, spec.first, spec.last,
+                       shard=shards[groups.tp_rank], reduce=tg.allreduce if tg else None)
+    reqs = [Request(list(p), n_new) for p in prompts] if g.rank == 0 else None
+    return run_tensor_pipeline(groups, tg, stage, spec, cfg.hidden, reqs, keep_logits=True,
+                               prefill_chunk=3)
+
+
+def check_case(label: str, case) -> None:
+    """Collective: one case in every layout this rank count has, against transformers."""
+    g = world()
+    path, prompts, ref = case
+    layouts = {f"tensor {g.size}": g.size}
+    if g.size > 1:
+        layouts[f"pipeline {g.size}"] = 1
+    if g.size == 4:
+        layouts["pipeline 2 x tensor 2"] = 2
+    for layout, tp in layouts.items():
+        res = run(path, tp, prompts)
+        for i, (s, (toks, logits)) in enumerate(zip(res.seqs, ref)):
+            what = f"{label} np={g.size} {layout} seq {i}"
+            parallel_assert(s.tokens == toks, f"{what}: {s.tokens} != {toks}", g)
+            err = float(np.max(np.abs(np.array(s.logits) - logits)))
+            parallel_assert(err <= 1e-4 * float(np.max(np.abs(logits))),
+                            f"{what}: logits differ by {err:.3g}", g)
+    parallel_assert(all(len(set(t)) > 3 for t, _ in ref), f"{label}: degenerate greedy "
+                    "sequence (choose another seed)", g)
