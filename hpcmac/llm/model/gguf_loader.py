@@ -270,8 +270,9 @@ class GGUFCheckpoint:
                                _GROUP_BYTES[t.type_name])
         return 4 * self.numel(name)
 
-    def experts_nbytes(self, layer: int) -> int | None:
-        """Bytes of one layer's routed experts as held (None: not all kept quantized)."""
+    def experts_nbytes(self, layer: int, module: str = "mlp") -> int | None:
+        """Bytes of one layer's routed experts as held (None: not all kept quantized;
+        ``module``: a safetensors name, unused)."""
         from hpcmac.llm.model.gguf_quant import EXACT
         from hpcmac.llm.model.quant import held_nbytes
 
@@ -348,8 +349,9 @@ class GGUFCheckpoint:
         cfg = self.config()
         return (cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
 
-    def experts(self, layer: int, which: str, keep_quant: bool = False):
-        """Routed expert weights of one layer, (E, out, in) (``keep_quant``: as stored)."""
+    def experts(self, layer: int, which: str, keep_quant: bool = False, module: str = "mlp"):
+        """Routed expert weights of one layer, (E, out, in) (``keep_quant``: as stored;
+        ``module`` is a safetensors name, GGUF names are the same for every family)."""
         t = self._tensor("", f"blk.{layer}.ffn_{which}_exps.weight")
         if keep_quant:
             return self._keep(t, tuple(int(s) for s in reversed(t.shape)))

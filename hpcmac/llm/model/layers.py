@@ -44,11 +44,13 @@ def _softmax(be, s, sinks):
 
 
 def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: float,
-              window: int = 0):
+              window: int = 0, total=None):
     """Grouped-query attention (Llama, Qwen2, Qwen3, gpt-oss); appends K/V to ``ck``/``cv``.
 
     ``window``: a query sees only the ``window`` latest keys (itself included); the cache
     keeps every key. ``w["sinks"]`` (H,): per-head logits joining the softmax (gpt-oss).
+    ``total``: the tensor group's sum of a partial result (the full-width Q/K norm's
+    sums of squares under tensor parallelism; None on one rank).
     """
     xp = be.xp
     T = x.shape[0]
@@ -63,10 +65,15 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     q = qkv[:, :Hq * d].reshape(T, Hq, d)
     k = qkv[:, Hq * d:(Hq + KV) * d].reshape(T, KV, d)
     v = qkv[:, (Hq + KV) * d:].reshape(T, KV, d)
-    if "q_pad" not in w and not cfg.qk_norm:  # one rotation for q and k: the same bits
+    full = "q_norm_full" in w
+    if "q_pad" not in w and not cfg.qk_norm and not full:  # one rotation for q and k
         qk = apply_rope(qkv[:, :(Hq + KV) * d].reshape(T, Hq + KV, d), cos, sin, False, xp)
         q, k = qk[:, :Hq] * scale, qk[:, Hq:]  # (T, H, d), (T, KV, d)
     else:
+        if full:
+            q, k = _full_qk_norm(be, cfg, w, qkv[:, :Hq * d], qkv[:, Hq * d:(Hq + KV) * d],
+                                 total)
+            q, k = q.reshape(T, Hq, d), k.reshape(T, KV, d)
         if "q_pad" in w:
             q = xp.concatenate([q, be.zeros((T, 1, d))], axis=1)[:, w["q_pad"]]  # (T, H, d)
         if cfg.qk_norm:
@@ -86,6 +93,24 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     if "bo" in w:
         o = o + w["bo"]
     return o
+
+
+def _full_qk_norm(be, cfg: ModelConfig, w: dict, q, k, total):
+    """RMSNorm over all of Q's (T, H*d) and all of K's (T, KV*d) projected dimensions
+    (MiniMax-M2), not per head. Under tensor parallelism each rank holds some heads: the
+    group sums the per-token sums of squares, each KV head counted on one rank only
+    (``k_own``, the rank holding its first query head); ``qk_norm_n`` holds the global
+    H*d and KV*d."""
+    xp = be.xp
+    kk = k * w["k_own"] if "k_own" in w else k
+    ss = xp.stack([(q * q).sum(axis=-1), (kk * kk).sum(axis=-1)], axis=-1)  # (T, 2)
+    if total is not None:
+        ss = total(ss)
+    nq, nk = w["qk_norm_n"]
+    eps = cfg.norm_eps
+    q = q * (1.0 / xp.sqrt(ss[:, :1] * (1.0 / nq) + eps)) * w["q_norm_full"]
+    k = k * (1.0 / xp.sqrt(ss[:, 1:] * (1.0 / nk) + eps)) * w["k_norm_full"]
+    return q, k
 
 
 def _decode_one(be, q, k, v, seq, ck, cv, g: int, window: int = 0, sinks=None):

@@ -231,7 +231,7 @@ def is_expert_stack(spec: TensorSpec) -> bool:
 def is_routed(spec: TensorSpec) -> bool:
     """A tensor of the routed experts, one row of its first axis per expert (a stack or a
     family's own (E, ...) tensor): a token reads ``n_experts_per_tok`` of its rows."""
-    return ".mlp.experts." in spec.name
+    return ".experts." in spec.name  # under mlp, or block_sparse_moe (MiniMax); not shared_
 
 
 def embed_spec(cfg: ModelConfig) -> TensorSpec:

@@ -205,10 +205,10 @@ class _Loader:
 
     def _read(self, name: str, sp: TensorSpec, keep: bool):
         if spec.is_expert_stack(sp):
-            layer = int(name.split(".")[2])
+            layer, module = int(name.split(".")[2]), name.split(".")[3]
             which = name.rsplit(".", 1)[1]
-            w = self.ckpt.experts(layer, which, keep_quant=keep) if keep else \
-                self.ckpt.experts(layer, which)
+            w = self.ckpt.experts(layer, which, keep_quant=keep, module=module) if keep else \
+                self.ckpt.experts(layer, which, module=module)
             if tuple(w.shape) != sp.shape:
                 raise UsageError(f"{self.ckpt.path}: experts '{which}' of layer {layer} have "
                                  f"shape {list(w.shape)}; expected {list(sp.shape)}")

@@ -305,17 +305,19 @@ class SafetensorsCheckpoint:
             return self._quant(name)
         return self._float(name)
 
-    def experts(self, layer: int, which: str, keep_quant: bool = False):
+    def experts(self, layer: int, which: str, keep_quant: bool = False, module: str = "mlp"):
         """Routed expert weights of one layer, (E, out, in); ``which`` is gate, up or down.
 
         ``keep_quant``: a QuantTensor stack when mlx-lm stored them quantized
-        (``switch_mlp``), else float32.
+        (``switch_mlp``), else float32. ``module``: the layer's submodule holding them
+        (``mlp``; ``block_sparse_moe`` for Mixtral and MiniMax, whose experts are
+        ``w1`` (gate), ``w3`` (up), ``w2`` (down)).
         """
-        switch = f"model.layers.{layer}.mlp.switch_mlp.{which}_proj.weight"
+        switch = f"model.layers.{layer}.{module}.switch_mlp.{which}_proj.weight"
         if self.has(switch):  # mlx-lm's stacked experts
             w = self.get_weight(switch)
             return w if keep_quant else as_float(w)
-        prefix = f"model.layers.{layer}.mlp.experts"
+        prefix = f"model.layers.{layer}.{module}.experts"
         fused = f"{prefix}.gate_up_proj"
         if which in ("gate", "up") and self.has(fused):
             w = self.get(fused)  # (E, 2I, H)
@@ -323,13 +325,17 @@ class SafetensorsCheckpoint:
             return np.ascontiguousarray(w[:, :half] if which == "gate" else w[:, half:])
         if which == "down" and self.has(f"{prefix}.down_proj"):
             return self.get(f"{prefix}.down_proj")
+        leaf = f"{which}_proj"
+        if not self.has(f"{prefix}.0.{leaf}.weight"):
+            leaf = {"gate": "w1", "up": "w3", "down": "w2"}[which] if \
+                self.has(f"{prefix}.0.w1.weight") else leaf  # Mixtral's names
         e = 0
         mats = []
-        while self.has(f"{prefix}.{e}.{which}_proj.weight"):
-            mats.append(self.get(f"{prefix}.{e}.{which}_proj.weight"))
+        while self.has(f"{prefix}.{e}.{leaf}.weight"):
+            mats.append(self.get(f"{prefix}.{e}.{leaf}.weight"))
             e += 1
         if not mats:
-            raise UsageError(f"{self.path}: tensor {prefix}.0.{which}_proj.weight is missing")
+            raise UsageError(f"{self.path}: tensor {prefix}.0.{leaf}.weight is missing")
         return np.stack(mats)
 
     def release(self) -> None:
@@ -337,9 +343,9 @@ class SafetensorsCheckpoint:
         for m in self._maps.values():
             release_mapped(m)
 
-    def experts_nbytes(self, layer: int) -> int | None:
+    def experts_nbytes(self, layer: int, module: str = "mlp") -> int | None:
         """Bytes of one layer's routed experts as held, when mlx-lm stored them quantized."""
-        names = [f"model.layers.{layer}.mlp.switch_mlp.{w}_proj.weight"
+        names = [f"model.layers.{layer}.{module}.switch_mlp.{w}_proj.weight"
                  for w in ("gate", "up", "down")]
         if all(self.has(n) and self.is_quantized(n) for n in names):
             return sum(self.stored_nbytes(n) for n in names)
@@ -388,7 +394,8 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
         numel = int(np.prod(shape, dtype=np.int64))
         frac = numel / max(1, int(np.prod(t.shape, dtype=np.int64)))
         if spec.is_expert_stack(t):
-            kept = held(int(t.name.split(".")[2])) if held is not None else None
+            kept = held(int(t.name.split(".")[2]), t.name.split(".")[3]) \
+                if held is not None else None
             if kept is not None:  # the three stacks together (counted once), each cut alike
                 total += int(kept * frac) if t.name.endswith(".gate") else 0
                 continue

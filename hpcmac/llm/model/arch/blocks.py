@@ -58,10 +58,14 @@ class GQA:
         denominator (gpt-oss)
     sliding : each query sees only the ``cfg.sliding_window`` latest keys; the cache
         still keeps every key, masked by the window (simple first: no ring buffer)
+    full_qk_norm : RMSNorm over all of Q's and all of K's projected dimensions
+        (MiniMax-M2: ``q_norm`` (H*d,), ``k_norm`` (KV*d,), split with their heads);
+        under tensor parallelism the group sums the sums of squares.
     """
 
     sinks: bool = False
     sliding: bool = False
+    full_qk_norm: bool = False
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D, H, KV, d = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -77,7 +81,12 @@ class GQA:
         if cfg.o_bias:
             out.append(tensor(i, "self_attn.o_proj.bias", "attn_output.bias", (D,), "vector",
                               "rank0"))
-        if cfg.qk_norm:
+        if self.full_qk_norm:
+            out += [tensor(i, "self_attn.q_norm.weight", "attn_q_norm.weight", (H * d,),
+                           "vector", "q"),
+                    tensor(i, "self_attn.k_norm.weight", "attn_k_norm.weight", (KV * d,),
+                           "vector", "kv")]
+        elif cfg.qk_norm:
             out += [tensor(i, "self_attn.q_norm.weight", "attn_q_norm.weight", (d,), "vector"),
                     tensor(i, "self_attn.k_norm.weight", "attn_k_norm.weight", (d,), "vector")]
         if self.sinks:
@@ -94,7 +103,16 @@ class GQA:
         w["wo"] = ld.w(a + "o_proj.weight")
         if cfg.o_bias and ld.has_part(a + "o_proj.bias"):
             w["bo"] = ld(a + "o_proj.bias")
-        if cfg.qk_norm:
+        if self.full_qk_norm:
+            w["q_norm_full"] = ld(a + "q_norm.weight")
+            w["k_norm_full"] = ld(a + "k_norm.weight")
+            w["qk_norm_n"] = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
+            sh = ld.shard
+            g = cfg.n_heads // cfg.n_kv_heads
+            own = [sh.heads[0] <= k * g < sh.heads[1] for k in range(*sh.kv_heads)]
+            if sh.size > 1 and not all(own):  # a KV head shared with a lower rank
+                w["k_own"] = be.asarray(np.repeat(np.array(own, np.float32), cfg.head_dim))
+        elif cfg.qk_norm:
             w["q_norm"] = ld(a + "q_norm.weight")
             w["k_norm"] = ld(a + "k_norm.weight")
         pad = padded_heads(cfg, ld.shard)
@@ -108,7 +126,8 @@ class GQA:
 
     def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv):
         return layers.attention(be, cfg, w, x, step.seqs, ck, cv, step.cos, step.sin,
-                                step.scale, cfg.sliding_window if self.sliding else 0)
+                                step.scale, cfg.sliding_window if self.sliding else 0,
+                                step.sum if self.full_qk_norm else None)
 
 
 class MLA:
@@ -217,26 +236,31 @@ class MoE:
 
     route : ``(router logits (T, E) float32, weights, cfg) -> (expert ids, weights)``
     correction_bias : the router has ``e_score_correction_bias`` (read as ``router_bias``)
+    module : the layer's submodule the tensors are under (``mlp``; Mixtral and MiniMax:
+        ``block_sparse_moe``, experts ``w1``/``w3``/``w2``)
+    bias_name : the correction bias under ``module`` (DeepSeek: under the router, ``gate``)
     """
 
     route: Callable = softmax_topk
     correction_bias: bool = False
+    module: str = "mlp"
+    bias_name: str = "gate.e_score_correction_bias"
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D, E, I = cfg.hidden, cfg.n_experts, cfg.moe_intermediate
-        out = [tensor(i, "mlp.gate.weight", "ffn_gate_inp.weight", (E, D), "matrix")]
+        m = self.module + "."
+        out = [tensor(i, m + "gate.weight", "ffn_gate_inp.weight", (E, D), "matrix")]
         if self.correction_bias:
-            out.append(tensor(i, "mlp.gate.e_score_correction_bias", "exp_probs_b.bias", (E,),
-                              "vector"))
-        out += [tensor(i, "mlp.experts.gate", "ffn_gate_exps.weight", (E, I, D), "matrix",
+            out.append(tensor(i, m + self.bias_name, "exp_probs_b.bias", (E,), "vector"))
+        out += [tensor(i, m + "experts.gate", "ffn_gate_exps.weight", (E, I, D), "matrix",
                        "expert_ffn", 1),
-                tensor(i, "mlp.experts.up", "ffn_up_exps.weight", (E, I, D), "matrix",
+                tensor(i, m + "experts.up", "ffn_up_exps.weight", (E, I, D), "matrix",
                        "expert_ffn", 1),
-                tensor(i, "mlp.experts.down", "ffn_down_exps.weight", (E, D, I), "matrix",
+                tensor(i, m + "experts.down", "ffn_down_exps.weight", (E, D, I), "matrix",
                        "expert_ffn", 2)]
         if cfg.n_shared_experts:
             S = I * cfg.n_shared_experts
-            s = "mlp.shared_experts."
+            s = m + "shared_experts."
             out += [tensor(i, s + "gate_proj.weight", "ffn_gate_shexp.weight", (S, D), "matrix",
                            "shared_ffn"),
                     tensor(i, s + "up_proj.weight", "ffn_up_shexp.weight", (S, D), "matrix",
@@ -246,10 +270,10 @@ class MoE:
         return out
 
     def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
-        be, m = ld.be, _p(i) + "mlp."
+        be, m = ld.be, _p(i) + self.module + "."
         w["router"] = ld.w(m + "gate.weight")
         if self.correction_bias:
-            w["router_bias"] = ld.np(m + "gate.e_score_correction_bias")
+            w["router_bias"] = ld.np(m + self.bias_name)
         gate = ld.raw(m + "experts.gate")
         up = ld.raw(m + "experts.up")
         w["e_gu"] = be.weight(concat_rows([gate, up], axis=1))  # (E, 2I, D)

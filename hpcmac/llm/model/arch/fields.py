@@ -103,6 +103,12 @@ class ModelConfig:
                 not math.isfinite(self.swiglu_limit):
             raise UsageError(f"{where}: swiglu_limit = {self.swiglu_limit!r}: expected a finite "
                              "number >= 0")
+        from hpcmac.llm.model.rope import ROPE_TYPES
+
+        kind = self.rope_scaling.get("rope_type", "default")
+        if kind not in ROPE_TYPES:  # refused here, before any weight is read
+            raise UsageError(f"{where}: rope_type {kind!r} is not supported; "
+                             f"expected one of {', '.join(ROPE_TYPES)}")
         if self.n_experts_per_tok > self.n_experts:
             raise UsageError(f"{where}: {self.n_experts_per_tok} experts per token of "
                              f"{self.n_experts}")
