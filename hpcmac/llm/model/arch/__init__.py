@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from hpcmac.llm.model.spec import TensorSpec
 
 #: the supported families, by Hugging Face ``model_type`` (= their module's name)
-NAMES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+NAMES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
+         "minimax_m2")
 
 _FAMILIES: dict[str, Family] = {}
 
