@@ -79,11 +79,10 @@ def worker(args) -> int:
     """Collective over 2 ranks: load the three layouts, measure them round-robin."""
     from hpcmac import comm
     from hpcmac.llm.model.config import load_config
-    from hpcmac.llm.model.spec import make_shards
-    from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.parallel import plan as S
-    from hpcmac.llm.parallel.pipeline import Request, run_pipeline
-    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+    from hpcmac.llm.parallel.pipeline import Request
+    from hpcmac.llm.parallel.placement import fixed
+    from hpcmac.llm.parallel.runtime import bring_up
 
     world = comm.init()
     if world.size != 2:
@@ -93,26 +92,23 @@ def worker(args) -> int:
     sleeper = _Sleeper(world)
     max_len = args.prompt_len + args.new
     one = world.split(0 if world.rank == 0 else 1, world.rank)
-    full = load_stage(args.model, 0, cfg.n_layers) if world.rank == 0 else None
-    spec2 = S.stages_from_counts(S.even_counts(cfg.n_layers, 2))[world.rank]
-    piped = load_stage(args.model, spec2.start, spec2.end, spec2.first, spec2.last)
-    groups = make_groups(world, 2, hosts)
-    shards = make_shards(cfg, [1, 1])
-    tg = TensorGroup(groups.tensor, hosts, 300.0, [0, 1])
-    tg.set_vocab_slices([s.vocab[1] - s.vocab[0] for s in shards])
-    tens = load_stage(args.model, 0, cfg.n_layers, shard=shards[world.rank], reduce=tg.allreduce)
-    spec1 = S.stages_from_counts([cfg.n_layers])[0]
+    # the three layouts measured, each brought up by the runtime from its placement
+    up = dict(model=args.model, cfg=cfg, timeout=300.0)
+    full = bring_up(one, fixed(cfg, hosts[:1], 1, [cfg.n_layers]), **up) \
+        if world.rank == 0 else None
+    piped = bring_up(world, fixed(cfg, hosts, 1, S.even_counts(cfg.n_layers, 2)), **up)
+    tens = bring_up(world, fixed(cfg, hosts, 2, [cfg.n_layers]), **up)
+    tg = tens.tensor
 
     def run(layout: str, prompts):
         reqs = [Request(p, args.new) for p in prompts] if world.rank == 0 else None
-        kw = dict(max_batch=len(prompts), max_len=max_len, timeout=300)
+        kw = dict(max_batch=len(prompts), max_len=max_len)
         if layout == "one rank":
-            return run_pipeline(one, full, spec1, cfg.hidden, reqs, hosts=hosts[:1], **kw) \
-                if world.rank == 0 else None
+            return full.run(reqs, **kw) if world.rank == 0 else None
         if layout == "pipeline 2":
-            return run_pipeline(world, piped, spec2, cfg.hidden, reqs, hosts=hosts, **kw)
+            return piped.run(reqs, **kw)
         before = dict(tg.stats.__dict__)
-        res = run_tensor_pipeline(groups, tg, tens, spec1, cfg.hidden, reqs, **kw)
+        res = tens.run(reqs, **kw)
         after = tg.stats.__dict__
         d = {k: after[k] - before[k] for k in ("reduces", "sent_bytes", "wait_s")}
         res.tensor = world.allgather_obj(d)
@@ -185,7 +181,7 @@ def worker(args) -> int:
         Path(args.worker).write_text(json.dumps({
             "model": args.model, "hidden": cfg.hidden, "layers": cfg.n_layers,
             "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
-            "weights_mb": full.nbytes / 1e6,
+            "weights_mb": full.stage.nbytes / 1e6,
             "mem_gb_s": {k: statistics.median(v) for k, v in bandwidth.items()},
             "mem_gb_s_matvec": {k: statistics.median(v) for k, v in bw_matvec.items()},
             "rounds": rounds,  # each round's own figures: what the medians are taken of

@@ -164,9 +164,16 @@ def worker(args) -> int:
     from hpcmac import comm
     from hpcmac.launch.hostfile import job_hostfile
     from hpcmac.llm.model.config import load_config
-    from hpcmac.llm.model.stage import load_stage
-    from hpcmac.llm.parallel.pipeline import Request, run_pipeline
-    from hpcmac.llm.parallel.plan import agree, plan_stages
+    from hpcmac.llm.parallel.pipeline import Request
+    from hpcmac.llm.parallel.placement import LayoutFlags
+    from hpcmac.llm.parallel.plan import agree
+    from hpcmac.llm.parallel.runtime import (
+        agree_placement,
+        bring_up,
+        gather_cluster,
+        hostfile_path,
+        read_job_hostfile,
+    )
 
     world = comm.init(args.transport, hostfile=job_hostfile())
     ranks = _ints(args.ranks, "--ranks")
@@ -176,22 +183,19 @@ def worker(args) -> int:
     max_len = max(args.prompt_len, args.batch_prompt_len) + args.new
     sleeper = _Sleeper(world)
     pipes = {}
+    hostfile = agree(world, lambda: read_job_hostfile(hostfile_path(None)), ranks="root")
     for np_ in ranks:
         sub = world.split(0 if world.rank < np_ else 1, world.rank)
-        if world.rank < np_:
-            plan = plan_stages(sub, args.model, cfg, None, os.environ.get("HPCMAC_HOSTFILE"),
-                               max_b * max_len)
-            spec = plan.stages[sub.rank]
-            stage = load_stage(args.model, spec.start, spec.end, first=spec.first,
-                               last=spec.last)
-            pipes[np_] = (sub, plan, spec, stage)
+        if world.rank < np_:  # a pipeline of np_ stages, by memory, as generate's
+            cluster = gather_cluster(sub, hostfile)
+            placement = agree_placement(sub, cfg, args.model, cluster, LayoutFlags(pp=np_),
+                                        kv_tokens=max_b * max_len)
+            pipes[np_] = bring_up(sub, placement, args.model, cfg, timeout=300.0)
         sleeper.sync()
 
     def run(np_, prompts, n_new):
-        sub, plan, spec, stage = pipes[np_]
         reqs = [Request(p, n_new) for p in prompts]  # no EOS: exactly n_new tokens
-        return run_pipeline(sub, stage, spec, cfg.hidden, reqs, max_batch=len(prompts),
-                            max_len=max_len, hosts=plan.hosts, timeout=300)
+        return pipes[np_].run(reqs, max_batch=len(prompts), max_len=max_len)
 
     stream = _Stream()
     single = _prompts(cfg.vocab, 1, args.prompt_len, 1)
@@ -213,7 +217,7 @@ def worker(args) -> int:
                         rows[np_][key].append(got)
                 sleeper.sync()
     if world.rank == 0:
-        docs = [{"ranks": np_, "layers": [s.n_layers for s in pipes[np_][1].stages],
+        docs = [{"ranks": np_, "layers": [s.n_layers for s in pipes[np_].placement.stages],
                  "hidden": cfg.hidden, "model": args.model,
                  "mem_gb_s": statistics.median(bandwidth[np_]),
                  "results": {k: _median(v) for k, v in rows[np_].items()}} for np_ in ranks]

@@ -379,6 +379,12 @@ def job_hostfile(path: str | None = None, strict: bool = False) -> Hostfile | No
 
 def load(path: str | Path, check: bool = True) -> Hostfile:
     """Read and (with ``check``) validate a hostfile; any problem is one UsageError line."""
+    return load_with_data(path, check)[0]
+
+
+def load_with_data(path: str | Path, check: bool = True) -> tuple[Hostfile, Any]:
+    """:func:`load`, and the parsed JSON as it was (for readers of fields the schema
+    keeps no copy of, e.g. the planner's ``link`` and ``machine``): one read."""
     p = Path(path)
     # at most 1 MiB of strict UTF-8 from a regular file; JSON without NaN or deep nesting
     text = read_text(p, "hostfile", MAX_HOSTFILE_BYTES)
@@ -389,7 +395,7 @@ def load(path: str | Path, check: bool = True) -> Hostfile:
         if problems:
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             raise UsageError(f"{p}: {problems[0]}{more}")
-    return hf
+    return hf, data
 
 
 # ------------------------------------------------------------- validation

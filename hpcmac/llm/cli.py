@@ -10,20 +10,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from hpcmac.errors import ArgumentParser, UsageError
-from hpcmac.io.inputs import float_arg, int_arg, parse_json, read_text
-from hpcmac.io.outputs import output_path
+from hpcmac.io.inputs import parse_json, read_text
+from hpcmac.llm.args import (  # noqa: F401 (check_threads, MAX_THREADS, MIN_TIMEOUT: the flags' API)
+    MAX_THREADS,
+    MIN_TIMEOUT,
+    add_generate_args,
+    check_arguments,
+    check_threads,
+    context_length,
+)
 from hpcmac.llm.model.sampling import SamplingParams
-from hpcmac.llm.parallel.layout import LayoutPlan, check_layout_flags, choose_layout, plan_layout
 from hpcmac.llm.parallel.pipeline import PipelineResult, Request, SeqResult
+from hpcmac.llm.parallel.placement import LayoutFlags, Placement
 from hpcmac.llm.parallel.plan import agree
-from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+from hpcmac.llm.parallel.runtime import (
+    agree_placement,
+    bring_up,
+    gather_cluster,
+    hostfile_path,
+    read_job_hostfile,
+)
 from hpcmac.plan import job as plan_job
 
 # -- arguments ------------------------------------------------------------------------
@@ -49,140 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pipeline benchmark at 1, 2, 4 ranks (see bench --help)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
-
-
-def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
-    """The flags of ``generate``: the model, the prompt(s), sampling, and the layout."""
-    g.add_argument("--model", required=True,
-                   help="model folder (config.json + safetensors), GGUF file, or 'smollm2'")
-    src = g.add_mutually_exclusive_group(required=prompts)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
-    src.add_argument("--batch", metavar="FILE",
-                     help='prompts to generate together: one per line, or JSON lines with '
-                          '"prompt" or "prompt_ids" and optional "max_tokens"')
-    g.add_argument("--max-tokens", type=int_arg, default=64)
-    g.add_argument("--temperature", type=float_arg, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int_arg, default=0)
-    g.add_argument("--top-p", type=float_arg, default=1.0)
-    g.add_argument("--repetition-penalty", type=float_arg, default=1.0)
-    g.add_argument("--seed", type=int_arg, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--system", default=None, help="system message for the chat template")
-    g.add_argument("--ignore-chat-template", action="store_true",
-                   help="use the prompt text as is, even if the model has a chat template")
-    g.add_argument("--max-context", type=int_arg, default=None,
-                   help="context length (default: the model's, capped at 4096)")
-    g.add_argument("--backend", default="numpy", help="numpy (default) or mlx")
-    g.add_argument("--quantize", type=int_arg, default=None, metavar="BITS",
-                   help="keep the weights quantized in memory, BITS per weight (4 or 8; "
-                        "also 2, 3, 5, 6), as mlx-lm's -q (--backend mlx)")
-    g.add_argument("--q-group-size", type=int_arg, default=64, metavar="G",
-                   help="weights sharing one scale and bias when quantized (32, 64, 128)")
-    g.add_argument("--int8-activations", action="store_true", default=None,
-                   help="numpy backend, quantized weights: round each run of 32 activations "
-                        "to 8 bits and multiply integers, as llama.cpp does (faster; logits "
-                        "no longer equal float32 inference's; also HPCMAC_INT8_ACTIVATIONS=1)")
-    g.add_argument("--threads", type=int_arg, default=None,
-                   help="BLAS threads (default: the BLAS library's choice)")
-    g.add_argument("--json", type=output_path, default=None,
-                   metavar="FILE", help="write results as JSON")
-    g.add_argument("--quiet", action="store_true", help="do not stream the text")
-    p = g.add_argument_group("several ranks (pipeline and tensor parallel)")
-    p.add_argument("--tp", type=int, default=None, metavar="T",
-                   help="ranks per tensor-parallel group (default: all ranks for one "
-                        "sequence on one host or RDMA, else 1)")
-    p.add_argument("--pp", type=int, default=None, metavar="P",
-                   help="pipeline stages (T x P = ranks)")
-    p.add_argument("--tp-split", default=None, metavar="SHARES",
-                   help="shares of the tensor ranks, e.g. 2,1,1 (default: by memory)")
-    p.add_argument("--split", help="layers per stage, e.g. 10,10,6,4 (default: by memory)")
-    p.add_argument("--transport", choices=("auto", "mpi", "rdma", "ring", "local"),
-                   help="comm backend (default: HPCMAC_TRANSPORT or auto)")
-    p.add_argument("--hostfile", help="JSON hostfile whose memory_gb sets the split "
-                                      "(default: HPCMAC_HOSTFILE)")
-    p.add_argument("--micro-batches", type=int_arg, default=0,
-                   help="micro-batches in flight (default: one per stage)")
-    p.add_argument("--max-batch", type=int_arg, default=0,
-                   help="sequences decoded at once (default: all prompts, at most 64)")
-    p.add_argument("--prefill-chunk", type=int_arg, default=0,
-                   help="prompt tokens per micro-batch (default: 512 on one rank; on "
-                        "several, 4 chunks per stage, 32 to 512 tokens each)")
-    p.add_argument("--timeout", type=float_arg, default=60.0,
-                   help="seconds a rank waits on a silent peer before ending the job "
-                        "(at least 1; 0: no watchdog)")
-
-
-#: the shortest ``--timeout`` (seconds of a silent peer) a run accepts, 0 aside
-MIN_TIMEOUT = 1.0
-
-#: most BLAS threads ``--threads`` may ask for (and no more than the host's logical CPUs)
-MAX_THREADS = 1024
-
-
-def check_threads(threads: int | None) -> None:
-    """UsageError unless ``--threads`` fits this host's logical CPUs (local: run it
-    through ``agree`` so a rank on a smaller host names itself)."""
-    cpus = os.cpu_count() or 1
-    if threads is not None and threads > cpus:
-        raise UsageError(f"--threads {threads}: expected 1 to {cpus} (this host's "
-                         "logical CPUs)")
-
-
-def check_arguments(args: argparse.Namespace) -> SamplingParams:
-    """Local checks every rank makes identically before any collective; the sampling."""
-    from hpcmac.llm.model.backend import check_int8_activations, check_quantize
-
-    if args.max_tokens < 0:
-        raise UsageError(f"--max-tokens {args.max_tokens}: expected >= 0")
-    if args.max_context is not None and args.max_context < 1:
-        raise UsageError(f"--max-context {args.max_context}: expected >= 1")
-    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
-        raise UsageError(f"--threads {args.threads}: expected 1 to {MAX_THREADS}")
-    if args.seed is not None and not 0 <= args.seed < 1 << 63:
-        # numpy's generators take no negative seed; the HTTP "seed" field has the same bound
-        raise UsageError(f"--seed {args.seed}: expected an integer from 0 to 2^63-1")
-    for name in ("prompt", "system"):
-        text = getattr(args, name, None)
-        if text is not None:
-            _utf8(text, f"--{name}")
-    for text in args.stop:
-        _utf8(text, "--stop")
-    check_quantize(args.backend, args.quantize, args.q_group_size)
-    check_int8_activations(args.backend, args.int8_activations)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
-                              args.repetition_penalty, args.seed)
-    sampling.validate()
-    for name in ("micro_batches", "max_batch", "prefill_chunk"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 0")
-    if args.timeout < 0 or 0 < args.timeout < MIN_TIMEOUT:
-        # a watchdog shorter than a healthy step ended the job as "rank 1 has died or hung"
-        raise UsageError(f"--timeout {args.timeout:g}: expected 0 (no watchdog) or at least "
-                         f"{MIN_TIMEOUT:g} s (one healthy step can take longer than that)")
-    check_layout_flags(args.tp, args.pp, args.tp_split)
-    return sampling
-
-
-def _utf8(text: str, where: str) -> None:
-    """UsageError unless ``text`` (from argv: undecodable bytes arrive as surrogates) is text."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise UsageError(f"{where}: expected UTF-8 text, found an undecodable byte at "
-                         f"character {exc.start}") from None
-
-
-def context_length(args, cfg) -> int:
-    """Tokens the KV cache may hold per sequence: ``--max-context`` (1 to the model's
-    ``max_position``) or the model's (<= 4096)."""
-    if args.max_context is None:
-        return min(cfg.max_position, 4096)
-    n = args.max_context
-    if not 1 <= n <= cfg.max_position:
-        raise UsageError(f"--max-context {n}: expected 1 to {cfg.max_position} (the model's "
-                         "context length)")
-    return n
 
 
 # -- prompts -----------------------------------------------------------------------------
@@ -319,7 +196,6 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.generate import StopChecker
     from hpcmac.llm.model.gguf_loader import forget_readers
-    from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.model.tokenizer import load_tokenizer
 
     sampling = check_arguments(args)
@@ -349,50 +225,30 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     reqs = agree(group, requests, ranks="root")
     shape = (len(reqs), max(len(r.prompt) + r.max_tokens for r in reqs))
     slots = min(args.max_batch or min(shape[0], 64), shape[0])
-    hostfile = args.hostfile or os.environ.get("HPCMAC_HOSTFILE") or None
-    hosts = group.allgather_obj(socket.gethostname())
-    transport = getattr(group, "transport", "")
-    fast = len(set(hosts)) == 1 or transport == "rdma"
+    # the job's hostfile, read once (rank 0) and handed down
+    hostfile = agree(group, lambda: read_job_hostfile(hostfile_path(args.hostfile)),
+                     ranks="root")
+    cluster = gather_cluster(group, hostfile)
     # hpcmac.plan's prediction of every layout (none without node figures: docs/plan.md)
     preds, no_pred = agree(group, lambda: plan_job.for_generate(
-        args.model, hosts, hostfile=hostfile, transport=transport, sequences=len(reqs),
-        prompt=max(len(r.prompt) for r in reqs), context=shape[1], backend=args.backend,
-        quantize=args.quantize, group_size=args.q_group_size), ranks="root")
+        args.model, list(cluster.hosts), hostfile=hostfile, transport=cluster.transport,
+        sequences=len(reqs), prompt=max(len(r.prompt) for r in reqs), context=shape[1],
+        backend=args.backend, quantize=args.quantize, group_size=args.q_group_size),
+        ranks="root")
     best = preds[0] if preds and preds[0].fits else None
-    layout = agree(group, lambda: choose_layout(
-        group.size, cfg, tp=args.tp, pp=args.pp, tp_split=args.tp_split, split=args.split,
-        sequences=len(reqs), fast_links=fast,
-        predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None))
-    plan = plan_layout(group, args.model, cfg, layout, args.split, hostfile, slots * shape[1],
-                       args.quantize, args.q_group_size)
-    groups = make_groups(group, layout.tp, plan.hosts)
-    spec = plan.stages[groups.stage]
-    shard = plan.shards[groups.stage][groups.tp_rank]
-    tg = None
-    if layout.tp > 1:
-        members = [groups.stage * layout.tp + t for t in range(layout.tp)]
-        tg = TensorGroup(groups.tensor, [plan.hosts[r] for r in members], args.timeout,
-                         ranks=members)
-        tg.set_vocab_slices([sh.vocab[1] - sh.vocab[0] for sh in plan.shards[groups.stage]])
-    stage = agree(group, lambda: load_stage(args.model, spec.start, spec.end, first=spec.first,
-                                            last=spec.last, backend=args.backend,
-                                            quantize=args.quantize,
-                                            group_size=args.q_group_size, shard=shard,
-                                            reduce=tg.allreduce if tg else None,
-                                            int8_activations=args.int8_activations))
+    placement = agree_placement(
+        group, cfg, args.model, cluster, LayoutFlags.of(args), kv_tokens=slots * shape[1],
+        sequences=len(reqs), quantize=args.quantize, group_size=args.q_group_size,
+        predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
+    rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
+                  quantize=args.quantize, group_size=args.q_group_size,
+                  int8_activations=args.int8_activations, timeout=args.timeout)
     forget_readers()  # tokenizer, plan and stage are read: drop the parsed GGUF metadata
     # the transport line once every input is known good (layout, split, weights): a
     # refusal is one line, with no transport line before it
     comm.announce()
     if group.rank == 0 and group.size > 1:
-        if layout.tp == 1:
-            print(f"pipeline: {group.size} stages, layers {[s.n_layers for s in plan.stages]} "
-                  f"(split by {plan.how})", file=sys.stderr, flush=True)
-        else:
-            heads = [sh.n_heads for sh in plan.shards[0]]
-            print(f"layout: {layout.describe()} ({layout.why}); layers "
-                  f"{[s.n_layers for s in plan.stages]}, heads per tensor rank "
-                  f"{'/'.join(map(str, heads))}", file=sys.stderr, flush=True)
+        print(placement.describe(), file=sys.stderr, flush=True)
     show = _Printer(tok, stop, out, len(reqs), args.quiet) if group.rank == 0 else None
     stop_check = None
     if group.rank == 0 and stop.stops:
@@ -405,12 +261,11 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
 
         threads = threadpool_limits(args.threads)
     try:
-        res = run_tensor_pipeline(
-            groups, tg, stage, spec, cfg.hidden, reqs if group.rank == 0 else None,
+        res = rt.run(
+            reqs if group.rank == 0 else None,
             micro_batches=args.micro_batches or None, max_batch=slots,
             prefill_chunk=args.prefill_chunk or None, max_len=shape[1],
             on_token=show.token if show else None, stop_check=stop_check,
-            timeout=args.timeout,
         )
     finally:
         if threads is not None:
@@ -421,9 +276,10 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     if group.rank == 0:
         show.finish(res)
         if args.json:
-            doc = result_json(res, tok, stop, plan)
-            doc["weights"] = weights_json(stage)
-            doc["prediction"] = plan_job.prediction_json(preds, layout.tp, layout.pp, no_pred)
+            doc = result_json(res, tok, stop, placement)
+            doc["weights"] = weights_json(rt.stage)
+            doc["prediction"] = plan_job.prediction_json(preds, placement.tp, placement.pp,
+                                                         no_pred)
             try:
                 write_atomic(args.json, json.dumps(doc, indent=1), what="--json")
             except OutputError as exc:  # a full disk: one line on every rank, exit 1
@@ -498,7 +354,7 @@ def summary_line(res: PipelineResult) -> str:
             f"aggregate; stage busy {busy}")
 
 
-def result_json(res: PipelineResult, tok, stop, plan: LayoutPlan | None) -> dict:
+def result_json(res: PipelineResult, tok, stop, plan: Placement | None) -> dict:
     """Part 1's JSON fields (of the first sequence) plus every sequence and the pipeline."""
     seqs = []
     for s in res.seqs:
@@ -524,7 +380,7 @@ def result_json(res: PipelineResult, tok, stop, plan: LayoutPlan | None) -> dict
         doc["split"] = {"how": plan.how, "layers": [s.n_layers for s in plan.stages],
                         "need_bytes": plan.need, "budget_bytes": plan.budgets}
         doc["layout"] = plan.json()
-        doc["ranks"] = plan.layout.tp * plan.layout.pp
+        doc["ranks"] = plan.size
     if res.tensor:
         doc["tensor"] = res.tensor
     return doc

@@ -362,20 +362,25 @@ def add_serve_args(s) -> None:
 def run_serve(args, group=None) -> int:
     """Collective: load the model like ``generate``, then serve until interrupted (rank 0
     listens; every rank runs its stage)."""
-    import os
     from importlib.util import find_spec
     from pathlib import Path
 
     from hpcmac import comm
     from hpcmac.comm.local import LocalGroup
     from hpcmac.errors import UsageError, world_size
-    from hpcmac.llm.cli import check_arguments, context_length
+    from hpcmac.llm.args import check_arguments, context_length
     from hpcmac.llm.model.config import load_config, resolve_model
     from hpcmac.llm.model.gguf_loader import forget_readers
-    from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.model.tokenizer import load_tokenizer
-    from hpcmac.llm.parallel.pipeline import run_pipeline
-    from hpcmac.llm.parallel.plan import agree, plan_stages
+    from hpcmac.llm.parallel.placement import LayoutFlags
+    from hpcmac.llm.parallel.plan import agree
+    from hpcmac.llm.parallel.runtime import (
+        agree_placement,
+        bring_up,
+        gather_cluster,
+        hostfile_path,
+        read_job_hostfile,
+    )
 
     missing = [m for m in ("starlette", "uvicorn") if find_spec(m) is None]
     if missing:
@@ -385,9 +390,6 @@ def run_serve(args, group=None) -> int:
         raise UsageError("serve takes its prompts over HTTP (--prompt, --prompt-ids and "
                          "--batch are for generate)")
     check_arguments(args)
-    if (getattr(args, "tp", None) or 1) > 1 or getattr(args, "tp_split", None):
-        raise UsageError("serve runs pipeline layouts (--split, one stage per rank); tensor "
-                         "parallelism (--tp, --tp-split) is generate's only, for now")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port}: expected 1..65535")
     if args.queue < 0:
@@ -414,15 +416,18 @@ def run_serve(args, group=None) -> int:
 
     agree(group, tokenizer_first, ranks="root")
     tok = held.get("tok")
-    hostfile = args.hostfile or os.environ.get("HPCMAC_HOSTFILE") or None
-    plan = plan_stages(group, args.model, cfg, args.split, hostfile, slots * context,
-                       args.quantize, args.q_group_size)
-    spec = plan.stages[group.rank]
-    stage = agree(group, lambda: load_stage(args.model, spec.start, spec.end, first=spec.first,
-                                            last=spec.last, backend=args.backend,
-                                            quantize=args.quantize,
-                                            group_size=args.q_group_size,
-                                            int8_activations=args.int8_activations))
+    # the job's hostfile, read once (rank 0) and handed down
+    hostfile = agree(group, lambda: read_job_hostfile(hostfile_path(args.hostfile)),
+                     ranks="root")
+    cluster = gather_cluster(group, hostfile)
+    # a server decodes many sequences at once: the default layout is generate's for
+    # that many sequences (a pipeline on several ranks, unless a flag says otherwise)
+    placement = agree_placement(group, cfg, args.model, cluster, LayoutFlags.of(args),
+                                kv_tokens=slots * context, sequences=slots,
+                                quantize=args.quantize, group_size=args.q_group_size)
+    rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
+                  quantize=args.quantize, group_size=args.q_group_size,
+                  int8_activations=args.int8_activations, timeout=args.timeout)
     forget_readers()  # tokenizer, plan and stage are read: drop the parsed GGUF metadata
     source, http, alive = None, None, threading.Event()
     if group.rank == 0:
@@ -435,7 +440,9 @@ def run_serve(args, group=None) -> int:
         source = LiveRequests(capacity=slots + args.queue)
         http = HttpThread(build_app(scfg, source, alive), held["sock"])
         http.start()
-        layout = f"pipeline {group.size}" if group.size > 1 else "1 rank"
+        layout = placement.layout.describe() if group.size > 1 else "1 rank"
+        if group.size > 1:
+            print(placement.describe(), file=sys.stderr, flush=True)
         print(f"serving {name} on http://{args.host}:{args.port}/v1 ({layout}, "
               f"{slots} sequences at once, context {context})", file=sys.stderr, flush=True)
         if not is_loopback(held["sock"]):
@@ -444,12 +451,10 @@ def run_serve(args, group=None) -> int:
                   flush=True)
         alive.set()  # /health says ok once the lines above are out
     try:
-        res = run_pipeline(group, stage, spec, cfg.hidden, None, source=source,
-                           micro_batches=args.micro_batches or None, max_batch=slots,
-                           prefill_chunk=args.prefill_chunk or 64, max_len=context,
-                           on_token=source.token if source else None,
-                           stop_check=source.stop_check if source else None,
-                           timeout=args.timeout, hosts=plan.hosts)
+        res = rt.run(None, source=source, micro_batches=args.micro_batches or None,
+                     max_batch=slots, prefill_chunk=args.prefill_chunk or 64, max_len=context,
+                     on_token=source.token if source else None,
+                     stop_check=source.stop_check if source else None)
     finally:
         if group.rank == 0:
             alive.clear()

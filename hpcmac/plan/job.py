@@ -24,9 +24,12 @@ from hpcmac.plan.shape import ModelShape, load_shape
 CALIBRATION_ENV, COMM_ENV = "HPCMAC_PLAN_CALIBRATION", "HPCMAC_PLAN_COMM"
 
 
-def job_cluster(hosts: list[str], hostfile: str | None = None,
+def job_cluster(hosts: list[str], hostfile=None,
                 transport: str = "") -> tuple[clmod.Cluster | None, str]:
-    """(cluster, "") for ranks on ``hosts`` (rank order), or (None, why not)."""
+    """(cluster, "") for ranks on ``hosts`` (rank order), or (None, why not).
+
+    ``hostfile``: a path, or the job's hostfile read once
+    (:class:`hpcmac.llm.parallel.runtime.JobHostfile`, its JSON in ``data``)."""
     names: list[str] = []
     for h in hosts:
         if not names or names[-1] != h:
@@ -41,7 +44,9 @@ def job_cluster(hosts: list[str], hostfile: str | None = None,
     try:
         hf_hosts: dict = {}
         if hostfile:
-            raw = clmod.read_json(hostfile, "hostfile")
+            # a hostfile the job has read already (its parsed JSON in ``data``), or a path
+            raw = hostfile.data if hasattr(hostfile, "data") else \
+                clmod.read_json(hostfile, "hostfile")
             if isinstance(raw, dict):
                 link = raw.get("link")
                 for h in raw.get("hosts") or []:
@@ -91,7 +96,7 @@ def runtime_shape(model: str, backend: str = "numpy", quantize: int | None = Non
     return shape, 2
 
 
-def predict_layouts(model: str, hosts: list[str], *, hostfile: str | None = None,
+def predict_layouts(model: str, hosts: list[str], *, hostfile=None,
                     transport: str = "", sequences: int = 1, prompt: int = 128,
                     context: int = 2048, backend: str = "numpy", quantize: int | None = None,
                     group_size: int = 64) -> tuple[list[llmmod.LlmPrediction], str]:
@@ -106,7 +111,7 @@ def predict_layouts(model: str, hosts: list[str], *, hostfile: str | None = None
     return out, ""
 
 
-def for_generate(model: str, hosts: list[str], *, hostfile: str | None, transport: str,
+def for_generate(model: str, hosts: list[str], *, hostfile, transport: str,
                  sequences: int, prompt: int, context: int, backend: str,
                  quantize: int | None, group_size: int) -> tuple[list, str]:
     """:func:`predict_layouts` for ``generate``, never raising: a model or file the

@@ -160,11 +160,10 @@ def worker(out: str, tmp: str) -> int:
     """Inside the 2-rank job: load, decode round-robin, fit; rank 0 writes ``out``."""
     from hpcmac import comm
     from hpcmac.llm.model.config import load_config
-    from hpcmac.llm.model.spec import make_shards
-    from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.parallel import plan as S
-    from hpcmac.llm.parallel.pipeline import Request, run_pipeline
-    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+    from hpcmac.llm.parallel.pipeline import Request
+    from hpcmac.llm.parallel.placement import fixed
+    from hpcmac.llm.parallel.runtime import bring_up
     from hpcmac.measure.llm import write_random_llama
 
     world = comm.init()
@@ -178,35 +177,31 @@ def worker(out: str, tmp: str) -> int:
     world.barrier()
     sleeper = _Sleeper(world)
     one = world.split(0 if world.rank == 0 else 1, world.rank)
-    groups = make_groups(world, 2, hosts)
     loaded = []
-    for n in LAYERS:
+    for n in LAYERS:  # each layout brought up by the runtime from its placement
         path = str(Path(tmp) / f"l{n}")
         cfg = load_config(path)
-        shards = make_shards(cfg, [1, 1])
-        tg = TensorGroup(groups.tensor, hosts, 60.0, [0, 1])
-        tg.set_vocab_slices([s.vocab[1] - s.vocab[0] for s in shards])
-        full = load_stage(path, 0, n) if world.rank == 0 else None
-        tens = load_stage(path, 0, n, shard=shards[world.rank], reduce=tg.allreduce)
-        spec2 = S.stages_from_counts(S.even_counts(n, 2))[world.rank]
-        piped = (spec2, load_stage(path, spec2.start, spec2.end, spec2.first, spec2.last))
-        loaded.append((cfg, S.stages_from_counts([n])[0], tg, full, tens, piped))
+        up = dict(model=path, cfg=cfg, timeout=60.0)
+        tens = bring_up(world, fixed(cfg, hosts, 2, [n]), **up)
+        full = bring_up(one, fixed(cfg, hosts[:1], 1, [n]), **up) if world.rank == 0 else None
+        piped = bring_up(world, fixed(cfg, hosts, 1, S.even_counts(n, 2)), **up)
+        loaded.append((tens, full, piped))
     prompt = [3 + (7 * i) % 250 for i in range(PROMPT)]
-    kw: dict = dict(max_batch=1, max_len=PROMPT + NEW, timeout=60.0)
+    kw: dict = dict(max_batch=1, max_len=PROMPT + NEW)
 
     def step_s(layout: str, i: int) -> float:
         """The median time between two decoded tokens (rank 0; 0 elsewhere)."""
-        cfg, spec, tg, full, tens, (spec2, piped) = loaded[i]
+        tens, full, piped = loaded[i]
         reqs = [Request(list(prompt), NEW)] if world.rank == 0 else None
         stamps: list[float] = []
         kw["on_token"] = lambda seq, tok: stamps.append(time.perf_counter())
         if layout == "one":
             if world.rank == 0:
-                run_pipeline(one, full, spec, cfg.hidden, reqs, hosts=hosts[:1], **kw)
+                full.run(reqs, **kw)
         elif layout == "pipeline":
-            run_pipeline(world, piped, spec2, cfg.hidden, reqs, hosts=hosts, **kw)
+            piped.run(reqs, **kw)
         else:
-            run_tensor_pipeline(groups, tg, tens, spec, cfg.hidden, reqs, **kw)
+            tens.run(reqs, **kw)
         sleeper.sync()
         if world.rank:
             return 0.0
@@ -229,7 +224,7 @@ def worker(out: str, tmp: str) -> int:
             fit[layout] = (slope, med[(layout, 0)] - l1 * slope)
         reduce_s = max(0.0, (fit["tensor"][0] - fit["one"][0]) / 2)
     reduce_s = world.bcast_obj(reduce_s, 0)
-    sync = _sync_frac(world, loaded[0][2].allreduce, reduce_s)
+    sync = _sync_frac(world, loaded[0][0].tensor.allreduce, reduce_s)
     if world.rank == 0:
         Path(out).write_text(json.dumps({
             "ranks": 2, "reduce_s": reduce_s, "step_s": max(0.0, fit["tensor"][1] - fit["one"][1]),

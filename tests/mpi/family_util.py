@@ -78,7 +78,8 @@ def run(path, tp, prompts, n_new=N_NEW):
     from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.parallel import plan as S
     from hpcmac.llm.parallel.pipeline import Request
-    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+    from hpcmac.llm.parallel.runtime import run_tensor_pipeline
+    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups
 
     g = world()
     cfg = load_config(path)

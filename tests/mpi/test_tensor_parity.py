@@ -95,7 +95,8 @@ def run(path, tp, shares, prompts, keep_logits=True, cfg=None):
     from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.parallel import plan as S
     from hpcmac.llm.parallel.pipeline import Request
-    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups, run_tensor_pipeline
+    from hpcmac.llm.parallel.runtime import run_tensor_pipeline
+    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups
 
     g = world()
     cfg = cfg or load_config(path)

@@ -2,22 +2,16 @@
 
 :func:`choose_layout` is pure: the flags (``--tp``, ``--pp``, ``--tp-split``,
 ``--split``), the rank count, the number of sequences, whether the links are
-fast and the model's head count decide, with one line saying why.
-:func:`plan_layout` is collective: it gathers hosts and memory, splits the
-layers over the stages and each stage's heads, columns and vocabulary over
-its tensor ranks (by memory share, :func:`hpcmac.llm.model.spec.make_shards`),
-and checks every rank's bytes fit its budget before any weights load.
+fast and the model's head count decide, with one line saying why. The layers,
+shards and bytes of each rank are the placement's
+(:func:`hpcmac.llm.parallel.placement.place`).
 """
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.spec import Shard, make_shards
-from hpcmac.llm.parallel import plan as P
 
 
 @dataclass(frozen=True)
@@ -128,105 +122,3 @@ def choose_layout(ranks: int, cfg, *, tp: int | None = None, pp: int | None = No
         raise UsageError(f"--tp {tp}: the model has {cfg.n_heads} attention heads, so at most "
                          f"{cfg.n_heads} ranks can share them")
     return Layout(tp, pp, shares, why)
-
-
-@dataclass
-class LayoutPlan:
-    """Global: the layout, each stage's layers, each rank's shard, bytes and budget."""
-
-    layout: Layout
-    stages: list[P.StageSpec]  # one per stage (its index in StageSpec.rank)
-    shards: list[list[Shard]]  # [stage][tensor rank]
-    need: list[int]  # bytes per world rank: weights + KV cache
-    budgets: list[float]
-    hosts: list[str]
-    how: str  # what set the layer split: "split", "memory" or "hostfile"
-    shares: list[list[float]] = field(default_factory=list)  # [stage][tensor rank]
-
-    def json(self) -> dict:
-        lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "why": lay.why,
-                "split": {"layers": [s.n_layers for s in self.stages], "how": self.how,
-                          "tp_shares": self.shares},
-                "ranks": [{"rank": s.rank * lay.tp + t, "stage": s.rank, "tp_rank": t,
-                           "host": self.hosts[s.rank * lay.tp + t],
-                           "layers": [s.start, s.end], **self.shards[s.rank][t].layout(),
-                           "need_bytes": self.need[s.rank * lay.tp + t],
-                           "budget_bytes": self.budgets[s.rank * lay.tp + t]}
-                          for s in self.stages for t in range(lay.tp)]}
-
-
-def plan_layout(group, model: str, cfg, layout: Layout, split: str | None,
-                hostfile: str | None, kv_tokens: int, quantize: int | None = None,
-                group_size: int = 64) -> LayoutPlan:
-    """Collective: every rank's layers and shard, checked to fit, before loading anything.
-
-    One rank per stage is :func:`hpcmac.llm.parallel.plan.plan_stages` unchanged.
-    ``kv_tokens`` is the cache size in tokens (slots x length, global).
-    """
-    from hpcmac.llm.model.spec import full_shard
-
-    tp = layout.tp
-    if tp == 1:
-        sp = P.plan_stages(group, model, cfg, split, hostfile, kv_tokens, quantize, group_size)
-        return LayoutPlan(layout, sp.stages, [[full_shard(cfg)] for _ in sp.stages], sp.need,
-                          sp.budgets, sp.hosts, sp.how, [[1.0] for _ in sp.stages])
-    mem = group.allgather_obj((socket.gethostname(), P.available_memory()))
-    hosts = [h for h, _ in mem]
-    hf = P.agree(group, lambda: P.read_hostfile(hostfile), ranks="root") if hostfile else None
-    budgets = P.rank_budgets(hosts, [a for _, a in mem], hf)
-
-    def work():
-        return _plan_tensor(model, cfg, layout, split, kv_tokens, quantize, group_size,
-                            budgets, hosts, "hostfile" if hf else "memory")
-
-    return P.agree(group, work, ranks="root")
-
-
-def _plan_tensor(model, cfg, layout: Layout, split, kv_tokens, quantize, group_size,
-                 budgets: Sequence[float], hosts: Sequence[str], how: str) -> LayoutPlan:
-    from hpcmac.llm.model.cache import KVCache
-    from hpcmac.llm.model.weights import open_checkpoint, stage_nbytes
-
-    tp, pp = layout.tp, layout.pp
-    P.check_ranks(cfg.n_layers, pp)
-    stage_budget = [sum(budgets[s * tp:(s + 1) * tp]) for s in range(pp)]
-    if pp == 1:
-        counts = [cfg.n_layers]
-    elif split:
-        counts, how = P.parse_split(split, cfg.n_layers, pp), "split"
-    else:
-        layer_b, embed_b, head_b = P.weight_bytes(model, quantize, group_size)
-        kv = KVCache.token_bytes(cfg) * kv_tokens
-        counts = P.proportional_counts([b + kv for b in layer_b], embed_b, head_b,
-                                       stage_budget)
-    stages = P.stages_from_counts(counts)
-    shares, shards = [], []
-    for s in range(pp):
-        if layout.shares:
-            sh = list(layout.shares)
-        elif how == "hostfile":
-            sh = budgets[s * tp:(s + 1) * tp]
-        else:  # measured: whole GiB, so ranks sharing a host get equal shares
-            sh = [max(1.0, round(b / P.GIB)) for b in budgets[s * tp:(s + 1) * tp]]
-        shares.append([float(x) for x in sh])
-        shards.append(make_shards(cfg, sh))
-    ckpt = open_checkpoint(model)
-    need = []
-    for st in stages:
-        for t in range(tp):
-            shard = shards[st.rank][t]
-            kv = KVCache.token_bytes(replace(cfg, n_kv_heads=shard.n_kv_heads) if not cfg.mla
-                                     else cfg)
-            need.append(stage_nbytes(ckpt, st.start, st.end, st.first, st.last, quantize,
-                                     group_size, shard) + kv * kv_tokens * st.n_layers)
-    for r, (nb, b) in enumerate(zip(need, budgets)):
-        if nb > b:
-            st, t = stages[r // tp], r % tp
-            sh = shards[st.rank][t]
-            raise UsageError(
-                f"rank {r} on {hosts[r]} (stage {st.rank}, tensor rank {t}: layers "
-                f"[{st.start}, {st.end}), {sh.n_heads} of {cfg.n_heads} heads) needs "
-                f"{nb / P.GIB:.2f} GiB but its memory budget is {b / P.GIB:.2f} GiB: add "
-                "ranks or hosts, or give it a smaller share with --tp-split")
-    return LayoutPlan(layout, stages, shards, need, list(budgets), list(hosts), how, shares)

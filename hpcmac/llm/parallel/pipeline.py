@@ -293,6 +293,8 @@ def _serve(st: _StageState, t_start: float) -> None:
         if kind == PING:
             if st.next >= 0:
                 link.send(hdr, st.next, TAG_FWD, "ctrl")
+            if st.tensor is not None:
+                st.tensor.send_ping()
             continue
         if kind == CTRL:
             payload = link.recv(np.empty(n, dtype=np.uint8), prev, TAG_FWD)
@@ -536,8 +538,11 @@ class _Scheduler:
         that their watchdogs know rank 0 is alive."""
         self.send_ctrl()
         self.arrivals(wait=self.source.ping_s)
-        if self.size > 1 and not self.queue and not self.source.closed:
-            self.st.link.send(np.array([PING, 0, 0, -1], dtype=WIRE), 1, TAG_FWD, "ctrl")
+        if not self.queue and not self.source.closed:
+            if self.size > 1:
+                self.st.link.send(np.array([PING, 0, 0, -1], dtype=WIRE), 1, TAG_FWD, "ctrl")
+            if self.st.tensor is not None:  # and this stage's own tensor ranks
+                self.st.tensor.send_ping()
 
     def interrupt(self, signum=None, frame=None) -> None:
         """SIGINT: the first stops cleanly (in-flight micro-batches return, then STOP
@@ -642,7 +647,7 @@ def run_pipeline(
     tensor : this stage's :class:`~hpcmac.llm.parallel.tensor.TensorGroup` when
         each stage is a tensor group (this rank is its leader; the followers run
         :func:`~hpcmac.llm.parallel.tensor.follow`); see
-        :func:`~hpcmac.llm.parallel.tensor.run_tensor_pipeline`.
+        :func:`~hpcmac.llm.parallel.runtime.run_tensor_pipeline`.
     ranks : the job's rank of each rank of ``group``, for messages (default: the same).
     source : serve (rank 0): a :class:`~hpcmac.llm.parallel.live.LiveRequests`
         whose requests join while the pipeline runs, until it is closed;

@@ -1,10 +1,10 @@
 """Planning a parallel run: which layers ``[start, end)`` each rank holds, and what fits.
 
-The top of this module is pure index and byte arithmetic, no communication and
-no weights read, so it is unit-tested without MPI. The last section
-(:func:`agree`, :func:`plan_stages`) is collective. The pipeline gathers each rank's host and memory
-once (collective) and then every rank calls these functions with the same
-global inputs, so every rank computes the same split or raises the same
+This module is pure index and byte arithmetic, no communication and no weights
+read, so it is unit-tested without MPI; :func:`agree` alone is collective. The
+runtime (:mod:`.runtime`) gathers each rank's host and memory once and the
+placement (:func:`hpcmac.llm.parallel.placement.place`) calls these functions
+with those global inputs, so every rank holds the same split or raises the same
 :class:`~hpcmac.errors.UsageError`.
 
 The default split is proportional to each rank's memory budget: it minimises
@@ -344,16 +344,17 @@ def kv_bytes_per_token_layer(cfg) -> int:
     return KVCache.token_bytes(cfg)
 
 
-def weight_bytes(model: str, quantize: int | None = None,
+def weight_bytes(model, quantize: int | None = None,
                  group_size: int = 64) -> tuple[list[int], int, int]:
     """Bytes of each layer, of the embedding and of the norm + head, as loaded (headers only).
 
     ``hpcmac.llm.model.weights.stage_nbytes`` of each piece, with the checkpoint opened
-    once; ``quantize``/``group_size`` as there.
+    once; ``quantize``/``group_size`` as there. ``model``: a path or short name, or a
+    checkpoint already opened with ``open_checkpoint``.
     """
     from hpcmac.llm.model.weights import open_checkpoint, stage_nbytes
 
-    ckpt = open_checkpoint(model)
+    ckpt = model if hasattr(model, "numel") else open_checkpoint(model)
     n_layers = ckpt.config().n_layers
 
     def nbytes(start: int, end: int, first: bool, last: bool) -> int:
@@ -361,48 +362,3 @@ def weight_bytes(model: str, quantize: int | None = None,
 
     layers = [nbytes(i, i + 1, False, False) for i in range(n_layers)]
     return layers, nbytes(0, 0, True, False), nbytes(0, 0, False, True)
-
-
-@dataclass
-class StagePlan:
-    """Global: the split, what each stage needs and may use, and where it runs."""
-
-    stages: list[StageSpec]
-    need: list[int]  # bytes per rank: weights + KV cache
-    budgets: list[float]
-    hosts: list[str]
-    how: str  # "split", "memory" or "hostfile"
-
-
-def plan_stages(group, model: str, cfg, split: str | None, hostfile: str | None,
-                kv_tokens: int, quantize: int | None = None, group_size: int = 64) -> StagePlan:
-    """Collective: choose every rank's layers and check they fit, before loading anything.
-
-    ``kv_tokens`` is the cache size in tokens (slots x length, global);
-    ``quantize``/``group_size`` as ``--quantize``/``--q-group-size``.
-    """
-    p = group.size
-    mem = group.allgather_obj((socket.gethostname(), available_memory()))
-    hosts = [h for h, _ in mem]
-
-    def bytes_of() -> tuple[list[int], int, int]:
-        check_ranks(cfg.n_layers, p)
-        return weight_bytes(model, quantize, group_size)
-
-    layer_b, embed_b, head_b = agree(group, bytes_of, ranks="root")
-    hf = None
-    if hostfile:
-        hf = agree(group, lambda: read_hostfile(hostfile), ranks="root")
-    budgets = rank_budgets(hosts, [a for _, a in mem], hf)
-    kv = kv_bytes_per_token_layer(cfg) * kv_tokens
-    per_layer = [b + kv for b in layer_b]
-    if split:
-        counts = parse_split(split, cfg.n_layers, p)
-        how = "split"
-    else:
-        counts = proportional_counts(per_layer, embed_b, head_b, budgets)
-        how = "hostfile" if hf else "memory"
-    specs = stages_from_counts(counts)
-    need = stage_bytes(counts, per_layer, embed_b, head_b)
-    check_fit(specs, need, budgets, hosts)
-    return StagePlan(specs, need, budgets, hosts, how)

@@ -24,7 +24,8 @@ rank and host named):
   then for ``FWD`` the meta rows ``int32 (n, 5)`` and the token ids (int64,
   first stage) or hidden states (float32 ``(T, hidden)``); for ``CTRL`` a
   dict of ``n`` bytes in comm.wire's plain tagged format (never pickle);
-  ``STOP`` ends the followers' loop.
+  ``STOP`` ends the followers' loop; ``PING`` (a header alone) is an idle
+  server's sign of life, so that the followers' watchdogs keep waiting.
 * followers -> leader, tag ``TAG_HEAD``: ``(k, 2)`` float64 (best logit, id)
   rows, or the ``(k, vocab slice)`` float32 logits.
 """
@@ -41,7 +42,7 @@ import numpy as np
 from hpcmac.comm.base import Group
 from hpcmac.llm.parallel.link import Watchdog
 
-FWD, CTRL, STOP = 1, 2, 3
+FWD, CTRL, STOP, PING = 1, 2, 3, 4
 GATHER, MAXLOC = 0, 1
 TAG_SUM, TAG_STEP, TAG_HEAD = 81, 82, 83
 META = 5
@@ -195,6 +196,11 @@ class TensorGroup:
         payload = np.frombuffer(wire.encode({"free": free}), dtype=np.uint8).copy()
         self._send_all([np.array([CTRL, payload.size, 0, 0], dtype=np.int32), payload])
 
+    def send_ping(self) -> None:
+        """Leader, serving and idle: the followers' watchdogs learn the leader is alive."""
+        if self.size > 1:
+            self._send_all([np.array([PING, 0, 0, 0], dtype=np.int32)])
+
     def send_stop(self) -> None:
         if self.size > 1:
             self._send_all([np.array([STOP, 0, 0, 0], dtype=np.int32)])
@@ -262,6 +268,8 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
         kind, n, T, mode = (int(v) for v in hdr)
         if kind == STOP:
             return
+        if kind == PING:
+            continue
         if kind == CTRL:
             from hpcmac.comm import wire
 
@@ -289,33 +297,3 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
             if len(rows):
                 tg.head(np.asarray(stage.logits(h[rows]), dtype=np.float32), v0, mode)
 
-
-def run_tensor_pipeline(groups: Groups, tg: TensorGroup | None, stage, spec, hidden: int,
-                        requests, *, timeout: float = 60.0, **kw):
-    """Collective over ``groups.world``: generate through ``pp`` stages of ``tp`` ranks.
-
-    The leaders run :func:`~hpcmac.llm.parallel.pipeline.run_pipeline` among
-    themselves (``requests`` on world rank 0; ``kw`` as there); the followers
-    :func:`follow`. Returns the same ``PipelineResult`` on every rank, with each
-    tensor rank's all-reduce counters in ``result.tensor``.
-    """
-    from hpcmac.llm.parallel.pipeline import run_pipeline
-
-    tp, pp = groups.tp, groups.pp
-    res = None
-    if groups.pipe is not None:
-        hosts = [groups.hosts[s * tp] for s in range(pp)]
-        res = run_pipeline(groups.pipe, stage, spec, hidden, requests, timeout=timeout,
-                           hosts=hosts, tensor=tg if tp > 1 else None,
-                           ranks=[s * tp for s in range(pp)], **kw)
-    else:
-        max_slots, max_len = tg.group.bcast_obj(None, 0)
-        follow(tg, stage, spec.first, spec.last, hidden, max_slots, max_len,
-               grace=1.0 + pp)
-    if tp > 1:
-        res = tg.group.bcast_obj(res, 0)
-        stats = groups.world.allgather_obj(
-            {"rank": groups.world.rank, "stage": groups.stage, "tp_rank": groups.tp_rank,
-             **tg.stats.__dict__})
-        res.tensor = stats
-    return res

@@ -1,0 +1,178 @@
+"""One runtime brings a rank up from a :class:`~.placement.Placement`, whoever asks.
+
+``generate``, ``serve``, ``bench.llm_parallel`` and ``plan calibrate`` all go
+through the same three steps (collective: every rank of the group calls each):
+
+1. :func:`gather_cluster`: each rank's host and memory, and the hostfile (read
+   once by the job, :func:`read_job_hostfile`) -> a :class:`~.placement.Cluster`;
+2. :func:`agree_placement`: rank 0 computes :func:`~.placement.place` (pure) and
+   every rank gets the same value, or the same one-line refusal;
+3. :func:`bring_up`: the tensor and pipeline groups, this rank's stage loaded
+   with its shard, and the waiting policy (the watchdog's ``timeout``) -> a
+   :class:`Runtime`, whose :meth:`Runtime.run` generates (a batch, or serve's
+   live requests) through the pipeline of tensor groups.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from hpcmac.comm.base import Group
+from hpcmac.llm.parallel.placement import Cluster, LayoutFlags, ModelSizes, Placement, place
+from hpcmac.llm.parallel.plan import HostMemory, agree, available_memory
+from hpcmac.llm.parallel.tensor import Groups, TensorGroup, follow, make_groups
+
+HOSTFILE_ENV = "HPCMAC_HOSTFILE"
+
+
+# -- the inputs ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobHostfile:
+    """The job's hostfile, read and checked once (global once agreed): its path, its
+    parsed JSON (``data``: the planner reads ``link`` and ``machine`` there) and its
+    hosts' memory."""
+
+    path: str
+    data: Any
+    hosts: tuple[HostMemory, ...]
+
+
+def hostfile_path(flag: str | None) -> str | None:
+    """``--hostfile``, else ``HPCMAC_HOSTFILE`` (set by ``hpcmac.launch``), else None."""
+    return flag or os.environ.get(HOSTFILE_ENV) or None
+
+
+def read_job_hostfile(path: str | None) -> JobHostfile | None:
+    """The hostfile at ``path`` (one read; UsageError naming the file when it is bad)."""
+    if not path:
+        return None
+    from hpcmac.launch.hostfile import load_with_data
+
+    hf, data = load_with_data(path)
+    return JobHostfile(str(path), data,
+                       tuple(HostMemory(h.name, h.slots, h.memory_gb) for h in hf.hosts))
+
+
+def gather_cluster(group: Group, hostfile: JobHostfile | None = None) -> Cluster:
+    """Collective: every rank's host and available memory, and the hostfile's budgets."""
+    mem = group.allgather_obj((socket.gethostname(), available_memory()))
+    return Cluster(tuple(h for h, _ in mem), tuple(int(a) for _, a in mem),
+                   hostfile.hosts if hostfile else None, getattr(group, "transport", "") or "")
+
+
+def agree_placement(group: Group, cfg, model: str, cluster: Cluster,
+                    flags: LayoutFlags | None = None, *, kv_tokens: int, sequences: int = 1,
+                    predicted: tuple[int, int, str] | None = None, quantize: int | None = None,
+                    group_size: int = 64) -> Placement:
+    """Collective: rank 0 places the model (:func:`~.placement.place`, reading the
+    checkpoint's headers); every rank returns the same :class:`Placement` or raises the
+    same UsageError, before any weights load."""
+    flags = flags or LayoutFlags()
+    return agree(group, lambda: place(cfg, ModelSizes(model, quantize, group_size), cluster,
+                                      flags, kv_tokens=kv_tokens, sequences=sequences,
+                                      predicted=predicted), ranks="root")
+
+
+# -- one rank, up --------------------------------------------------------------------------
+
+
+@dataclass
+class Runtime:
+    """One rank of a job, brought up (local; the placement is global)."""
+
+    placement: Placement
+    groups: Groups  # the world, this rank's tensor group, the stages' leaders
+    tensor: TensorGroup | None  # this stage's tensor group (None: one rank a stage)
+    stage: Any  # the loaded stage (hpcmac.llm.model.stage.Stage) of this rank's shard
+    hidden: int  # the model's hidden size
+    timeout: float  # the waiting policy: seconds a rank waits on a silent peer
+
+    @property
+    def world(self) -> Group:
+        return self.groups.world
+
+    @property
+    def me(self):
+        """This rank's :class:`~.placement.RankPlace`."""
+        return self.placement.rank(self.world.rank)
+
+    @property
+    def spec(self):
+        return self.placement.stages[self.groups.stage]
+
+    def run(self, requests=None, **kw):
+        """Collective over the world: generate ``requests`` (world rank 0), or serve a
+        live ``source=`` (``kw`` as :func:`~.pipeline.run_pipeline`'s)."""
+        return run_tensor_pipeline(self.groups, self.tensor, self.stage, self.spec, self.hidden,
+                                   requests, timeout=self.timeout, **kw)
+
+
+def bring_up(group: Group, placement: Placement, model: str, cfg, *, backend: str = "numpy",
+             quantize: int | None = None, group_size: int = 64,
+             int8_activations: bool | None = None, timeout: float = 60.0) -> Runtime:
+    """Collective: this rank's groups, tensor group and stage, from ``placement``.
+
+    ``model``, ``cfg``: the checkpoint and its config; ``backend``, ``quantize``,
+    ``group_size``, ``int8_activations`` as ``load_stage``'s; ``timeout``: seconds a
+    rank waits on a silent peer before ending the job (0: no watchdog).
+
+    A load error on any rank is raised on every rank (:func:`~.plan.agree`).
+    """
+    from hpcmac.llm.model.stage import load_stage
+
+    if group.size != placement.size:
+        raise ValueError(f"bring_up: a placement of {placement.size} ranks on a group of "
+                         f"{group.size}")
+    tp = placement.tp
+    groups = make_groups(group, tp, placement.hosts)
+    spec = placement.stages[groups.stage]
+    shard = placement.shards[groups.stage][groups.tp_rank]
+    tg = None
+    if tp > 1:
+        members = placement.members(groups.stage)
+        tg = TensorGroup(groups.tensor, [placement.hosts[r] for r in members], timeout,
+                         ranks=members)
+        tg.set_vocab_slices([sh.vocab[1] - sh.vocab[0]
+                             for sh in placement.shards[groups.stage]])
+    stage = agree(group, lambda: load_stage(
+        model, spec.start, spec.end, first=spec.first, last=spec.last, backend=backend,
+        quantize=quantize, group_size=group_size, shard=shard if tp > 1 else None,
+        reduce=tg.allreduce if tg else None, int8_activations=int8_activations))
+    return Runtime(placement, groups, tg, stage, cfg.hidden, timeout)
+
+
+def run_tensor_pipeline(groups: Groups, tg: TensorGroup | None, stage, spec, hidden: int,
+                        requests, *, timeout: float = 60.0, **kw):
+    """Collective over ``groups.world``: generate through ``pp`` stages of ``tp`` ranks.
+
+    The leaders run :func:`~hpcmac.llm.parallel.pipeline.run_pipeline` among
+    themselves (``requests`` on world rank 0; ``kw`` as there); the followers
+    :func:`~hpcmac.llm.parallel.tensor.follow`. Returns the same ``PipelineResult``
+    on every rank, with each tensor rank's all-reduce counters in ``result.tensor``.
+    """
+    from hpcmac.llm.parallel.pipeline import run_pipeline
+
+    tp, pp = groups.tp, groups.pp
+    res = None
+    if groups.pipe is not None:
+        hosts = [groups.hosts[s * tp] for s in range(pp)]
+        res = run_pipeline(groups.pipe, stage, spec, hidden, requests, timeout=timeout,
+                           hosts=hosts, tensor=tg if tp > 1 else None,
+                           ranks=[s * tp for s in range(pp)], **kw)
+    else:
+        max_slots, max_len = tg.group.bcast_obj(None, 0)
+        follow(tg, stage, spec.first, spec.last, hidden, max_slots, max_len,
+               grace=1.0 + pp)
+    if tp > 1:
+        res = tg.group.bcast_obj(res, 0)
+        stats = groups.world.allgather_obj(
+            {"rank": groups.world.rank, "stage": groups.stage, "tp_rank": groups.tp_rank,
+             **tg.stats.__dict__})
+        res.tensor = stats
+    return res
+
