@@ -33,7 +33,7 @@ VOCAB = 97
 #: case -> (seed, config.json fields); seeds whose greedy runs are not degenerate
 CASES = {
     "kv1-window8-yarn32": (3, dict(
-        vocab_size=VOCAB, hidden_size=40, intermediate_size=21, num_hidden_layers=3,
+        vocab_size=VOCAB, hidden_size=40, intermediate_size=21, num_hidden_layers=4,
         num_attention_heads=5, num_key_value_heads=1, head_dim=12, num_local_experts=6,
         num_experts_per_tok=4, sliding_window=8, max_position_embeddings=256)),
     "kv2-window5-clamp2-tied": (5, dict(
@@ -47,7 +47,7 @@ CASES = {
                              original_max_position_embeddings=16))),
     # the experts as gpt-oss publishes them: MXFP4 blocks and scales (sizes of 32s)
     "mxfp4-experts": (3, dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=5, num_key_value_heads=1, head_dim=12, num_local_experts=6,
         num_experts_per_tok=4, sliding_window=8, max_position_embeddings=256)),
 }
@@ -168,11 +168,11 @@ def test_window_and_sinks_matter(checkpoints):
     g = world()
     path, prompts, ref = checkpoints["kv1-window8-yarn32"]
     if g.rank == 0:
-        stage = load_stage(path, 0, 3)
+        stage = load_stage(path, 0, 4)
         assert stage_greedy(stage, prompts[0], N_NEW) == ref[0][0]
-        no_window = load_stage(path, 0, 3)
+        no_window = load_stage(path, 0, 4)
         no_window.config = no_window.local = replace(stage.config, sliding_window=0)
-        no_sinks = load_stage(path, 0, 3)
+        no_sinks = load_stage(path, 0, 4)
         for w in no_sinks.layers:
             w["sinks"] = w["sinks"] - 1e9
         for other in (no_window, no_sinks):
@@ -197,9 +197,9 @@ def test_planner_counts_the_bytes_held(checkpoints):
         for name in ("kv1-window8-yarn32", "mxfp4-experts"):
             path = checkpoints[name][0]
             shard = make_shards(load_config(path), [1.0, 1.0])[1]
-            assert stage_nbytes(path, 0, 3, True, True) == load_stage(path, 0, 3).nbytes
-            part = load_stage(path, 1, 3, False, True, shard=shard, reduce=lambda a: a)
-            assert stage_nbytes(path, 1, 3, False, True, shard=shard) == part.nbytes
+            assert stage_nbytes(path, 0, 4, True, True) == load_stage(path, 0, 4).nbytes
+            part = load_stage(path, 1, 4, False, True, shard=shard, reduce=lambda a: a)
+            assert stage_nbytes(path, 1, 4, False, True, shard=shard) == part.nbytes
     g.barrier()
 
 
