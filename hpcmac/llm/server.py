@@ -381,6 +381,7 @@ def run_serve(args, group=None) -> int:
         hostfile_path,
         read_job_hostfile,
     )
+    from hpcmac.plan import job as plan_job
 
     missing = [m for m in ("starlette", "uvicorn") if find_spec(m) is None]
     if missing:
@@ -420,11 +421,18 @@ def run_serve(args, group=None) -> int:
     hostfile = agree(group, lambda: read_job_hostfile(hostfile_path(args.hostfile)),
                      ranks="root")
     cluster = gather_cluster(group, hostfile)
-    # a server decodes many sequences at once: the default layout is generate's for
-    # that many sequences (a pipeline on several ranks, unless a flag says otherwise)
-    placement = agree_placement(group, cfg, args.model, cluster, LayoutFlags.of(args),
-                                kv_tokens=slots * context, sequences=slots,
-                                quantize=args.quantize, group_size=args.q_group_size)
+    # a server decodes up to --max-batch sequences at once: the default layout is
+    # generate's for that many (hpcmac.plan's fastest when it has the node's figures,
+    # else a pipeline on several ranks), unless a flag says otherwise
+    preds, _ = agree(group, lambda: plan_job.for_generate(
+        args.model, list(cluster.hosts), hostfile=hostfile, transport=cluster.transport,
+        sequences=slots, prompt=min(128, context), context=context, backend=args.backend,
+        quantize=args.quantize, group_size=args.q_group_size), ranks="root")
+    best = preds[0] if preds and preds[0].fits else None
+    placement = agree_placement(
+        group, cfg, args.model, cluster, LayoutFlags.of(args), kv_tokens=slots * context,
+        sequences=slots, quantize=args.quantize, group_size=args.q_group_size,
+        predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
     rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
                   quantize=args.quantize, group_size=args.q_group_size,
                   int8_activations=args.int8_activations, timeout=args.timeout)
@@ -442,7 +450,7 @@ def run_serve(args, group=None) -> int:
         http.start()
         layout = placement.layout.describe() if group.size > 1 else "1 rank"
         if group.size > 1:
-            print(placement.describe(), file=sys.stderr, flush=True)
+            print(placement.describe(why=True), file=sys.stderr, flush=True)
         print(f"serving {name} on http://{args.host}:{args.port}/v1 ({layout}, "
               f"{slots} sequences at once, context {context})", file=sys.stderr, flush=True)
         if not is_loopback(held["sock"]):

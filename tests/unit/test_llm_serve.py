@@ -95,32 +95,54 @@ class Server:
                 pass
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["np1", "np2"])
+#: the shared servers' layouts: (ranks, layout flags); every test taking ``server`` runs
+#: on each (a pipeline of 2, and a tensor group of 2: batching, chunked prefill,
+#: disconnects and the idle ping inside a tensor group)
+LAYOUTS = [(1, ()), (2, ()), (2, ("--tp", "2"))]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=["np1", "np2", "np2-tp2"])
 def server(request):
-    s = Server(request.param)
-    s.np = request.param
+    np_, flags = request.param
+    s = Server(np_, *flags)
+    s.np, s.layout = np_, flags
     yield s
     s.stop()
 
 
-def _generate(*flags: str) -> dict:
+def _generate(*flags: str, np_: int = 1) -> dict:
     out = ROOT / f".pytest-serve-{os.getpid()}.json"
+    cmd = [sys.executable, "-m", "hpcmac.llm", "generate", "--model", "smollm2", "--quiet",
+           "--json", str(out), *flags]
     try:
-        r = subprocess.run([sys.executable, "-m", "hpcmac.llm", "generate", "--model", "smollm2",
-                            "--quiet", "--json", str(out), *flags],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run([MPIRUN, str(np_), *cmd] if np_ > 1 else cmd,
+                           capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, HPCMAC_QUIET_TRANSPORT="1"))
         assert r.returncode == 0, r.stderr
         return json.loads(out.read_text())
     finally:
         out.unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="module")
-def oracle():
-    """generate's greedy text for the chat question and a raw completion (computed once)."""
-    return {"chat": _generate("--prompt", QUESTION, "--max-tokens", "16"),
-            "completion": _generate("--prompt", "The capital of France is", "--max-tokens", "12",
-                                    "--ignore-chat-template")}
+_ORACLES: dict = {}
+
+
+def oracle_for(np_: int, layout: tuple[str, ...]) -> dict:
+    """generate's greedy text for the chat question and a raw completion, in the same
+    layout (a pipeline's bits are one rank's; a tensor group's sums differ), computed once."""
+    key = (np_, layout) if layout else (1, ())
+    if key not in _ORACLES:
+        n = key[0]
+        _ORACLES[key] = {
+            "chat": _generate("--prompt", QUESTION, "--max-tokens", "16", *layout, np_=n),
+            "completion": _generate("--prompt", "The capital of France is", "--max-tokens",
+                                    "12", "--ignore-chat-template", *layout, np_=n)}
+    return _ORACLES[key]
+
+
+@pytest.fixture
+def oracle(server):
+    return oracle_for(server.np, server.layout)
 
 
 def test_chat_completion_equals_generate(server, oracle):
@@ -180,10 +202,14 @@ def test_chat_template_as_transformers():
 def test_concurrent_streams_equal_one_at_a_time(server):
     """16 streaming clients at once, different prompts and lengths: each gets what it gets
     alone (batching must not change tokens); nothing lost; every slot freed."""
+    _concurrent_streams(server, 8)
+
+
+def _concurrent_streams(server, n_uniq: int) -> None:
     c = server.client()
     model = server.model()
-    uniq = [(f"Count from 1 to {3 + i}.", 3 + 2 * i) for i in range(8)]  # 8 lengths
-    jobs = uniq + uniq[::-1]  # 16 clients, each job twice
+    uniq = [(f"Count from 1 to {3 + i}.", 3 + 2 * i) for i in range(n_uniq)]  # lengths
+    jobs = uniq + uniq[::-1]  # each job twice
 
     def run(prompt, n):
         out = []
@@ -265,9 +291,11 @@ def test_client_leaving_a_whole_answer_frees_its_slot(server):
     assert time.monotonic() - t0 < 20
 
 
-def test_over_capacity_is_429_with_retry_after():
+@pytest.mark.parametrize("np_, layout", [
+    (1, ()), pytest.param(2, ("--tp", "2"), marks=pytest.mark.slow)], ids=["np1", "np2-tp2"])
+def test_over_capacity_is_429_with_retry_after(np_, layout):
     """(Also: a host other than loopback prints the one-line no-authentication warning.)"""
-    s = Server(1, "--max-batch", "1", "--queue", "0", "--host", "0.0.0.0")
+    s = Server(np_, *layout, "--max-batch", "1", "--queue", "0", "--host", "0.0.0.0")
     try:
         warn = [ln for ln in s.log().splitlines() if "warning" in ln]
         assert len(warn) == 1 and "no authentication" in warn[0], s.log()
@@ -301,8 +329,11 @@ def _rank_pids(tag: bytes) -> dict[int, int]:
     return out
 
 
-def test_killed_rank_ends_the_server():
-    s = Server(2)
+@pytest.mark.parametrize("layout", [(), pytest.param(("--tp", "2"), marks=pytest.mark.slow)],
+                         ids=["pipeline", "tp2"])
+def test_killed_rank_ends_the_server(layout):
+    """(With --tp 2, rank 1 is a follower of the tensor group: no pipeline link to it.)"""
+    s = Server(2, *layout)
     try:
         pids = _rank_pids(s.tag)
         assert set(pids) == {0, 1}
@@ -462,3 +493,23 @@ def test_hostile_requests_are_refused_and_the_server_goes_on(server):
     assert "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]
     assert len(log.splitlines()) < 20, log[-3000:]  # no line per client
     assert "warning" not in log  # 127.0.0.1: no authentication warning
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("np_, layout", [(3, ("--tp", "3")), (4, ("--tp", "2", "--pp", "2"))],
+                         ids=["np3-tp3-uneven", "np4-tp2-pp2"])
+def test_serve_equals_generate_in_every_layout(np_, layout):
+    """serve at --tp 3 (SmolLM2: 3 query heads and 1 KV head a rank) and --tp 2 --pp 2:
+    chat, streaming chat and completion are generate's greedy text in the same layout,
+    and concurrent streams each equal their request alone."""
+    s = Server(np_, *layout)
+    try:
+        s.np, s.layout = np_, layout
+        want = oracle_for(np_, layout)
+        assert any(ln.startswith("layout: ") for ln in s.log().splitlines()), s.log()
+        test_chat_completion_equals_generate(s, want)
+        test_streaming_chat_equals_generate(s, want)
+        test_completion_equals_generate(s, want)
+        _concurrent_streams(s, 3)
+    finally:
+        s.stop()

@@ -154,11 +154,13 @@ class Placement:
         return RankPlace(r, s, t, self.hosts[r], self.stages[s], self.shards[s][t],
                          self.need[r], self.budgets[r])
 
-    def describe(self) -> str:
-        """The line generate and serve print (rank 0) for several ranks."""
+    def describe(self, why: bool = False) -> str:
+        """The line generate and serve print (rank 0) for several ranks (``why``: a
+        pipeline's line says why this layout too, as a tensor layout's always does)."""
         layers = [s.n_layers for s in self.stages]
         if self.tp == 1:
-            return f"pipeline: {self.pp} stages, layers {layers} (split by {self.how})"
+            line = f"pipeline: {self.pp} stages, layers {layers} (split by {self.how})"
+            return f"{line}; {self.why}" if why else line
         heads = [sh.n_heads for sh in self.shards[0]]
         return (f"layout: {self.layout.describe()} ({self.why}); layers {layers}, heads per "
                 f"tensor rank {'/'.join(map(str, heads))}")
