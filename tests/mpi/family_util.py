@@ -36,11 +36,26 @@ def hf_reference(model, prompts, n_new=N_NEW):
     return out
 
 
+def build_checkpoint(model_type: str, path: str, seed: int, fields: dict):
+    """The default ``build`` of :func:`write_cases`: ``fixtures.random_checkpoint`` and
+    transformers' model of the folder."""
+    import torch
+    import transformers
+
+    from hpcmac.llm.model.fixtures import random_checkpoint
+
+    random_checkpoint(model_type, path, seed=seed, initializer_range=0.3, **fields)
+    # the eager experts: torch's grouped GEMM wants 16-byte strides (odd widths)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, experts_implementation="eager").eval()
+
+
 @contextmanager
-def write_cases(model_type: str, cases: dict, vocab: int):
+def write_cases(model_type: str, cases: dict, vocab: int, build=build_checkpoint):
     """Collective. ``cases``: name -> (seed, config.json fields). Yields name -> (folder,
     prompts, transformers' (tokens, logits) per prompt), the same on every rank; the
-    folders are removed afterwards."""
+    folders are removed afterwards. ``build(model_type, folder, seed, fields)`` writes a
+    checkpoint and returns transformers' model of it (rank 0)."""
     g = world()
     root = g.bcast_obj(tempfile.mkdtemp(prefix=f"hpcmac-{model_type}-") if g.rank == 0
                        else None, 0)
@@ -52,16 +67,7 @@ def write_cases(model_type: str, cases: dict, vocab: int):
         for name, (seed, fields) in cases.items():
             path, ref = f"{root}/{name}", None
             if g.rank == 0:
-                import torch
-                import transformers
-
-                from hpcmac.llm.model.fixtures import random_checkpoint
-
-                random_checkpoint(model_type, path, seed=seed, initializer_range=0.3, **fields)
-                # the eager experts: torch's grouped GEMM wants 16-byte strides (odd widths)
-                model = transformers.AutoModelForCausalLM.from_pretrained(
-                    path, dtype=torch.float32, experts_implementation="eager").eval()
-                ref = hf_reference(model, prompts)
+                ref = hf_reference(build(model_type, path, seed, fields), prompts)
             out[name] = (path, prompts, g.bcast_obj(ref, 0))
         g.barrier()
         yield out

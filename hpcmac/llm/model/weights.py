@@ -116,6 +116,15 @@ class SafetensorsCheckpoint:
             for f in files:
                 for name in self._header(f)[1]:
                     self._file_of[name] = f
+        #: canonical name -> stored name, where they differ: a multimodal folder (Kimi K2.5,
+        #: LLaVA-style) holds its text model under ``language_model.``
+        self._stored: dict[str, str] = {}
+        lm = "language_model."
+        if "model.embed_tokens.weight" not in self._file_of and \
+                lm + "model.embed_tokens.weight" in self._file_of:
+            for name in [n for n in self._file_of if n.startswith(lm)]:
+                self._stored[name[len(lm):]] = name
+                self._file_of[name[len(lm):]] = self._file_of.pop(name)
         #: gpt-oss's MXFP4 tensors: name -> (its _blocks, its _scales)
         self._mxfp4 = {n[:-len("_blocks")]: (n, n[:-len("_blocks")] + "_scales")
                        for n in self._file_of
@@ -260,9 +269,10 @@ class SafetensorsCheckpoint:
             raise UsageError(f"{self.path}: tensor {name} is missing")
         f = self._file_of[name]
         start, table = self._header(f)
-        if name not in table:
-            raise UsageError(f"{f}: tensor {name} is missing (the index names this file)")
-        return f, start, table[name]
+        stored = self._stored.get(name, name)
+        if stored not in table:
+            raise UsageError(f"{f}: tensor {stored} is missing (the index names this file)")
+        return f, start, table[stored]
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self._mxfp4:  # see _mxfp4_get: (E, in, out)
