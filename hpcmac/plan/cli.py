@@ -201,6 +201,32 @@ def llm_cases(args, cl: clmod.Cluster, shape) -> list:
     return preds
 
 
+def placement_of(args, cl: clmod.Cluster, pred) -> tuple[str, dict | None] | None:
+    """(line, JSON) of the placement the runtime would take for ``pred``'s tp x pp on
+    ``cl`` (:func:`hpcmac.llm.parallel.placement.place`, each node's memory its budget),
+    or None when the model is not a checkpoint the runtime can open (a config.json or a
+    header alone): the prediction needs no weights, the placement counts their bytes."""
+    from hpcmac.llm.parallel.placement import Cluster, LayoutFlags, ModelSizes, place
+    from hpcmac.llm.parallel.plan import GIB
+
+    try:
+        from hpcmac.llm.model.config import load_config
+
+        cfg = load_config(args.model)
+        sizes = ModelSizes(args.model)
+    except (UsageError, OSError, ValueError, KeyError, ImportError):
+        return None
+    hosts = [n.name for n in cl.nodes for _ in range(n.slots)][:pred.tp * pred.pp]
+    mem = {n.name: int(n.rates.memory_gb * GIB) for n in cl.nodes}
+    cluster = Cluster(tuple(hosts), tuple(mem[h] for h in hosts))
+    try:
+        p = place(cfg, sizes, cluster, LayoutFlags(tp=pred.tp, pp=pred.pp),
+                  kv_tokens=args.batch * args.context, sequences=args.batch)
+    except UsageError as exc:
+        return f"does not fit: {exc}", None
+    return (p.describe() if p.size > 1 else "one rank holds the whole model"), p.json()
+
+
 def cmd_llm(args) -> int:
     from hpcmac.plan.shape import load_shape
 
@@ -230,6 +256,9 @@ def cmd_llm(args) -> int:
         for i, r in enumerate(preds):
             chosen = i == 0
             rec = {"link": name, "nodes": k, "chosen": chosen, **r.as_dict()}
+            placed = placement_of(args, cl, r) if chosen else None
+            if placed is not None:
+                rec["placement"] = placed[1]
             rows.append(rec)
             mark = "*" if chosen else " "
             fit = "" if r.fits else " (does not fit)"
@@ -239,6 +268,8 @@ def cmd_llm(args) -> int:
                 f"{r.memory_gb:>8.3g}  {r.stream_s * 1e3:.3g}/{r.fixed_s * 1e3:.3g}/"
                 f"{r.allreduce_s * 1e3:.3g}/{r.hops_s * 1e3:.3g}{fit}"
                 + (f"  [{r.note}]" if r.note else ""))
+            if placed is not None:
+                lines.append(f"{'':>13} placement: {placed[0]}")
     lines.append("* the layout chosen: the fastest that fits for this batch")
     _emit(args, rows, lines)
     if args.plot:

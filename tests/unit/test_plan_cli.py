@@ -156,3 +156,21 @@ def test_bad_numbers_are_refused(argv, expect):
 
     with pytest.raises(UsageError, match=expect.replace("(", r"\(").replace("]", r"\]")):
         main(argv)
+
+
+def test_llm_prints_the_runtime_placement_of_the_chosen_layout(tmp_path):
+    """The chosen layout's placement (the runtime's own, hpcmac.llm.parallel.placement)
+    printed under its row and stored in the JSON; a header-only model gets none."""
+    out = tmp_path / "p.json"
+    p = run("llm", "smollm2", "--machine", "m4", "--nodes", "2", "--link", "tb5-rdma",
+            "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    lines = [ln.strip() for ln in p.stdout.splitlines() if "placement:" in ln]
+    assert lines == ["placement: pipeline: 2 stages, layers [18, 12] (split by memory)"]
+    chosen = [r for r in json.loads(out.read_text()) if r["chosen"]]
+    ranks = chosen[0]["placement"]["ranks"]
+    assert [(r["host"], r["layers"]) for r in ranks] == [("node0", [0, 18]), ("node1", [18, 30])]
+    assert all(0 < r["need_bytes"] < r["budget_bytes"] for r in ranks)
+    model = ROOT / "tests" / "unit" / "data" / "plan_qwen3_small.json"
+    p = run("llm", str(model), "--machine", "m4", cwd=tmp_path)
+    assert p.returncode == 0 and "placement:" not in p.stdout, (p.stdout, p.stderr)
