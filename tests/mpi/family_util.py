@@ -27,7 +27,11 @@ def hf_reference(model, prompts, n_new=N_NEW):
     out = []
     for prompt in prompts:
         with torch.no_grad():
-            r = model.generate(torch.tensor([prompt]), max_new_tokens=n_new,
+            # an explicit mask: generate would otherwise take token 0 (pad_token_id) in a
+            # prompt for padding and mask it
+            r = model.generate(torch.tensor([prompt]),
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=n_new,
                                min_new_tokens=n_new, do_sample=False, output_logits=True,
                                return_dict_in_generate=True, pad_token_id=0,
                                eos_token_id=None)
@@ -51,17 +55,17 @@ def build_checkpoint(model_type: str, path: str, seed: int, fields: dict):
 
 
 @contextmanager
-def write_cases(model_type: str, cases: dict, vocab: int, build=build_checkpoint):
+def write_cases(model_type: str, cases: dict, vocab: int, build=build_checkpoint,
+                lengths=(9, 4)):
     """Collective. ``cases``: name -> (seed, config.json fields). Yields name -> (folder,
     prompts, transformers' (tokens, logits) per prompt), the same on every rank; the
     folders are removed afterwards. ``build(model_type, folder, seed, fields)`` writes a
-    checkpoint and returns transformers' model of it (rank 0)."""
+    checkpoint and returns transformers' model of it (rank 0); ``lengths``: the prompts'."""
     g = world()
     root = g.bcast_obj(tempfile.mkdtemp(prefix=f"hpcmac-{model_type}-") if g.rank == 0
                        else None, 0)
     rng = np.random.default_rng(11)
-    prompts = [list(map(int, rng.integers(0, vocab, 9))),
-               list(map(int, rng.integers(0, vocab, 4)))]
+    prompts = [list(map(int, rng.integers(0, vocab, n))) for n in lengths]
     out = {}
     try:
         for name, (seed, fields) in cases.items():

@@ -6,10 +6,10 @@ padded with the heads) and 6 over 2; 6 and 7 experts, 4 per token, of 21 and 13 
 sliding windows of 8 and 5 tokens, alternating as transformers' default and as a given
 ``layer_types``; gpt-oss's own YaRN (factor 32, no truncation) and a YaRN of factor 4
 over 16 positions; the SwiGLU clamp at 7 and at 2 (so that it bites); every bias
-perturbed. The oracle is transformers itself (rank 0 runs it, each prompt alone): 16
-greedy tokens equal and logits within 1e-4 of the largest at every step, with three
-prompts (23, 9 and 17 tokens: longer than the window) prefilled together in chunks of 3
-tokens and decoded together. A third checkpoint holds its experts in MXFP4 as gpt-oss
+perturbed. The oracle is transformers itself (``family_util``; rank 0 runs it, each prompt
+alone): 16 greedy tokens equal and logits within 1e-4 of the largest at every step, with
+three prompts (23, 9 and 17 tokens: longer than the window) prefilled together in chunks
+of 3 tokens and decoded together. A third checkpoint holds its experts in MXFP4 as gpt-oss
 publishes them (random codes and scales); transformers decodes the same file
 (``Mxfp4Config(dequantize=True)``) and the weights are exact in float32, so the bound is
 the same.
@@ -17,18 +17,15 @@ the same.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import numpy as np
 import pytest
+from family_util import N_NEW, check_case, write_cases
 
 from hpcmac.errors import UsageError
-from hpcmac.testing import parallel_assert, world
+from hpcmac.testing import world
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
-N_NEW = 16
 VOCAB = 97
 #: case -> (seed, config.json fields); seeds whose greedy runs are not degenerate
 CASES = {
@@ -53,108 +50,33 @@ CASES = {
 }
 
 
-def hf_reference(model, prompts, n_new):
-    """transformers' greedy tokens and per-step logits of each prompt alone."""
+def build_mxfp4(model_type, path, seed, fields):
+    """A float checkpoint converted to MXFP4 experts; transformers decodes the file itself."""
     import torch
+    import transformers
 
-    out = []
-    for prompt in prompts:
-        with torch.no_grad():
-            # an explicit mask: generate would take token 0 (pad_token_id) for padding
-            r = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                               dtype=torch.long), max_new_tokens=n_new,
-                               min_new_tokens=n_new, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True, pad_token_id=0,
-                               eos_token_id=None)
-        out.append((r.sequences[0, len(prompt):].tolist(),
-                    np.array([lg[0].numpy() for lg in r.logits])))
-    return out
+    from hpcmac.llm.model.fixtures import mxfp4_checkpoint, random_checkpoint
+
+    random_checkpoint(model_type, path + "-float", seed=seed, initializer_range=0.3, **fields)
+    mxfp4_checkpoint(path + "-float", path, seed=seed)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, experts_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
 
 
 @pytest.fixture(scope="module")
 def checkpoints():
-    """Each case written once by rank 0, with transformers' tokens and logits."""
-    g = world()
-    root = g.bcast_obj(tempfile.mkdtemp(prefix="hpcmac-gptoss-") if g.rank == 0 else None, 0)
-    rng = np.random.default_rng(7)
-    prompts = [list(map(int, rng.integers(0, VOCAB, n))) for n in (23, 9, 17)]
-    out = {}
-    for name, (seed, fields) in CASES.items():
-        path, ref = f"{root}/{name}", None
-        if g.rank == 0:
-            import torch
-            import transformers
-
-            from hpcmac.llm.model.fixtures import random_checkpoint
-
-            kw = {}
-            if name.startswith("mxfp4"):  # transformers decodes the same blocks itself
-                from hpcmac.llm.model.fixtures import mxfp4_checkpoint
-
-                random_checkpoint("gpt_oss", path + "-float", seed=seed, initializer_range=0.3,
-                                  **fields)
-                mxfp4_checkpoint(path + "-float", path, seed=seed)
-                kw["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
-            else:
-                random_checkpoint("gpt_oss", path, seed=seed, initializer_range=0.3, **fields)
-            # the eager experts and attention (the sinks): the reference formulas
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, experts_implementation="eager",
-                attn_implementation="eager", **kw).eval()
-            ref = hf_reference(model, prompts, N_NEW)
-        out[name] = (path, prompts, g.bcast_obj(ref, 0))
-    g.barrier()
-    yield out
-    g.barrier()
-    if g.rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def run(path, tp, prompts):
-    """Collective: the prompts together through ``tp`` x ``size/tp`` ranks."""
-    from hpcmac.llm.model.config import load_config
-    from hpcmac.llm.model.spec import make_shards
-    from hpcmac.llm.model.stage import load_stage
-    from hpcmac.llm.parallel import plan as S
-    from hpcmac.llm.parallel.pipeline import Request
-    from hpcmac.llm.parallel.runtime import run_tensor_pipeline
-    from hpcmac.llm.parallel.tensor import TensorGroup, make_groups
-
-    g = world()
-    cfg = load_config(path)
-    groups = make_groups(g, tp)
-    spec = S.stages_from_counts(S.even_counts(cfg.n_layers, groups.pp))[groups.stage]
-    shards = make_shards(cfg, [1.0] * tp)
-    tg = None
-    if tp > 1:
-        members = [groups.stage * tp + t for t in range(tp)]
-        tg = TensorGroup(groups.tensor, [groups.hosts[r] for r in members], 60.0, members)
-        tg.set_vocab_slices([s.vocab[1] - s.vocab[0] for s in shards])
-    stage = load_stage(path, spec.start, spec.end, spec.first, spec.last,
-                       shard=shards[groups.tp_rank], reduce=tg.allreduce if tg else None)
-    reqs = [Request(list(p), N_NEW) for p in prompts] if g.rank == 0 else None
-    return run_tensor_pipeline(groups, tg, stage, spec, cfg.hidden, reqs, keep_logits=True,
-                               prefill_chunk=3)
+    lengths = (23, 9, 17)  # longer than the windows
+    mx = {n: c for n, c in CASES.items() if n.startswith("mxfp4")}
+    floats = {n: c for n, c in CASES.items() if n not in mx}
+    with write_cases("gpt_oss", floats, VOCAB, lengths=lengths) as a, \
+            write_cases("gpt_oss", mx, VOCAB, build=build_mxfp4, lengths=lengths) as b:
+        yield {**a, **b}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_transformers(checkpoints, name):
-    g = world()
-    path, prompts, ref = checkpoints[name]
-    layouts = {f"tensor {g.size}": g.size}
-    if g.size > 1:
-        layouts[f"pipeline {g.size}"] = 1
-    if g.size == 4:
-        layouts["pipeline 2 x tensor 2"] = 2
-    for layout, tp in layouts.items():
-        res = run(path, tp, prompts)
-        for i, (s, (toks, logits)) in enumerate(zip(res.seqs, ref)):
-            what = f"gpt_oss {name} np={g.size} {layout} seq {i}"
-            parallel_assert(s.tokens == toks, f"{what}: {s.tokens} != {toks}", g)
-            err = float(np.max(np.abs(np.array(s.logits) - logits)))
-            parallel_assert(err <= 1e-4 * float(np.max(np.abs(logits))),
-                            f"{what}: logits differ by {err:.3g}", g)
-    parallel_assert(all(len(set(t)) > 3 for t, _ in ref), "degenerate greedy sequence", g)
+    check_case(f"gpt_oss {name}", checkpoints[name])
 
 
 def test_window_and_sinks_matter(checkpoints):
