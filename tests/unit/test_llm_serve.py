@@ -366,6 +366,10 @@ def test_bad_flags_and_busy_port_are_one_line():
         r = serve("--model", "smollm2", "--port", str(_free_port()), "--max-body-mb", mb)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "--max-body-mb" in r.stderr
+    # a layout that cannot be: generate's rule and line, before any weight loads
+    r = serve("--model", "smollm2", "--port", str(_free_port()), "--tp", "2")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--tp 2: 1 rank do not split into tensor groups of 2" in r.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
