@@ -1,4 +1,5 @@
-"""Tokenizers: ``tokenizer.json`` of a Hugging Face folder, or the one embedded in a GGUF file.
+"""Tokenizers: ``tokenizer.json`` of a Hugging Face folder (or its tiktoken-style
+``tiktoken.model``, Kimi's), or the one embedded in a GGUF file.
 
 Both become a ``tokenizers.Tokenizer`` wrapped in :class:`Tokenizer`, which adds
 the chat template (rendered with jinja2, as transformers does), the BOS rule,
@@ -129,12 +130,12 @@ def _from_folder(folder: Path) -> Tokenizer | None:
     from tokenizers import Tokenizer as TK
 
     path = folder / "tokenizer.json"
-    if not path.exists():
+    if not path.exists() and not (folder / TIKTOKEN_FILE).exists():
         return None
-    tk = TK.from_file(str(path))
     tcfg: dict = {}
     if (folder / "tokenizer_config.json").exists():
         tcfg = json.loads((folder / "tokenizer_config.json").read_text())
+    tk = TK.from_file(str(path)) if path.exists() else _from_tiktoken(folder, tcfg)
 
     def tok_str(v):
         return v.get("content") if isinstance(v, dict) else v
@@ -153,6 +154,87 @@ def _from_folder(folder: Path) -> Tokenizer | None:
         template = (folder / "chat_template.jinja").read_text()
     return Tokenizer(tk, bos_id, eos_ids, bool(tcfg.get("add_bos_token", False)), template,
                      bos or "", eos or "")
+
+
+#: a tiktoken-style BPE (Kimi K2 / K2.5): one "base64-token rank" line per token
+TIKTOKEN_FILE = "tiktoken.model"
+#: the file that holds its split pattern (``pat_str``), shipped beside it
+TIKTOKEN_CODE = "tokenization_kimi.py"
+
+
+def _tiktoken_pattern(folder: Path) -> str:
+    """``pat_str`` of the folder's tokenizer code, read as data (never run): a string
+    constant or ``"|".join([...constants])``; one line if there is none."""
+    import ast
+
+    where = folder / TIKTOKEN_CODE
+    if where.exists():
+        for node in ast.walk(ast.parse(where.read_text(), str(where))):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "pat_str" for t in node.targets):
+                v = node.value
+                if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                    return v.value
+                if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and \
+                        v.func.attr == "join" and isinstance(v.func.value, ast.Constant) and \
+                        len(v.args) == 1 and isinstance(v.args[0], (ast.List, ast.Tuple)):
+                    parts = [e.value for e in v.args[0].elts if isinstance(e, ast.Constant)]
+                    if len(parts) == len(v.args[0].elts) and all(isinstance(x, str)
+                                                                  for x in parts):
+                        return v.func.value.value.join(parts)
+    raise UsageError(f"{where}: no pat_str (the split pattern of {TIKTOKEN_FILE}) found; "
+                     "expected a string constant or '|'.join([...]) of them")
+
+
+def _from_tiktoken(folder: Path, tcfg: dict):
+    """A ``tokenizers.Tokenizer`` equal to tiktoken's encoding of ``tiktoken.model`` (Kimi):
+    byte-level BPE where every split of a token into two tokens is a merge of that token's
+    rank (tiktoken merges the adjacent pair whose join has the lowest rank; a piece that is
+    a token is taken whole, as tiktoken does), the split ``pat_str``, the special tokens of
+    ``tokenizer_config.json``'s ``added_tokens_decoder`` after the ranks (gaps named
+    ``<|reserved_token_N|>``)."""
+    import base64
+    import binascii
+
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as TK
+
+    path = folder / TIKTOKEN_FILE
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise UsageError(f"{path}:{n}: expected 'base64-token rank'") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise UsageError(f"{path}: the ranks are not 0..{len(ranks) - 1}, each once")
+    b2u = _bytes_to_unicode()
+
+    def spell(b: bytes) -> str:
+        return "".join(b2u[x] for x in b)
+
+    merges = [(spell(tok[:i]), spell(tok[i:]))
+              for tok, _ in sorted(ranks.items(), key=lambda kv: kv[1])
+              for i in range(1, len(tok)) if tok[:i] in ranks and tok[i:] in ranks]
+    tk = TK(models.BPE(vocab={spell(t): r for t, r in ranks.items()}, merges=merges,
+                       fuse_unk=False, ignore_merges=True))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_tiktoken_pattern(folder)), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    added = tcfg.get("added_tokens_decoder") or {}
+    ids = {int(k): v for k, v in added.items() if str(k).isdigit() and isinstance(v, dict)}
+    if ids and min(ids) < len(ranks):
+        raise UsageError(f"{folder / 'tokenizer_config.json'}: added token id {min(ids)} is "
+                         f"inside the {len(ranks)} ranks of {path.name}")
+    for i in range(len(ranks), max(ids, default=len(ranks) - 1) + 1):
+        v = ids.get(i, {"content": f"<|reserved_token_{i}|>", "special": True})
+        tk.add_special_tokens([AddedToken(str(v.get("content")), normalized=False,
+                                          special=bool(v.get("special", True)))])
+    return tk
 
 
 def _bytes_to_unicode() -> dict[int, str]:

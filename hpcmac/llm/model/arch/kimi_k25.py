@@ -7,8 +7,8 @@ by its canonical names). The vision tower and projector are not loaded: prompts 
 ``tie_word_embeddings`` is the top level's when given, else the text model's. Refused in
 one line naming the field: a ``text_config`` that is not an object or of another
 ``model_type``. The checkpoints as released are INT4 (compressed-tensors, a format of its
-own, not yet read) and come with a tiktoken-style tokenizer (not yet read either): this
-module runs float checkpoints of the architecture. No GGUF form yet.
+own, not yet read): this module runs float checkpoints of the architecture. Their
+tiktoken-style tokenizer is read by :mod:`hpcmac.llm.model.tokenizer`. No GGUF form yet.
 """
 
 from __future__ import annotations
