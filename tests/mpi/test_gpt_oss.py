@@ -106,6 +106,33 @@ def test_window_and_sinks_matter(checkpoints):
     g.barrier()
 
 
+@pytest.mark.parametrize("name", ["kv2-window5-clamp2-tied", "mxfp4-experts"])
+def test_mlx_backend_matches_numpy(checkpoints, name):
+    """The MLX backend (rank 0): the three prompts together through the one-rank generator
+    (one packed prefill, then batched decode) give numpy's and transformers' tokens;
+    prefill logits within 1e-4 of the largest."""
+    from hpcmac.llm.model.generate import Generator
+    from hpcmac.llm.model.stage import Batch, load_stage
+
+    g = world()
+    if g.rank == 0:
+        pytest.importorskip("mlx.core")
+        path, prompts, ref = checkpoints[name]
+        a = Generator(load_stage(path, 0, 4, backend="numpy"), max_len=64, max_slots=3)
+        b = Generator(load_stage(path, 0, 4, backend="mlx"), max_len=64, max_slots=3)
+        got = [r.tokens for r in b.generate_batch(prompts, N_NEW)]
+        assert got == [r.tokens for r in a.generate_batch(prompts, N_NEW)]
+        assert got == [t for t, _ in ref]
+        x, bt = a.stage.embed(prompts[0]), Batch([0], [len(prompts[0])], [0])
+        la = a.stage.logits(a.stage.forward(x, bt, a.stage.new_cache(1, 32)))
+        lb = b.stage.logits(b.stage.forward(x, bt, b.stage.new_cache(1, 32)))
+        # the bound against transformers: MLX sums in float32 in another order; the MXFP4
+        # case's larger weights (up to 1.5) put its logits 1.2e-5 of the largest apart
+        # (the float case's 6.6e-6), past test_llm_models' 1e-5
+        np.testing.assert_allclose(lb, la, rtol=0, atol=1e-4 * np.abs(la).max())
+    g.barrier()
+
+
 def test_planner_counts_the_bytes_held(checkpoints):
     """weights.stage_nbytes (the planners' count, from headers) is what a stage holds:
     float and MXFP4 checkpoints (decoded to float32), whole and as one tensor rank's part."""
