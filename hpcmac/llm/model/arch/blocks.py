@@ -300,16 +300,16 @@ class InterleavedMoE:
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D, E, I = cfg.hidden, cfg.n_experts, cfg.moe_intermediate
         e = "mlp.experts."
+        # no GGUF name for the experts: llama.cpp's gpt-oss files split gate and up and
+        # store (E, out, in), so these tensors have no one-to-one GGUF counterpart
+        experts = [TensorSpec(_p(i) + e + "gate_up_proj", (E, D, 2 * I), "matrix",
+                              "expert_ffn_pairs", 2),
+                   TensorSpec(_p(i) + e + "gate_up_proj_bias", (E, 2 * I), "vector",
+                              "expert_ffn_pairs", 1),
+                   TensorSpec(_p(i) + e + "down_proj", (E, I, D), "matrix", "expert_ffn", 1),
+                   TensorSpec(_p(i) + e + "down_proj_bias", (E, D), "vector", "rank0", 1)]
         return [tensor(i, "mlp.router.weight", "ffn_gate_inp.weight", (E, D), "matrix"),
-                tensor(i, "mlp.router.bias", "ffn_gate_inp.bias", (E,), "vector"),
-                tensor(i, e + "gate_up_proj", "ffn_gate_up_exps.weight", (E, D, 2 * I),
-                       "matrix", "expert_ffn_pairs", 2),
-                tensor(i, e + "gate_up_proj_bias", "ffn_gate_up_exps.bias", (E, 2 * I),
-                       "vector", "expert_ffn_pairs", 1),
-                tensor(i, e + "down_proj", "ffn_down_exps.weight", (E, I, D), "matrix",
-                       "expert_ffn", 1),
-                tensor(i, e + "down_proj_bias", "ffn_down_exps.bias", (E, D), "vector",
-                       "rank0", 1)]
+                tensor(i, "mlp.router.bias", "ffn_gate_inp.bias", (E,), "vector"), *experts]
 
     def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
         be, m = ld.be, _p(i) + "mlp."
