@@ -1,0 +1,14 @@
+"""Kimi K2 (``kimi_k2``: K2-Instruct, K2-Thinking, K2.6's text model): DeepSeek-V3's
+architecture and tensors under Moonshot's own ``model_type``, which its ``config.json``
+sets so that engines can tell it from DeepSeek-V3. Everything is DeepSeek-V3's
+(:mod:`.deepseek_v3`); a K2 GGUF is a ``deepseek2`` file. The released weights are FP8
+(K2-Instruct) or INT4 (K2-Thinking), formats not yet read: float checkpoints only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hpcmac.llm.model.arch import deepseek_v3
+
+FAMILY = replace(deepseek_v3.FAMILY, model_type="kimi_k2", gguf_arch=None, from_gguf=None)
