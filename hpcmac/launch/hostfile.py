@@ -347,7 +347,27 @@ def _parse_mlx(data: dict, source: str) -> Hostfile:
     )
 
 
-_job: dict[str, Hostfile | UsageError] = {}
+_job: dict[str, tuple[Hostfile, Any] | UsageError] = {}
+
+
+def job_hostfile_with_data(path: str | None = None) -> tuple[Hostfile, Any] | None:
+    """:func:`job_hostfile` (strict) and the parsed JSON it came from: the same one read
+    per process, for the planners (they read fields the schema keeps no copy of)."""
+    import os
+
+    path = path or os.environ.get("HPCMAC_HOSTFILE") or None
+    if not path:
+        return None
+    key = os.path.abspath(path)
+    if key not in _job:
+        try:
+            _job[key] = load_with_data(path)
+        except UsageError as exc:
+            _job[key] = exc
+    got = _job[key]
+    if isinstance(got, UsageError):
+        raise got
+    return got
 
 
 def job_hostfile(path: str | None = None, strict: bool = False) -> Hostfile | None:
@@ -358,23 +378,13 @@ def job_hostfile(path: str | None = None, strict: bool = False) -> Hostfile | No
     ``strict``: a bad file raises its one-line UsageError; otherwise it is None (the
     launcher checked it; a rank only loses the link addresses). Not collective.
     """
-    import os
-
-    path = path or os.environ.get("HPCMAC_HOSTFILE") or None
-    if not path:
-        return None
-    key = os.path.abspath(path)
-    if key not in _job:
-        try:
-            _job[key] = load(path)
-        except UsageError as exc:
-            _job[key] = exc
-    got = _job[key]
-    if isinstance(got, UsageError):
+    try:
+        got = job_hostfile_with_data(path)
+    except UsageError:
         if strict:
-            raise got
+            raise
         return None
-    return got
+    return got[0] if got else None
 
 
 def load(path: str | Path, check: bool = True) -> Hostfile:

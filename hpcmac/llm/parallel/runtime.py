@@ -48,12 +48,13 @@ def hostfile_path(flag: str | None) -> str | None:
 
 
 def read_job_hostfile(path: str | None) -> JobHostfile | None:
-    """The hostfile at ``path`` (one read; UsageError naming the file when it is bad)."""
+    """The hostfile at ``path`` (one read per process, shared with what ``comm.init`` was
+    handed: ``launch.hostfile.job_hostfile``; UsageError naming the file when it is bad)."""
     if not path:
         return None
-    from hpcmac.launch.hostfile import load_with_data
+    from hpcmac.launch.hostfile import job_hostfile_with_data
 
-    hf, data = load_with_data(path)
+    hf, data = job_hostfile_with_data(path)
     return JobHostfile(str(path), data,
                        tuple(HostMemory(h.name, h.slots, h.memory_gb) for h in hf.hosts))
 
