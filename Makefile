@@ -47,7 +47,7 @@ test-fast: $(VENV)/.test-stamp
 
 test-unit: $(VENV)/.test-stamp
 	@echo "==> unit tests (no MPI)"
-	@tools/pytest-rc tests/unit timeout -k 10 1500 $(BIN)/python -m pytest tests/unit -q $(PYTEST_MARK)
+	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q $(PYTEST_MARK)
 
 test-mpi: $(VENV)/.test-stamp
 	@for np in $(TEST_NPS); do \
