@@ -172,8 +172,9 @@ def _petsc_env() -> dict:
            if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PYTHON"))}
     if "PETSC_DIR" not in env and os.path.isdir(DEBIAN_PETSC):
         env["PETSC_DIR"] = DEBIAN_PETSC   # Debian's petsc4py.pth looks in /usr/lib/petsc otherwise
-    env.update(OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    from hpcmac.mpirun import root_env
+
+    env.update(OMP_NUM_THREADS="1", **root_env())
     return env
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections import Counter
 
 import numpy as np
@@ -135,3 +136,23 @@ def test_missing_pattern_is_one_line(kimi, tmp_path):
     with pytest.raises(UsageError, match=r"tokenization_kimi.py: no pat_str") as e:
         load_tokenizer(tmp_path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json",
+                                  "chat_template.jinja", "tokenizer.json"])
+def test_a_fifo_in_a_tokenizer_folder_is_one_line_not_a_hang(tmp_path, name):
+    from tokenizers import Tokenizer as TK
+    from tokenizers import models
+
+    from hpcmac.llm.model.tokenizer import load_tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    TK(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(
+        str(folder / "tokenizer.json"))
+    (folder / name).unlink(missing_ok=True)
+    os.mkfifo(folder / name)
+    with pytest.raises(UsageError, match="pipe|regular file"):
+        load_tokenizer(folder)

@@ -8,11 +8,11 @@ the EOS ids and a streaming decoder that never emits half a UTF-8 character.
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 
 from hpcmac.errors import UsageError
+from hpcmac.io.inputs import parse_json, read_text
 from hpcmac.llm.model.config import is_gguf, resolve_model
 
 # pre-tokenizer splits of byte-level BPE vocabularies, by GGUF tokenizer.ggml.pre
@@ -133,9 +133,14 @@ def _from_folder(folder: Path) -> Tokenizer | None:
     if not path.exists() and not (folder / TIKTOKEN_FILE).exists():
         return None
     tcfg: dict = {}
-    if (folder / "tokenizer_config.json").exists():
-        tcfg = json.loads((folder / "tokenizer_config.json").read_text())
-    tk = TK.from_file(str(path)) if path.exists() else _from_tiktoken(folder, tcfg)
+    if (folder / "tokenizer_config.json").exists():  # bounded reads: a FIFO never hangs
+        where = folder / "tokenizer_config.json"
+        tcfg = _json_object(read_text(where, "tokenizer config", CONFIG_LIMIT), where)
+    if path.exists():
+        _regular(path, "tokenizer")  # the Rust reader would wait on a FIFO for ever
+        tk = TK.from_file(str(path))
+    else:
+        tk = _from_tiktoken(folder, tcfg)
 
     def tok_str(v):
         return v.get("content") if isinstance(v, dict) else v
@@ -145,15 +150,39 @@ def _from_folder(folder: Path) -> Tokenizer | None:
     eos_ids = [tk.token_to_id(eos)] if eos and tk.token_to_id(eos) is not None else []
     gen = folder / "generation_config.json"
     if gen.exists():
-        e = json.loads(gen.read_text()).get("eos_token_id")
+        e = _json_object(read_text(gen, "generation config", CONFIG_LIMIT), gen).get(
+            "eos_token_id")
         for x in (e if isinstance(e, list) else [e] if e is not None else []):
             if x not in eos_ids:
                 eos_ids.append(int(x))
     template = tcfg.get("chat_template")
     if template is None and (folder / "chat_template.jinja").exists():
-        template = (folder / "chat_template.jinja").read_text()
+        template = read_text(folder / "chat_template.jinja", "chat template", CONFIG_LIMIT)
     return Tokenizer(tk, bos_id, eos_ids, bool(tcfg.get("add_bos_token", False)), template,
                      bos or "", eos or "")
+
+
+#: what a tokenizer folder's files may hold: tokenizer.json / tiktoken.model (a 200k
+#: vocabulary is ~10-30 MB), and the JSON configs and templates beside them
+TOKENIZER_LIMIT = 256 << 20
+CONFIG_LIMIT = 16 << 20
+
+
+def _regular(path: Path, what: str) -> None:
+    import stat
+
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"{what} {path}: expected a regular file")
+    if path.stat().st_size > TOKENIZER_LIMIT:
+        raise UsageError(f"{what} {path}: expected at most {TOKENIZER_LIMIT >> 20} MiB")
+
+
+def _json_object(text: str, where: Path) -> dict:
+    data = parse_json(text, str(where))
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a JSON object, found {type(data).__name__}")
+    return data
 
 
 #: a tiktoken-style BPE (Kimi K2 / K2.5): one "base64-token rank" line per token
@@ -169,7 +198,8 @@ def _tiktoken_pattern(folder: Path) -> str:
 
     where = folder / TIKTOKEN_CODE
     if where.exists():
-        for node in ast.walk(ast.parse(where.read_text(), str(where))):
+        for node in ast.walk(ast.parse(read_text(where, "tokenizer code", CONFIG_LIMIT),
+                                       str(where))):
             if isinstance(node, ast.Assign) and any(
                     isinstance(t, ast.Name) and t.id == "pat_str" for t in node.targets):
                 v = node.value
@@ -201,7 +231,7 @@ def _from_tiktoken(folder: Path, tcfg: dict):
 
     path = folder / TIKTOKEN_FILE
     ranks: dict[bytes, int] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, "tokenizer", TOKENIZER_LIMIT).splitlines(), 1):
         if not line.strip():
             continue
         try:
