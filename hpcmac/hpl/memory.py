@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 _STATUS = "/proc/self/status"
 _STATM = "/proc/self/statm"
@@ -60,40 +61,77 @@ def rss_bytes() -> int:
         return 0
 
 
+class _Sampler:
+    """One daemon thread per process that reads the RSS every ``interval_s`` while some
+    :class:`PhasePeak` is running, and sleeps on an event otherwise. Started once and
+    never joined: a thread (and its stack) per phase would map new memory at each
+    phase start, inside whatever limit the process runs under."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._meters: list[PhasePeak] = []
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, meter: PhasePeak) -> None:
+        with self._lock:
+            self._meters.append(meter)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hpcmac-rss",
+                                                daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def remove(self, meter: PhasePeak) -> None:
+        with self._lock:
+            if meter in self._meters:
+                self._meters.remove(meter)
+            if not self._meters:
+                self._wake.clear()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                meters = list(self._meters)
+            if meters:
+                now = rss_bytes()
+                for m in meters:
+                    m._high = max(m._high, now)
+                time.sleep(min(m.interval_s for m in meters))
+
+
+_sampler = _Sampler()
+
+
 class PhasePeak:
     """The peak RSS of one stretch of code: ``start()``, the work, then ``stop()``.
 
-    Local (not collective). The sampler is a daemon thread that wakes every
-    ``interval_s`` and reads ``/proc/self/statm``; it holds the GIL for a few
-    microseconds per reading, which numpy's BLAS calls do not need.
+    Local (not collective). The readings come from one sampler thread per process
+    (:class:`_Sampler`), which reads ``/proc/self/statm`` every ``interval_s`` while a
+    phase runs; it holds the GIL for a few microseconds per reading, which numpy's
+    BLAS calls do not need.
     """
 
     def __init__(self, interval_s: float = 0.02) -> None:
         self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._high = 0
         self._mark0 = 0
+        self._sampling = False
 
     def start(self) -> None:
         self._mark0 = peak_rss_bytes()
         self._high = rss_bytes()
         if self._high == 0:  # no /proc: the process peak is all the OS tells
             return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, name="hpcmac-rss", daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._high = max(self._high, rss_bytes())
+        self._sampling = True
+        _sampler.add(self)
 
     def stop(self) -> int:
         """The phase's peak in bytes (see the module's rules for how exact it is)."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
+        if self._sampling:
+            _sampler.remove(self)
+            self._sampling = False
         mark = peak_rss_bytes()
         now = rss_bytes()
         if now == 0:
