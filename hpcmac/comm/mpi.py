@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -199,13 +200,38 @@ _cleaning: list[bool] = []
 
 def _clean_at_exit() -> None:
     """Once: at exit, finalize MPI ourselves and remove Open MPI's /dev/shm segment
-    (registered after mpi4py's own finalizer, so it runs first; see comm.cleanup)."""
+    (registered after mpi4py's own finalizer, so it runs first; see comm.cleanup).
+
+    A process leaving on an uncaught exception aborts the job instead: its peers may
+    be waiting in a collective, so MPI_Finalize would wait for ever (``python -m
+    mpi4py script.py`` asks mpi4py to abort at exit, but this finalizer runs first).
+    """
     if not _cleaning:
         import atexit
+        import sys
 
         from hpcmac.comm.cleanup import finalize
 
-        atexit.register(finalize)
+        previous = sys.excepthook
+
+        def note_uncaught(kind, value, tb):
+            _uncaught.append(kind)
+            previous(kind, value, tb)
+
+        sys.excepthook = note_uncaught
+        atexit.register(_at_exit, finalize)
         _cleaning.append(True)
+
+
+_uncaught: list = []
+
+
+def _at_exit(finalize) -> None:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if _uncaught and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
+            and mpi.COMM_WORLD.Get_size() > 1 and not issubclass(_uncaught[0], SystemExit):
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(1)
+    finalize()
 
 
