@@ -11,6 +11,7 @@ Collective calls say so; everything else is local.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -20,7 +21,7 @@ from hpcmac.hpl.config import HPLConfig, Variant
 from hpcmac.hpl.report import footer, results_header
 
 
-class Sweep:
+class Sweep(abc.ABC):
     """Every combination of an HPLConfig on a world group (collective: every rank).
 
     ``out`` is the HPL.out stream on world rank 0 (None elsewhere); ``notes`` takes
@@ -39,17 +40,17 @@ class Sweep:
         self.kpass = self.kfail = self.kskip = 0
 
     # -- what a driver gives ------------------------------------------------
+    @abc.abstractmethod
     def header(self) -> str:
         """HPL.out's opening block."""
-        raise NotImplementedError
 
     def results_header_due(self, first: bool) -> bool:
         """Whether the T/V results header goes before this run (every run by default)."""
         return True
 
+    @abc.abstractmethod
     def _one(self, grid: Grid, n: int, nb: int, v: Variant) -> None:
         """Collective over ``grid.all``: one run, counted, written and reported."""
-        raise NotImplementedError
 
     # -- the sweep ------------------------------------------------------------
     def _write(self, text: str) -> None:
