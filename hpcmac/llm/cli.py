@@ -41,7 +41,7 @@ from hpcmac.plan import job as plan_job
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole parser: ``generate`` and ``bench``."""
+    """The whole parser: ``generate``, ``serve``, ``models`` and ``bench``."""
     ap = ArgumentParser(
         prog="python -m hpcmac.llm",
         description="Decoder-only LLM inference, tensor- and pipeline-parallel over the ranks.")
@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(s)
     s.set_defaults(max_tokens=512)
+    m = sub.add_parser("models", help="the model families and checkpoint formats read, "
+                                      "and the layouts each runs under")
+    from hpcmac.llm.models import add_models_args
+
+    add_models_args(m)
     b = sub.add_parser("bench", add_help=False,
                        help="pipeline benchmark at 1, 2, 4 ranks (see bench --help)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -418,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return hpcmac_main(["bench", "llm_pipeline", *argv[1:]])
     args = build_parser().parse_args(argv)
+    if args.command == "models":
+        from hpcmac.llm.models import run_models
+
+        return run_models(args)
     require_llm_extra()
     if args.command == "serve":
         from hpcmac.llm.server import run_serve

@@ -67,6 +67,7 @@ def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
     if not isinstance(raw, dict):
         raise UsageError(f"{where}: expected a JSON object, found {type(raw).__name__}")
     fam = family(raw.get("model_type"), where)
+    check_quantization(raw, fam, where)
     try:
         cfg = fam.from_hf(raw, where)
         if cfg.n_heads % cfg.n_kv_heads:
@@ -75,6 +76,44 @@ def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
         return cfg.check(where)
     except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:
         raise UsageError(f"{where}: a field has the wrong type or value ({exc})") from None
+
+
+#: quantization methods of Hugging Face folders that no family reads yet, and what to do
+_NOT_READ = {
+    "fp8": "FP8 e4m3 with block scales (the original DeepSeek V3.x, Kimi K2, GLM-4.x-FP8 "
+           "and MiniMax M2 releases) is not read yet: use a BF16 copy, an MLX-quantized "
+           "folder or a GGUF",
+    "compressed-tensors": "compressed-tensors packs (Kimi K2 Thinking's INT4) are not read "
+                          "yet: use a BF16 copy, an MLX-quantized folder or a GGUF",
+}
+
+
+def check_quantization(raw: dict, fam: Family, where: str) -> None:
+    """One line, before any weights load, unless the folder's quantization is one that
+    its family's loader reads: a ``quantization_config.quant_method`` the family lists in
+    :attr:`~.base.Family.quant_methods`, or MLX's affine ``quantization`` (bits, group)."""
+    from hpcmac.llm.model.quant import check_format
+
+    for key in ("quantization_config", "quantization"):
+        q = raw.get(key)
+        if q is None:
+            continue
+        if not isinstance(q, dict):
+            raise UsageError(f"{where}: {key}: expected a JSON object, found "
+                             f"{type(q).__name__}")
+        method = q.get("quant_method")
+        if method is not None:
+            if method not in fam.quant_methods:
+                why = _NOT_READ.get(method, "not a format hpcmac reads")
+                known = ", ".join(repr(m) for m in fam.quant_methods)
+                raise UsageError(f"{where}: {key}.quant_method {method!r} is not supported "
+                                 f"for {fam.model_type} ({why}); expected "
+                                 + (f"one of {known}, " if known else "")
+                                 + "MLX's 'quantization' (bits, group_size) or a float "
+                                   "checkpoint")
+        elif "bits" in q or "group_size" in q or "mode" in q:  # MLX's own
+            check_format(f"{where}: {key}", q.get("bits"), q.get("group_size"),
+                         q.get("mode", "affine"))
 
 
 def config_from_gguf(meta: GGUFMeta) -> ModelConfig:

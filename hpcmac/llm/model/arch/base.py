@@ -52,6 +52,14 @@ class Family:
     tiny : the fixtures' small shapes (``config.json`` fields)
     gguf_qk_permuted : llama.cpp's converter permutes the Q/K rows for its rotary layout
     write_gguf_meta : ``(gguf.GGUFWriter, cfg)``: the family's own GGUF metadata (fixtures)
+    summary : one line for ``python -m hpcmac.llm models`` and the docs' table: what is
+        particular to the family's layers
+    quant_methods : ``config.json`` ``quantization_config.quant_method`` values its loader
+        reads, with how (e.g. ``{"mxfp4": "experts decoded to float32"}``); any other is
+        refused before weights load
+    layouts : the parallel layouts it runs under (``tp``, ``pp``, ``tp+pp``)
+    mlx_quant_tested : an MLX-quantized folder of it is checked by the tests (the reader is
+        generic; ``models`` says which are checked)
     """
 
     model_type: str
@@ -63,3 +71,7 @@ class Family:
     tiny: dict = field(default_factory=dict)
     gguf_qk_permuted: bool = False
     write_gguf_meta: Callable = _default_gguf_meta
+    summary: str = ""
+    quant_methods: dict = field(default_factory=dict)
+    layouts: tuple = ("tp", "pp", "tp+pp")
+    mlx_quant_tested: bool = False

@@ -94,6 +94,8 @@ def write_gguf_meta(w, cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
+    summary=("multi-head latent attention; sigmoid routing with correction bias and group-limited "
+             "top-k, shared experts, dense first layers, routed scaling"),
     model_type="deepseek_v3", gguf_arch="deepseek2", from_hf=from_hf, from_gguf=from_gguf,
     layer=lambda cfg, i: _SPARSE if cfg.is_moe_layer(i) else _DENSE, hf_class="DeepseekV3Config",
     write_gguf_meta=write_gguf_meta,

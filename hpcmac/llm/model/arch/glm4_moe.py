@@ -46,6 +46,8 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    summary=("GLM-4.5 to 4.7: partial rotary, optional QK-norm, DeepSeek's routing, shared "
+             "experts, dense first layers"),
     model_type="glm4_moe", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _SPARSE if cfg.is_moe_layer(i) else _DENSE, hf_class="Glm4MoeConfig",
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=72, moe_intermediate_size=20,

@@ -46,6 +46,8 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    summary=("GLM-4.7-Flash: DeepSeek-V3's latent attention with GLM-4's routing, shared experts, "
+             "dense layers by `mlp_layer_types`"),
     model_type="glm4_moe_lite", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _SPARSE if cfg.is_moe_layer(i) else _DENSE,
     hf_class="Glm4MoeLiteConfig",

@@ -33,12 +33,6 @@ _ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, trunc
 
 
 def from_hf(raw: dict, where: str) -> ModelConfig:
-    q = raw.get("quantization_config") or raw.get("quantization")
-    method = q.get("quant_method") if isinstance(q, dict) else q
-    if q and method != "mxfp4":  # MXFP4 experts (as published) are decoded at load
-        raise UsageError(f"{where}: quantization_config (quant_method {method!r}) is not "
-                         "supported for gpt_oss; expected 'mxfp4' experts or a float "
-                         "checkpoint")
     base = hf_fields(raw, where)
     if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
         base["rope_scaling"] = dict(_ROPE)
@@ -72,8 +66,11 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    summary=("attention sinks, alternating sliding-window and full layers, top-k-then-softmax "
+             "router with a bias, clamped SwiGLU experts with biases, YaRN"),
     model_type="gpt_oss", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _SLIDING if cfg.is_sliding(i) else _FULL, hf_class="GptOssConfig",
+    quant_methods={"mxfp4": "the published MXFP4 experts, decoded to float32 at load"},
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=21, num_hidden_layers=2,
               num_attention_heads=5, num_key_value_heads=1, head_dim=12,
               num_local_experts=6, num_experts_per_tok=4, sliding_window=8,

@@ -11,4 +11,6 @@ from dataclasses import replace
 
 from hpcmac.llm.model.arch import deepseek_v3
 
-FAMILY = replace(deepseek_v3.FAMILY, model_type="kimi_k2", gguf_arch=None, from_gguf=None)
+FAMILY = replace(deepseek_v3.FAMILY, model_type="kimi_k2", gguf_arch=None, from_gguf=None,
+                 summary="Kimi K2 (K2-Instruct, K2-Thinking, K2.6 text): DeepSeek-V3's "
+                         "layers under Moonshot's own model_type")

@@ -43,5 +43,7 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    summary=("Kimi K2.5's text part: DeepSeek-V3's layers from the nested `text_config`, tensors "
+             "under `language_model.` (vision tower not loaded); tiktoken-style tokenizer"),
     model_type="kimi_k25", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=deepseek_v3.FAMILY.layer, hf_class="Kimi_K25Config")

@@ -21,6 +21,8 @@ def from_gguf(meta) -> ModelConfig:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
+    summary="grouped-query attention, optional biases, SwiGLU MLP (SmolLM2, Llama 3)",
     model_type="llama", gguf_arch="llama", from_hf=from_hf, from_gguf=from_gguf,
     layer=lambda cfg, i: _LAYER, hf_class="LlamaConfig", gguf_qk_permuted=True,
     tiny=dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,

@@ -59,6 +59,8 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    summary=("RMSNorm over all of Q's and K's projected dimensions, partial rotary (`rotary_dim`),"
+             " sigmoid-routed experts with correction bias in every layer"),
     model_type="minimax_m2", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _LAYER, hf_class="MiniMaxM2Config",
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=20, num_hidden_layers=3,

@@ -18,6 +18,8 @@ def from_gguf(meta) -> ModelConfig:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
+    summary="Llama's layers with Q/K RMSNorm",
     model_type="qwen3", gguf_arch="qwen3", from_hf=from_hf, from_gguf=from_gguf,
     layer=lambda cfg, i: _LAYER, hf_class="Qwen3Config",
     tiny=dict(vocab_size=96, hidden_size=48, intermediate_size=72, num_hidden_layers=3,

@@ -32,6 +32,9 @@ def from_gguf(meta) -> ModelConfig:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
+    summary=("Q/K RMSNorm; softmax top-k experts, optional renormalisation, `decoder_sparse_step`,"
+             " `mlp_only_layers`"),
     model_type="qwen3_moe", gguf_arch="qwen3moe", from_hf=from_hf, from_gguf=from_gguf,
     layer=lambda cfg, i: _SPARSE if cfg.is_moe_layer(i) else _DENSE, hf_class="Qwen3MoeConfig",
     tiny=dict(vocab_size=96, hidden_size=48, intermediate_size=72, moe_intermediate_size=24,
