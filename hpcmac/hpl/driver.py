@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any, TextIO
 
 import numpy as np
@@ -63,14 +64,17 @@ class _Phases:
         self.peak: dict[str, int] = {}
         self._meter = memory.PhasePeak()
 
-    def start(self) -> None:
+    @contextmanager
+    def phase(self, name: str):
+        """Time and meter the ``with`` body as phase ``name``; a body that raises records
+        nothing and leaves no meter registered with the sampler thread."""
         self._meter.start()
-        self._t0 = time.perf_counter()
-
-    def stop(self, name: str) -> float:
-        self.seconds[name] = time.perf_counter() - self._t0
-        self.peak[name] = self._meter.stop()
-        return self.seconds[name]
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds, peak = time.perf_counter() - t0, self._meter.stop()
+        self.seconds[name], self.peak[name] = seconds, peak
 
     def gather(self, group: Group, local_bytes: int) -> dict:
         """Collective over ``group``: slowest rank's times, peaks per rank and per phase."""
@@ -107,18 +111,17 @@ def run_one(
     passed to ``solve``.
     """
     phases = _Phases()
-    phases.start()
-    a = matgen.generate(n, nb, grid)
-    phases.stop("generate")
+    with phases.phase("generate"):
+        a = matgen.generate(n, nb, grid)
     local_bytes = a.local.nbytes
     grid.all.barrier()
     start = time.time()
-    phases.start()
-    if n > 0:
-        x = solve(a, options, progress=progress, after_panel=after_panel)
-    else:
-        x = np.zeros(0)
-    elapsed = phases.stop("solve")
+    with phases.phase("solve"):
+        if n > 0:
+            x = solve(a, options, progress=progress, after_panel=after_panel)
+        else:
+            x = np.zeros(0)
+    elapsed = phases.seconds["solve"]
     end = time.time()
     wall = _max(grid.all, elapsed)
     del a  # the factors: the check regenerates A block by block, so free them first
@@ -131,9 +134,8 @@ def run_one(
     x = np.asarray(x, dtype=np.float64).reshape(-1)
     if x.shape != (n,):
         raise RuntimeError(f"solver returned x of shape {x.shape}, expected ({n},)")
-    phases.start()
-    norms = check_regenerated(n, nb, grid, x)
-    phases.stop("check")
+    with phases.phase("check"):
+        norms = check_regenerated(n, nb, grid, x)
     for key, value in norms.items():
         setattr(res, key, value)
     if threshold > 0.0:

@@ -7,7 +7,7 @@ import pytest
 
 from hpcmac.comm.grid import Grid
 from hpcmac.comm.local import LocalGroup
-from hpcmac.hpl import matgen, report, residual
+from hpcmac.hpl import matgen, memory, report, residual
 from hpcmac.hpl.config import Variant
 from hpcmac.hpl.driver import run_one
 from hpcmac.linalg.lu import LUOptions, hpl_solve
@@ -108,3 +108,18 @@ def test_run_one_reports_phases_in_the_record():
     text = report.phase_lines(res)
     assert "Max aggregated wall time generate" in text and "check" in text
     assert f"{rec['peak_rss_mb'][0]:.1f}" in text
+
+
+def test_a_phase_that_raises_leaves_no_meter_behind():
+    from hpcmac.hpl.driver import _Phases
+
+    phases = _Phases()
+    with pytest.raises(MemoryError):
+        with phases.phase("solve"):
+            assert phases._meter in memory._sampler._meters or memory.rss_bytes() == 0
+            raise MemoryError
+    assert phases._meter not in memory._sampler._meters
+    assert "solve" not in phases.peak
+    with phases.phase("check"):
+        pass
+    assert phases.peak["check"] > 0 and phases._meter not in memory._sampler._meters
