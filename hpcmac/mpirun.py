@@ -225,23 +225,11 @@ def pending_stops(pid: int) -> list[int]:
 
 def _children() -> list[int]:
     """This process's children (orphans of the job land here: we are a subreaper)."""
-    me = str(os.getpid())
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        if stat[stat.rfind(")") + 2:].split()[1] == me:
-            found.append(int(d))
-    return found
+    return [int(c) for c in _parents().get(str(os.getpid()), [])]
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (its children, theirs, ...), from /proc."""
+def _parents() -> dict[str, list[str]]:
+    """Parent pid -> its children's pids, from /proc (one pass)."""
     kids: dict[str, list[str]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -252,6 +240,12 @@ def descendants(pid: int) -> list[int]:
         except OSError:
             continue
         kids.setdefault(stat[stat.rfind(")") + 2:].split()[1], []).append(d)
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (its children, theirs, ...), from /proc."""
+    kids = _parents()
     found, todo = [], [str(pid)]
     while todo:
         for c in kids.get(todo.pop(), []):
