@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcmac.llm import grammar
 from hpcmac.llm.model.sampling import SamplingParams
 
 #: fields we honour, per endpoint; others OpenAI defines but we do not implement are
@@ -28,7 +29,8 @@ from hpcmac.llm.model.sampling import SamplingParams
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
            "seed", "stop", "n", "stream", "stream_options", "user", "logprobs",
            "repetition_penalty"}
-FIELDS = {"chat": _COMMON | {"messages"}, "completion": _COMMON | {"prompt"}}
+FIELDS = {"chat": _COMMON | {"messages", "response_format"},
+          "completion": _COMMON | {"prompt", "response_format"}}
 #: deepest JSON nesting a body may have (a chat request needs 4)
 MAX_DEPTH = 32
 I32_MAX, I64_MAX = 2**31 - 1, 2**63 - 1
@@ -194,7 +196,8 @@ def parse(body, endpoint: str, cfg: ServeConfig) -> tuple[list[int], int, Sampli
         top_p=_number(body, "top_p", float, 1.0, lo=0, hi=1, lo_open=True),
         repetition_penalty=_number(body, "repetition_penalty", float, 1.0, lo=0,
                                    lo_open=True),
-        seed=_number(body, "seed", int, None, lo=0, hi=I64_MAX))
+        seed=_number(body, "seed", int, None, lo=0, hi=I64_MAX),
+        grammar=response_format(body, cfg))
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -214,6 +217,42 @@ def parse(body, endpoint: str, cfg: ServeConfig) -> tuple[list[int], int, Sampli
     if len(ids) >= cfg.context:
         raise _too_long(len(ids), endpoint, cfg)
     return ids, min(max_tokens, cfg.context - len(ids)), sampling, stops, stream
+
+
+def response_format(body: dict, cfg: ServeConfig) -> str | None:
+    """The grammar of ``response_format`` (hpcmac.llm.grammar; None for plain text), or
+    ApiError(400) naming the field, or the schema path the engine cannot compile."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "'response_format' must be {\"type\": \"text\"}, "
+                            "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                            "\"json_schema\": {...}}", "response_format")
+    if kind == "text":
+        return None
+    schema = True
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise ApiError(400, "'response_format.json_schema' must be an object whose "
+                                "'schema' is a JSON schema object", "response_format")
+        schema = js.get("schema", True)
+    return compile_grammar(lambda t: grammar.json_schema(
+        schema, "response_format.json_schema.schema" if kind == "json_schema"
+        else "response_format", t), cfg)
+
+
+def compile_grammar(build, cfg: ServeConfig) -> str:
+    """``build(llguidance tokenizer)``'s grammar, or ApiError(400) naming its path."""
+    if cfg.tok is None:
+        raise ApiError(400, "constrained decoding needs the checkpoint's tokenizer",
+                       "response_format")
+    try:
+        return build(grammar.ll_tokenizer(cfg.tok, cfg.vocab, cfg.eos_ids))
+    except grammar.GrammarError as exc:
+        raise ApiError(400, exc.message, exc.path) from None
 
 
 def _too_long(n_tokens: int | None, endpoint: str, cfg: ServeConfig,

@@ -368,6 +368,7 @@ def run_serve(args, group=None) -> int:
     from hpcmac import comm
     from hpcmac.comm.local import LocalGroup
     from hpcmac.errors import UsageError, world_size
+    from hpcmac.llm import grammar
     from hpcmac.llm.args import check_arguments, context_length
     from hpcmac.llm.model.config import load_config, resolve_model
     from hpcmac.llm.model.gguf_loader import forget_readers
@@ -437,6 +438,12 @@ def run_serve(args, group=None) -> int:
                   quantize=args.quantize, group_size=args.q_group_size,
                   int8_activations=args.int8_activations, timeout=args.timeout)
     forget_readers()  # tokenizer, plan and stage are read: drop the parsed GGUF metadata
+    # constrained decoding: the rank that samples (the last stage's leader) reads the
+    # tokenizer too, now rather than in the first request that has a grammar
+    grammar.configure(lambda: tok if group.rank == 0 else load_tokenizer(args.model),
+                      cfg.vocab, cfg.eos_token_ids)
+    samples = rt.groups.stage == rt.groups.pp - 1 and rt.groups.tp_rank == 0
+    agree(group, lambda: grammar.warm() if samples and find_spec("llguidance") else None)
     source, http, alive = None, None, threading.Event()
     if group.rank == 0:
         eos = tuple(tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids)

@@ -24,6 +24,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     repetition_penalty: float = 1.0  # 1: off
     seed: int | None = None
+    grammar: str | None = None  # constrained decoding: llguidance's grammar (hpcmac.llm.grammar)
+    logprobs: int = -1  # -1: off; k >= 0: the chosen token's logprob and the k most likely
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -72,10 +74,16 @@ class Sampler:
         self.params.validate()
         self.rng = np.random.default_rng(self.params.seed)
 
-    def __call__(self, logits: np.ndarray, seen=()) -> int:
-        """Next token from one row of logits (vocab,); ``seen``: prompt + generated ids."""
+    def __call__(self, logits: np.ndarray, seen=(), mask: np.ndarray | None = None) -> int:
+        """Next token from one row of logits (vocab,); ``seen``: prompt + generated ids;
+        ``mask``: the packed allowed set of a grammar (hpcmac.llm.grammar), or None."""
         p = self.params
-        x = apply_repetition_penalty(np.asarray(logits), seen, p.repetition_penalty)
+        x = np.asarray(logits)
+        if mask is not None:
+            from hpcmac.llm.grammar import apply_mask
+
+            x = apply_mask(x.copy(), mask)
+        x = apply_repetition_penalty(x, seen, p.repetition_penalty)
         if p.temperature == 0.0:
             return int(np.argmax(x))
         x = filter_top_k_top_p(x.astype(np.float64) / p.temperature, p.top_k, p.top_p)

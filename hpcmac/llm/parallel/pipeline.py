@@ -110,21 +110,26 @@ class _SeqSampler:
     def __init__(self, prompt: Sequence[int], params: SamplingParams, isolate: bool = False):
         self.error: str | None = None
         self.params = params
+        self.constraint = None  # its grammar (hpcmac.llm.grammar), if it has one
         try:
             self.sampler = Sampler(params)
+            if params.grammar is not None:
+                from hpcmac.llm.grammar import Constraint
+
+                self.constraint = Constraint(params.grammar)
         except Exception as exc:  # one request's parameters: fail it, not the stage
             if not isolate:
                 raise
             self.sampler, self.error = None, _one_line(exc)
         self.seen = list(prompt)
 
-    def sample(self, logits: np.ndarray) -> int:
-        tok = self.sampler(logits, self.seen)
-        self.seen.append(tok)
-        return tok
+    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> int:
+        return self.take(self.sampler(logits, self.seen, mask))
 
     def take(self, tok: int) -> int:
-        """A token chosen elsewhere (a greedy max-loc over a tensor group)."""
+        """A token chosen (here, or by a max-loc over a tensor group)."""
+        if self.constraint is not None:
+            self.constraint.accept(tok)
         self.seen.append(tok)
         return tok
 
@@ -186,8 +191,9 @@ class _StageState:
         t0 = time.perf_counter()
         idxs = [int(i) for i in meta[meta[:, 4] != 0, 0]]
         mode = self._head_mode(idxs)
+        masks = self._masks(idxs) if self.spec.last else None
         if self.tensor is not None:  # first: the followers wait for it
-            self.tensor.send_step(meta, x, mode)
+            self.tensor.send_step(meta, x, mode, masks if mode == MAXLOC else None)
         slots = [int(s) for s in meta[:, 1]]
         lengths = [int(n) for n in meta[:, 2]]
         batch = Batch(slots=slots, lengths=lengths, positions=[int(p) for p in meta[:, 3]])
@@ -202,9 +208,11 @@ class _StageState:
             if len(rows):
                 logits = np.asarray(self.stage.logits(h[rows]), dtype=np.float32)
                 if self.tensor is not None:
-                    logits = self.tensor.head(logits, self.stage.vocab[0], mode)
+                    logits = self.tensor.head(logits, self.stage.vocab[0], mode,
+                                              masks if mode == MAXLOC else None)
                 for k, idx in enumerate(idxs):
-                    toks[k] = self._draw(idx, logits[k], mode)
+                    toks[k] = self._draw(idx, logits[k], mode,
+                                         None if masks is None else masks[k])
                     if mode != MAXLOC and self.plan.keep_logits and toks[k] != FAILED:
                         self.logits[idx].append(logits[k].copy())
         self.stats.busy_s += time.perf_counter() - t0
@@ -213,16 +221,38 @@ class _StageState:
         return h, toks
 
 
-    def _draw(self, idx: int, row: np.ndarray, mode: int) -> int:
-        """Sequence ``idx``'s next token from its logits row (or its max-loc id), or FAILED
-        when its sampling fails: that sequence ends, the micro-batch goes on."""
+    def _masks(self, idxs: list[int]) -> np.ndarray | None:
+        """The packed grammar masks (k, W) int32 of the sampled rows, all bits set for a
+        sequence without a grammar; None when none has one. A grammar that fails here
+        fails its sequence alone (in ``_draw``)."""
+        ss = [self.samplers.get(i) for i in idxs]
+        if not any(s is not None and s.constraint is not None for s in ss):
+            return None
+        from hpcmac.llm.grammar import mask_words
+
+        out = np.full((len(idxs), mask_words(self.stage.config.vocab)), -1, dtype=np.int32)
+        for k, s in enumerate(ss):
+            if s is None or s.constraint is None or s.error is not None:
+                continue
+            try:
+                s.constraint.fill(out[k])
+            except Exception as exc:
+                if not self.plan.isolate:
+                    raise
+                s.error = _one_line(exc)
+        return out
+
+    def _draw(self, idx: int, row: np.ndarray, mode: int, mask: np.ndarray | None = None) -> int:
+        """Sequence ``idx``'s next token from its logits row (or its max-loc id, the mask
+        already applied on every rank), or FAILED when its sampling fails: that sequence
+        ends, the micro-batch goes on."""
         s = self.samplers.get(idx)
         try:
             if s is None:
                 raise RuntimeError("no sampler (it was never added)")
             if s.error is not None:
                 raise ValueError(s.error)
-            return s.take(int(row)) if mode == MAXLOC else s.sample(row)
+            return s.take(int(row)) if mode == MAXLOC else s.sample(row, mask)
         except Exception as exc:
             if not self.plan.isolate:
                 raise

@@ -26,6 +26,9 @@ rank and host named):
   dict of ``n`` bytes in comm.wire's plain tagged format (never pickle);
   ``STOP`` ends the followers' loop; ``PING`` (a header alone) is an idle
   server's sign of life, so that the followers' watchdogs keep waiting.
+  A step whose mode carries ``MASKED`` is followed by the sampled rows' packed
+  grammar masks, int32 ``(k, ceil(vocab / 32))``: each rank masks its own
+  vocabulary slice before its max-loc (constrained decoding, :mod:`hpcmac.llm.grammar`).
 * followers -> leader, tag ``TAG_HEAD``: ``(k, 2)`` float64 (best logit, id)
   rows, or the ``(k, vocab slice)`` float32 logits.
 """
@@ -44,6 +47,7 @@ from hpcmac.llm.parallel.link import Watchdog
 
 FWD, CTRL, STOP, PING = 1, 2, 3, 4
 GATHER, MAXLOC = 0, 1
+MASKED = 4  # a step header's mode flag: the sampled rows' grammar masks follow
 TAG_SUM, TAG_STEP, TAG_HEAD = 81, 82, 83
 META = 5
 
@@ -177,14 +181,19 @@ class TensorGroup:
         for req, r in reqs:
             self.wd.wait(req, r, "to take a step")
 
-    def send_step(self, meta: np.ndarray, x: np.ndarray, mode: int) -> None:
-        """Leader: the followers run this step too (``x``: token ids or hidden states)."""
+    def send_step(self, meta: np.ndarray, x: np.ndarray, mode: int,
+                  masks: np.ndarray | None = None) -> None:
+        """Leader: the followers run this step too (``x``: token ids or hidden states;
+        ``masks``: the sampled rows' packed grammar masks, for a masked max-loc)."""
         if self.size == 1:
             return
         self.stats.steps += 1
-        hdr = np.array([FWD, meta.shape[0], x.shape[0], mode], dtype=np.int32)
-        self._send_all([hdr, np.ascontiguousarray(meta, dtype=np.int32),
-                        np.ascontiguousarray(x)])
+        hdr = np.array([FWD, meta.shape[0], x.shape[0], mode | (MASKED if masks is not None
+                                                                 else 0)], dtype=np.int32)
+        bufs = [hdr, np.ascontiguousarray(meta, dtype=np.int32), np.ascontiguousarray(x)]
+        if masks is not None:
+            bufs.append(np.ascontiguousarray(masks, dtype=np.int32))
+        self._send_all(bufs)
 
     def send_ctrl(self, ctrl: dict) -> None:
         """Leader: sequences leaving (their cache slots are freed on every rank)."""
@@ -213,15 +222,22 @@ class TensorGroup:
 
     # -- the head ------------------------------------------------------------------------
 
-    def head(self, logits: np.ndarray, v0: int, mode: int) -> np.ndarray | None:
+    def head(self, logits: np.ndarray, v0: int, mode: int,
+             masks: np.ndarray | None = None) -> np.ndarray | None:
         """Collective over the group: combine the vocabulary slices of the logits.
 
         ``logits``: (k, slice) float32 of this rank's rows ``[v0, v0 + slice)``.
-        Returns on the leader: ``MAXLOC``: (k,) int64 greedy token ids;
+        ``masks``: ``MAXLOC`` only, the rows' packed grammar masks (k, W) over the whole
+        vocabulary (every rank holds the same): each rank masks its own slice before
+        its max-loc. Returns on the leader: ``MAXLOC``: (k,) int64 greedy token ids;
         ``GATHER``: (k, vocab) float32 logits. None on the followers.
         """
         k = logits.shape[0]
         if mode == MAXLOC:
+            if masks is not None:
+                from hpcmac.llm.grammar import apply_mask
+
+                logits = apply_mask(np.array(logits, dtype=np.float32), masks, v0)
             mine = np.empty((k, 2), dtype=np.float64)
             if k:
                 best = np.argmax(logits, axis=1)
@@ -266,6 +282,7 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
         hdr = tg._recv(np.empty(4, dtype=np.int32), TAG_STEP, 0, "to send a step", grace,
                        wd=tg.wd_step)
         kind, n, T, mode = (int(v) for v in hdr)
+        masked, mode = bool(mode & MASKED), mode & ~MASKED
         if kind == STOP:
             return
         if kind == PING:
@@ -287,6 +304,11 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
         else:
             x = tg._recv(np.empty((T, hidden), dtype=np.float32), TAG_STEP, 0,
                          "to send a step")
+        masks = None
+        if masked:  # one packed row per sampled row, over the whole vocabulary
+            k = int(np.count_nonzero(meta[:, 4]))
+            masks = tg._recv(np.empty((k, (sum(tg._slices) + 31) // 32), dtype=np.int32),
+                             TAG_STEP, 0, "to send a step")
         lengths = [int(v) for v in meta[:, 2]]
         batch = Batch(slots=[int(v) for v in meta[:, 1]], lengths=lengths,
                       positions=[int(v) for v in meta[:, 3]])
@@ -295,5 +317,5 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
         if last:
             rows = (np.cumsum(lengths) - 1)[meta[:, 4] != 0]
             if len(rows):
-                tg.head(np.asarray(stage.logits(h[rows]), dtype=np.float32), v0, mode)
+                tg.head(np.asarray(stage.logits(h[rows]), dtype=np.float32), v0, mode, masks)
 
