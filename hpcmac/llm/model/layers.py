@@ -44,13 +44,15 @@ def _softmax(be, s, sinks):
 
 
 def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: float,
-              window: int = 0, total=None):
+              window: int = 0, total=None, output_gate: bool = False):
     """Grouped-query attention (Llama, Qwen2, Qwen3, gpt-oss); appends K/V to ``ck``/``cv``.
 
     ``window``: a query sees only the ``window`` latest keys (itself included); the cache
     keeps every key. ``w["sinks"]`` (H,): per-head logits joining the softmax (gpt-oss).
     ``total``: the tensor group's sum of a partial result (the full-width Q/K norm's
-    sums of squares under tensor parallelism; None on one rank).
+    sums of squares under tensor parallelism; None on one rank). ``output_gate``: each
+    head's query is followed by as many gate logits, and its output is multiplied by their
+    sigmoid (Qwen3-Next).
     """
     xp = be.xp
     T = x.shape[0]
@@ -62,11 +64,15 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     qkv = be.linear(x, w["wqkv"])
     if "bqkv" in w:
         qkv = qkv + w["bqkv"]
-    q = qkv[:, :Hq * d].reshape(T, Hq, d)
-    k = qkv[:, Hq * d:(Hq + KV) * d].reshape(T, KV, d)
-    v = qkv[:, (Hq + KV) * d:].reshape(T, KV, d)
+    qd = 2 * d if output_gate else d
+    q = qkv[:, :Hq * qd].reshape(T, Hq, qd)
+    gate = None
+    if output_gate:  # (T, Hq, d) each, per head: its query, then its gate
+        q, gate = q[..., :d], q[..., d:].reshape(T, Hq * d)
+    k = qkv[:, Hq * qd:Hq * qd + KV * d].reshape(T, KV, d)
+    v = qkv[:, Hq * qd + KV * d:].reshape(T, KV, d)
     full = "q_norm_full" in w
-    if "q_pad" not in w and not cfg.qk_norm and not full:  # one rotation for q and k
+    if "q_pad" not in w and not cfg.qk_norm and not full and not output_gate:  # one rotation
         qk = apply_rope(qkv[:, :(Hq + KV) * d].reshape(T, Hq + KV, d), cos, sin, False, xp)
         q, k = qk[:, :Hq] * scale, qk[:, Hq:]  # (T, H, d), (T, KV, d)
     else:
@@ -89,6 +95,8 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
         o = _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g, window, sinks)
     if "o_take" in w:
         o = o.reshape(T, H, d)[:, w["o_take"]].reshape(T, Hq * d)
+    if gate is not None:
+        o = o * be.sigmoid(gate)
     o = be.linear(o, w["wo"])
     if "bo" in w:
         o = o + w["bo"]
@@ -307,5 +315,8 @@ def moe(be, cfg: ModelConfig, w: dict, x, route):
         ye = ye * be.asarray(wts[rows, which][:, None])
         out = be.index_add(out, ri, ye)
     if "s_w_gu" in w:
-        out = out + mlp(be, w, x, pre="s_")
+        shared = mlp(be, w, x, pre="s_")
+        if "s_gate" in w:  # (T, 1) a gate logit per token
+            shared = shared * be.sigmoid(be.linear(x, w["s_gate"]))
+        out = out + shared
     return out

@@ -17,6 +17,12 @@ routed and shared expert alike), the embedding and the head by vocabulary
 rows. Norms, the router and MLA's latent projections are replicated. A KV
 head shared by query heads of two ranks is held by both. Biases added after
 a reduction (``o_proj``, ``down_proj``) are held by rank 0 only.
+
+Linear attention (Gated DeltaNet) splits by value heads as attention splits by query
+heads: each rank holds its value heads' V/Z rows, gates, decays and output columns, and
+the key heads they read (Q/K rows and conv channels; a key head shared by value heads of
+two ranks is held by both). Its fused projections take several row ranges per rank
+(:func:`parts`), the fused per-key-head layout regrouped as ``[q | k | v | z]``.
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ class TensorSpec:
 
 
 #: the units a tensor splits by (see :func:`part`)
-SPLITS = ("q", "kv", "heads_in", "heads", "mla_q", "mla_kvb", "mla_o", "ffn", "expert_ffn",
-          "expert_ffn_pairs", "shared_ffn", "vocab", "rank0")
+SPLITS = ("q", "q_gated", "kv", "heads_in", "heads", "mla_q", "mla_kvb", "mla_o", "ffn",
+          "expert_ffn", "expert_ffn_pairs", "shared_ffn", "vocab", "rank0",
+          "lin_qkv", "lin_qkvz", "lin_ba", "lin_v", "lin_heads")
+#: the linear-attention units whose rows are several ranges (see :func:`parts`)
+_LINEAR_ROWS = ("lin_qkv", "lin_qkvz", "lin_ba")
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,8 @@ class Shard:
     expert_ffn: tuple[int, int]  # each routed expert's intermediate columns
     shared_ffn: tuple[int, int]  # the shared experts' intermediate columns (DeepSeek-V3)
     vocab: tuple[int, int]  # embedding and head rows
+    lin_v: tuple[int, int] = (0, 0)  # linear attention's value heads
+    lin_k: tuple[int, int] = (0, 0)  # the key heads those read (shared ones replicated)
 
     @property
     def n_heads(self) -> int:
@@ -70,6 +81,14 @@ class Shard:
     @property
     def n_kv_heads(self) -> int:
         return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def n_lin_v(self) -> int:
+        return self.lin_v[1] - self.lin_v[0]
+
+    @property
+    def n_lin_k(self) -> int:
+        return self.lin_k[1] - self.lin_k[0]
 
     def layout(self) -> dict:
         """The JSON form: counts per rank."""
@@ -111,6 +130,8 @@ def make_shards(cfg: ModelConfig, shares: Sequence[float]) -> list[Shard]:
     what.append(("MLP columns", cfg.intermediate))
     if cfg.n_experts:
         what.append(("expert columns", cfg.moe_intermediate))
+    if cfg.linear_v_heads:
+        what.append(("linear-attention value heads", cfg.linear_v_heads))
     for label, n in what:
         counts = split_counts(n, shares)
         if min(counts) < 1:
@@ -119,16 +140,20 @@ def make_shards(cfg: ModelConfig, shares: Sequence[float]) -> list[Shard]:
                              f"hold none (use fewer tensor ranks or more even shares)")
     heads = _ranges(split_counts(cfg.n_heads, shares))
     g = cfg.n_heads // cfg.n_kv_heads if not cfg.mla else 1
+    lin = _ranges(split_counts(cfg.linear_v_heads, shares)) if cfg.linear_v_heads else \
+        [(0, 0)] * t
+    lg = cfg.linear_v_heads // cfg.linear_k_heads if cfg.linear_v_heads else 1
     shards = []
     for r, (h0, h1) in enumerate(heads):
         kv = (0, 0) if cfg.mla else (h0 // g, (h1 - 1) // g + 1)
+        v0, v1 = lin[r]
         shards.append(Shard(
             rank=r, size=t, heads=(h0, h1), kv_heads=kv,
             ffn=_ranges(split_counts(cfg.intermediate, shares))[r],
             expert_ffn=_ranges(split_counts(cfg.moe_intermediate, shares))[r],
-            shared_ffn=_ranges(split_counts(cfg.moe_intermediate * cfg.n_shared_experts,
-                                            shares))[r],
-            vocab=_ranges(split_counts(cfg.vocab, shares))[r]))
+            shared_ffn=_ranges(split_counts(cfg.shared_width, shares))[r],
+            vocab=_ranges(split_counts(cfg.vocab, shares))[r],
+            lin_v=(v0, v1), lin_k=(v0 // lg, (v1 - 1) // lg + 1) if v1 else (0, 0)))
     return shards
 
 
@@ -136,19 +161,24 @@ def full_shard(cfg: ModelConfig) -> Shard:
     """The whole model on one rank."""
     return Shard(0, 1, (0, cfg.n_heads), (0, 0 if cfg.mla else cfg.n_kv_heads),
                  (0, cfg.intermediate), (0, cfg.moe_intermediate),
-                 (0, cfg.moe_intermediate * cfg.n_shared_experts), (0, cfg.vocab))
+                 (0, cfg.shared_width), (0, cfg.vocab),
+                 (0, cfg.linear_v_heads), (0, cfg.linear_k_heads))
 
 
 def part(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> tuple[int, int] | None:
     """The element range ``[lo, hi)`` along ``spec.axis`` this shard holds; None: all of it.
 
-    ``(0, 0)``: nothing (a bias held by rank 0 only, on another rank).
+    ``(0, 0)``: nothing (a bias held by rank 0 only, on another rank). The linear-attention
+    units of several ranges (``lin_qkv``, ``lin_qkvz``, ``lin_ba``) are :func:`parts`' alone.
     """
     if spec.split is None or shard.size == 1:
         return None
     d = cfg.head_dim
+    if spec.split in _LINEAR_ROWS:
+        raise ValueError(f"part: {spec.name} splits in several ranges; use parts()")
     unit, (lo, hi) = {
-        "q": (d, shard.heads), "kv": (d, shard.kv_heads), "heads_in": (d, shard.heads),
+        "q": (d, shard.heads), "q_gated": (2 * d, shard.heads),  # each head's q, then gate
+        "kv": (d, shard.kv_heads), "heads_in": (d, shard.heads),
         "heads": (1, shard.heads),  # one value per query head (attention sinks)
         "mla_q": (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, shard.heads),
         "mla_kvb": (cfg.qk_nope_head_dim + cfg.v_head_dim, shard.heads),
@@ -158,8 +188,46 @@ def part(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> tuple[int, int] | 
         "expert_ffn_pairs": (2, shard.expert_ffn),
         "shared_ffn": (1, shard.shared_ffn), "vocab": (1, shard.vocab),
         "rank0": (1, (0, 0) if shard.rank else (0, spec.shape[spec.axis])),
+        "lin_v": (cfg.linear_v_dim, shard.lin_v), "lin_heads": (1, shard.lin_v),
     }[spec.split]
     return unit * lo, unit * hi
+
+
+def parts(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> list[tuple[int, int]] | None:
+    """The element ranges along ``spec.axis`` this shard holds, in the order it holds them
+    (concatenated); None: all of it, as stored.
+
+    Gated DeltaNet's fused projections (value heads ``[v0, v1)``, the key heads
+    ``[k0, k1)`` they read, ``g`` value heads a key head):
+
+    - ``lin_qkv``: rows (or conv channels) ``[q | k | v]``, every head's q, then k, then v
+      (Qwen3.5's ``in_proj_qkv``, both families' ``conv1d``): the shard's q, k and v.
+    - ``lin_qkvz``: Qwen3-Next's ``in_proj_qkvz``, per key head ``[q, k, v (g heads),
+      z (g heads)]``: regrouped as the shard's ``[q | k | v | z]`` (on one rank too).
+    - ``lin_ba``: Qwen3-Next's ``in_proj_ba``, per key head ``[b (g), a (g)]``: regrouped as
+      ``[b | a]``.
+    """
+    if spec.split not in _LINEAR_ROWS:
+        rng = part(spec, cfg, shard)
+        return None if rng is None else [rng]
+    if spec.split == "lin_qkv" and shard.size == 1:
+        return None
+    dk, dv, nk = cfg.linear_k_dim, cfg.linear_v_dim, cfg.linear_k_heads
+    g = cfg.linear_v_heads // nk
+    (v0, v1), (k0, k1) = shard.lin_v, shard.lin_k
+    if spec.split == "lin_qkv":
+        return [(k0 * dk, k1 * dk), (nk * dk + k0 * dk, nk * dk + k1 * dk),
+                (2 * nk * dk + v0 * dv, 2 * nk * dk + v1 * dv)]
+    # per key head: the value heads of its group this shard holds, as offsets in the group
+    own = [(max(v0, h * g) - h * g, min(v1, (h + 1) * g) - h * g) for h in range(k0, k1)]
+    if spec.split == "lin_ba":
+        return [(h * 2 * g + off + a, h * 2 * g + off + b)
+                for off in (0, g) for h, (a, b) in zip(range(k0, k1), own)]
+    W = 2 * dk + 2 * g * dv  # one key head's rows
+    return ([(h * W, h * W + dk) for h in range(k0, k1)]
+            + [(h * W + dk, h * W + 2 * dk) for h in range(k0, k1)]
+            + [(h * W + 2 * dk + off + a * dv, h * W + 2 * dk + off + b * dv)
+               for off in (0, g * dv) for h, (a, b) in zip(range(k0, k1), own)])
 
 
 def take(a, spec: TensorSpec, cfg: ModelConfig, shard: Shard):
@@ -169,12 +237,21 @@ def take(a, spec: TensorSpec, cfg: ModelConfig, shard: Shard):
     A quantized weight cut along its input axis stays quantized when the cut
     falls on its groups, else it is dequantized first.
     """
-    from hpcmac.llm.model.quant import QuantTensor
+    from hpcmac.llm.model.quant import QuantTensor, as_float
 
-    rng = part(spec, cfg, shard)
-    if rng is None:
+    rngs = parts(spec, cfg, shard)
+    if rngs is None:
         return a
-    lo, hi = rng
+    if len(rngs) > 1:  # several row ranges (linear attention), concatenated
+        if isinstance(a, QuantTensor) and spec.axis == 0:
+            return QuantTensor(*(np.concatenate([getattr(a, f)[lo:hi] for lo, hi in rngs])
+                                 for f in ("words", "scales", "biases")),
+                               a.bits, a.group, a.source)
+        a = as_float(a)
+        key = (slice(None),) * spec.axis
+        return np.ascontiguousarray(np.concatenate([a[key + (slice(lo, hi),)]
+                                                    for lo, hi in rngs], axis=spec.axis))
+    lo, hi = rngs[0]
     if isinstance(a, QuantTensor):
         if spec.axis == a.ndim - 1:
             if lo % a.group == 0 and hi % a.group == 0:
@@ -192,11 +269,11 @@ def take(a, spec: TensorSpec, cfg: ModelConfig, shard: Shard):
 
 def local_shape(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> tuple[int, ...]:
     """The shape of this shard's slice of ``spec``."""
-    rng = part(spec, cfg, shard)
-    if rng is None:
+    rngs = parts(spec, cfg, shard)
+    if rngs is None:
         return spec.shape
     shape = list(spec.shape)
-    shape[spec.axis] = rng[1] - rng[0]
+    shape[spec.axis] = sum(hi - lo for lo, hi in rngs)
     return tuple(shape)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from hpcmac.errors import UsageError
 from hpcmac.llm.model import arch, spec
 from hpcmac.llm.model.arch.base import Step
+from hpcmac.llm.model.arch.blocks import norm_weight
 from hpcmac.llm.model.backend import QWeight, get_backend, release_freed_memory
 from hpcmac.llm.model.cache import KVCache
 from hpcmac.llm.model.config import ModelConfig
@@ -97,7 +98,8 @@ class Stage:
 
     def new_cache(self, max_slots: int, max_len: int) -> KVCache:
         """An empty KV cache of this stage's layers (this rank's KV heads)."""
-        return KVCache(self.local, self.start, self.end, max_slots, max_len, self.backend)
+        return KVCache(self.local, self.start, self.end, max_slots, max_len, self.backend,
+                       self._blocks)
 
     def _sum(self, a):
         """The tensor group's sum of a partial result (itself on one rank)."""
@@ -145,6 +147,10 @@ class Stage:
             if pos > cache.lengths[slot]:
                 raise ValueError(f"slot {slot}: position {pos} skips past the "
                                  f"{cache.lengths[slot]} cached tokens")
+            if cache.recurrent and 0 < pos < cache.lengths[slot]:
+                raise ValueError(f"slot {slot}: position {pos} goes back into the "
+                                 f"{cache.lengths[slot]} cached tokens; a linear-attention "
+                                 "state cannot rewind (restore a snapshot, or start at 0)")
         cos, sin = cos_sin(self._inv_freq, self._att, batch.token_positions())
         cos, sin = be.asarray(cos[:, None, :]), be.asarray(sin[:, None, :])
         x = be.asarray(h)
@@ -182,7 +188,8 @@ def _local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
         return replace(cfg, n_heads=shard.n_heads)
     pad = spec.padded_heads(cfg, shard)
     return replace(cfg, n_heads=shard.n_heads if pad is None else pad[0],
-                   n_kv_heads=shard.n_kv_heads)
+                   n_kv_heads=shard.n_kv_heads, linear_v_heads=shard.n_lin_v,
+                   linear_k_heads=shard.n_lin_k)
 
 
 # -- loading ------------------------------------------------------------------
@@ -318,7 +325,7 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     layers = [_load_layer(ld, cfg, i) for i in range(start, end)]
     if last:
         norm, *head = spec.head_tensors(cfg)
-        extra["norm"] = ld("model.norm.weight", norm)
+        extra["norm"] = norm_weight(ld, cfg, "model.norm.weight", norm)
         if head:
             extra["head"] = ld.w("lm_head.weight", head[0])
     stage = Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes, shard, reduce)

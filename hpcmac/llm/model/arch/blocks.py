@@ -10,7 +10,8 @@ tensor parallelism are summed by ``step.sum``, which the stage provides.
 
 Blocks: :class:`GQA` (MHA/GQA/MQA, optional Q/K/V and output biases, optional
 per-head Q/K RMSNorm, optional attention sinks and sliding window), :class:`MLA`
-(multi-head latent attention, absorbed up-projection), :class:`MLP` (SwiGLU, optional
+(multi-head latent attention, absorbed up-projection), :class:`GatedDeltaNet` (linear
+attention with a per-sequence recurrent state), :class:`MLP` (SwiGLU, optional
 biases), :class:`MoE` (routed experts with a router, optional correction bias,
 optional shared experts), :class:`InterleavedMoE` (gpt-oss's experts: interleaved
 gate/up, biases, clamped SwiGLU) and :class:`Layer` (the pre-norm residual layer:
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hpcmac.llm.model import layers
+from hpcmac.llm.model import layers, linear_attention
 from hpcmac.llm.model.quant import concat_rows
 from hpcmac.llm.model.spec import TensorSpec, padded_heads
 
@@ -45,6 +46,13 @@ def _p(i: int) -> str:
     return f"model.layers.{i}."
 
 
+def norm_weight(ld, cfg: ModelConfig, name: str, sp: TensorSpec | None = None):
+    """An RMSNorm weight as the forward multiplies by it: as stored, plus
+    ``cfg.norm_offset`` (Qwen3-Next stores ``w`` and scales by ``1 + w``)."""
+    w = ld.np(name, sp)
+    return ld.be.asarray(w + np.float32(cfg.norm_offset) if cfg.norm_offset else w)
+
+
 # -- attention ------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -61,19 +69,25 @@ class GQA:
     full_qk_norm : RMSNorm over all of Q's and all of K's projected dimensions
         (MiniMax-M2: ``q_norm`` (H*d,), ``k_norm`` (KV*d,), split with their heads);
         under tensor parallelism the group sums the sums of squares.
+    output_gate : ``q_proj`` gives each head its query and then as many gate logits; the
+        heads' outputs are multiplied by ``sigmoid(gate)`` before ``o_proj`` (Qwen3-Next)
     """
 
     sinks: bool = False
     sliding: bool = False
     full_qk_norm: bool = False
+    output_gate: bool = False
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D, H, KV, d = cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        out = [tensor(i, "self_attn.q_proj.weight", "attn_q.weight", (H * d, D), "matrix", "q"),
+        qd = 2 * d if self.output_gate else d
+        out = [tensor(i, "self_attn.q_proj.weight", "attn_q.weight", (H * qd, D), "matrix",
+                      "q_gated" if self.output_gate else "q"),
                tensor(i, "self_attn.k_proj.weight", "attn_k.weight", (KV * d, D), "matrix", "kv"),
                tensor(i, "self_attn.v_proj.weight", "attn_v.weight", (KV * d, D), "matrix", "kv")]
         if cfg.attention_bias:
-            out += [tensor(i, "self_attn.q_proj.bias", "attn_q.bias", (H * d,), "vector", "q"),
+            out += [tensor(i, "self_attn.q_proj.bias", "attn_q.bias", (H * qd,), "vector",
+                           "q_gated" if self.output_gate else "q"),
                     tensor(i, "self_attn.k_proj.bias", "attn_k.bias", (KV * d,), "vector", "kv"),
                     tensor(i, "self_attn.v_proj.bias", "attn_v.bias", (KV * d,), "vector", "kv")]
         out.append(tensor(i, "self_attn.o_proj.weight", "attn_output.weight", (D, H * d),
@@ -113,8 +127,8 @@ class GQA:
             if sh.size > 1 and not all(own):  # a KV head shared with a lower rank
                 w["k_own"] = be.asarray(np.repeat(np.array(own, np.float32), cfg.head_dim))
         elif cfg.qk_norm:
-            w["q_norm"] = ld(a + "q_norm.weight")
-            w["k_norm"] = ld(a + "k_norm.weight")
+            w["q_norm"] = norm_weight(ld, cfg, a + "q_norm.weight")
+            w["k_norm"] = norm_weight(ld, cfg, a + "k_norm.weight")
         pad = padded_heads(cfg, ld.shard)
         if pad is not None:  # part of a KV group: heads padded to whole groups
             w["q_pad"], w["o_take"] = be.index(pad[1]), be.index(pad[2])
@@ -127,7 +141,7 @@ class GQA:
     def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv):
         return layers.attention(be, cfg, w, x, step.seqs, ck, cv, step.cos, step.sin,
                                 step.scale, cfg.sliding_window if self.sliding else 0,
-                                step.sum if self.full_qk_norm else None)
+                                step.sum if self.full_qk_norm else None, self.output_gate)
 
 
 class MLA:
@@ -178,6 +192,75 @@ class MLA:
     def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv):
         return layers.latent_attention(be, cfg, w, x, step.seqs, ck, cv, step.cos, step.sin,
                                        step.scale)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5; numerics:
+    :mod:`hpcmac.llm.model.linear_attention`): projections to q, k (``linear_k_heads`` of
+    ``linear_k_dim``), v and the output gate z (``linear_v_heads`` of ``linear_v_dim``), the
+    write strength b and decay input a (one per value head); a depthwise causal conv
+    (``linear_conv_kernel``) over q, k, v; the delta rule; a gated RMSNorm; ``out_proj``.
+    Its cache is a conv state and a recurrent state per sequence (:meth:`state_shapes`).
+
+    fused : Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, laid out per key head;
+        otherwise Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+    """
+
+    fused: bool = False
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D, nk, nv = cfg.hidden, cfg.linear_k_heads, cfg.linear_v_heads
+        dk, dv = cfg.linear_k_dim, cfg.linear_v_dim
+        C, a = 2 * nk * dk + nv * dv, "linear_attn."
+        if self.fused:
+            out = [tensor(i, a + "in_proj_qkvz.weight", "ssm_in_qkvz.weight",
+                          (C + nv * dv, D), "matrix", "lin_qkvz"),
+                   tensor(i, a + "in_proj_ba.weight", "ssm_in_ba.weight", (2 * nv, D),
+                          "matrix", "lin_ba")]
+        else:
+            out = [tensor(i, a + "in_proj_qkv.weight", "attn_qkv.weight", (C, D), "matrix",
+                          "lin_qkv"),
+                   tensor(i, a + "in_proj_z.weight", "attn_gate.weight", (nv * dv, D),
+                          "matrix", "lin_v"),
+                   tensor(i, a + "in_proj_b.weight", "ssm_beta.weight", (nv, D), "matrix",
+                          "lin_heads"),
+                   tensor(i, a + "in_proj_a.weight", "ssm_alpha.weight", (nv, D), "matrix",
+                          "lin_heads")]
+        return out + [
+            tensor(i, a + "conv1d.weight", "ssm_conv1d.weight", (C, 1, cfg.linear_conv_kernel),
+                   "array", "lin_qkv"),
+            tensor(i, a + "dt_bias", "ssm_dt.bias", (nv,), "vector", "lin_heads"),
+            tensor(i, a + "A_log", "ssm_a", (nv,), "vector", "lin_heads"),
+            tensor(i, a + "norm.weight", "ssm_norm.weight", (dv,), "vector"),
+            tensor(i, a + "out_proj.weight", "ssm_out.weight", (D, nv * dv), "matrix",
+                   "lin_v", 1)]
+
+    def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
+        be, a = ld.be, _p(i) + "linear_attn."
+        names = ["in_proj_qkvz", "in_proj_ba"] if self.fused else \
+            ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+        # rows [q | k | v | z | b | a] of this rank's heads: one product for all six
+        w["w_lin_in"] = be.weight(concat_rows([ld.raw(a + n + ".weight") for n in names]))
+        conv = ld.np(a + "conv1d.weight")
+        w["conv_w"] = np.ascontiguousarray(conv.reshape(conv.shape[0], conv.shape[2]))
+        w["lin_A"] = -np.exp(ld.np(a + "A_log"))
+        w["dt_bias"] = ld.np(a + "dt_bias")
+        w["lin_norm"] = ld.np(a + "norm.weight")
+        w["w_lin_out"] = ld.w(a + "out_proj.weight")
+        (v0, v1), (k0, _) = ld.shard.lin_v, ld.shard.lin_k
+        g = cfg.linear_v_heads // cfg.linear_k_heads
+        w["lin_vk"] = np.arange(v0, v1) // g - k0  # each value head's key head, locally
+
+    @staticmethod
+    def state_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, recurrent state) of one sequence, for ``cfg`` (a rank's own heads)."""
+        C = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
+        return ((cfg.linear_conv_kernel - 1, C),
+                (cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim))
+
+    def forward(self, be, cfg: ModelConfig, w: dict, x, step, conv, state):
+        return linear_attention.gated_delta_net(be, cfg, w, x, step.seqs, conv, state)
 
 
 # -- feed-forward -----------------------------------------------------------------
@@ -239,12 +322,17 @@ class MoE:
     module : the layer's submodule the tensors are under (``mlp``; Mixtral and MiniMax:
         ``block_sparse_moe``, experts ``w1``/``w3``/``w2``)
     bias_name : the correction bias under ``module`` (DeepSeek: under the router, ``gate``)
+    shared : the shared experts' submodule under ``module`` (Qwen3-Next: ``shared_expert``)
+    shared_gate : the shared experts' output is scaled by ``sigmoid(shared_expert_gate x)``,
+        one logit per token (Qwen3-Next)
     """
 
     route: Callable = softmax_topk
     correction_bias: bool = False
     module: str = "mlp"
     bias_name: str = "gate.e_score_correction_bias"
+    shared: str = "shared_experts"
+    shared_gate: bool = False
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D, E, I = cfg.hidden, cfg.n_experts, cfg.moe_intermediate
@@ -259,14 +347,17 @@ class MoE:
                 tensor(i, m + "experts.down", "ffn_down_exps.weight", (E, D, I), "matrix",
                        "expert_ffn", 2)]
         if cfg.n_shared_experts:
-            S = I * cfg.n_shared_experts
-            s = m + "shared_experts."
+            S = cfg.shared_width
+            s = m + self.shared + "."
             out += [tensor(i, s + "gate_proj.weight", "ffn_gate_shexp.weight", (S, D), "matrix",
                            "shared_ffn"),
                     tensor(i, s + "up_proj.weight", "ffn_up_shexp.weight", (S, D), "matrix",
                            "shared_ffn"),
                     tensor(i, s + "down_proj.weight", "ffn_down_shexp.weight", (D, S), "matrix",
                            "shared_ffn", 1)]
+            if self.shared_gate:
+                out.append(tensor(i, m + "shared_expert_gate.weight", "ffn_gate_inp_shexp.weight",
+                                  (1, D), "matrix"))
         return out
 
     def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
@@ -280,10 +371,12 @@ class MoE:
         del gate, up
         w["e_down"] = be.weight(ld.raw(m + "experts.down"))
         if cfg.n_shared_experts:
-            s = m + "shared_experts."
+            s = m + self.shared + "."
             w["s_w_gu"] = be.weight(concat_rows(
                 [ld.raw(s + "gate_proj.weight"), ld.raw(s + "up_proj.weight")]))
             w["s_w_down"] = ld.w(s + "down_proj.weight")
+            if self.shared_gate:
+                w["s_gate"] = ld.w(m + "shared_expert_gate.weight")
 
     def forward(self, be, cfg: ModelConfig, w: dict, x):
         return layers.moe(be, cfg, w, x, self.route)
@@ -349,8 +442,8 @@ class Layer:
 
     def load(self, ld, cfg: ModelConfig, i: int) -> dict:
         p = _p(i)
-        w: dict = {"ln1": ld(p + "input_layernorm.weight"),
-                   "ln2": ld(p + "post_attention_layernorm.weight")}
+        w: dict = {"ln1": norm_weight(ld, cfg, p + "input_layernorm.weight"),
+                   "ln2": norm_weight(ld, cfg, p + "post_attention_layernorm.weight")}
         self.attention.load(ld, cfg, i, w)
         self.ffn.load(ld, cfg, i, w)
         return w

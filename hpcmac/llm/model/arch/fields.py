@@ -51,6 +51,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     n_shared_experts: int = 0
+    shared_intermediate: int = 0  # the shared experts' width (0: n_shared * moe_intermediate)
     first_k_dense: int = 0
     n_group: int = 1
     topk_group: int = 1
@@ -65,6 +66,13 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
+    # Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): layer_types "linear_attention"
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv_kernel: int = 0
+    norm_offset: float = 0.0  # added to every RMSNorm weight as stored (Qwen3-Next: 1 + w)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -82,7 +90,9 @@ class ModelConfig:
                 raise UsageError(f"{where}: {name} = {v!r}: expected an integer from 1 to 2^31")
         for name in ("intermediate", "n_experts", "n_experts_per_tok", "moe_intermediate",
                      "n_shared_experts", "first_k_dense", "sliding_window", "kv_lora_rank",
-                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "shared_intermediate", "linear_k_heads", "linear_v_heads", "linear_k_dim",
+                     "linear_v_dim", "linear_conv_kernel"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 31:
                 raise UsageError(f"{where}: {name} = {v!r}: expected an integer from 0 to 2^31")
@@ -119,6 +129,15 @@ class ModelConfig:
             raise UsageError(f"{where}: {self.n_layers} layers declared, the checkpoint's "
                              f"tensors hold {max_layers}")
         return self
+
+    @property
+    def shared_width(self) -> int:
+        """The shared experts' summed intermediate width."""
+        return self.shared_intermediate or self.moe_intermediate * self.n_shared_experts
+
+    def is_linear(self, i: int) -> bool:
+        """Whether global layer ``i`` is a linear-attention (Gated DeltaNet) layer."""
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
 
     def is_sliding(self, i: int) -> bool:
         """Whether global layer ``i`` attends within ``sliding_window`` only."""
