@@ -60,6 +60,8 @@ class Family:
     layouts : the parallel layouts it runs under (``tp``, ``pp``, ``tp+pp``)
     mlx_quant_tested : an MLX-quantized folder of it is checked by the tests (the reader is
         generic; ``models`` says which are checked)
+    mlx_folders : mlx-lm's folders of it are read (False: refused in one line, e.g. where
+        mlx-lm's conversion rewrites tensors, as for the linear-attention families)
     """
 
     model_type: str
@@ -75,3 +77,4 @@ class Family:
     quant_methods: dict = field(default_factory=dict)
     layouts: tuple = ("tp", "pp", "tp+pp")
     mlx_quant_tested: bool = False
+    mlx_folders: bool = True

@@ -1,0 +1,117 @@
+"""Qwen3-Next (``qwen3_next``): hybrid layers as ``layer_types`` says (by default three
+Gated DeltaNet linear-attention layers, then one full-attention layer:
+``full_attention_interval`` 4); the linear layers' projections fused per key head
+(``in_proj_qkvz``, ``in_proj_ba``); full attention with per-head Q/K RMSNorm, an output gate
+(``q_proj`` twice as wide: each head's query, then its gate) and rotary on the first
+``partial_rotary_factor`` (0.25) of each head; RMSNorms scaling by ``1 + w``; routed experts
+by softmax top-k, renormalised (``norm_topk_prob``, true unless set), plus one shared expert
+(``shared_expert_intermediate_size``) scaled by ``sigmoid(shared_expert_gate x)``, on every
+``decoder_sparse_step``-th layer but ``mlp_only_layers`` (dense MLPs).
+
+The linear layers' conv and recurrent states are per-sequence caches
+(:class:`~hpcmac.llm.model.cache.KVCache`); tensor parallelism splits them by value heads
+(:mod:`hpcmac.llm.model.spec`). The multi-token-prediction weights (``mtp.*``) are not
+run, as transformers does not. Refused in one line naming the field: a ``hidden_act``
+other than silu, a layer type other than linear or full attention, value heads not a
+multiple of key heads, an mlx-lm folder (its conversion rewrites the norms and the
+conv). No GGUF form yet.
+"""
+
+from __future__ import annotations
+
+from hpcmac.errors import UsageError
+from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.blocks import GQA, MLP, GatedDeltaNet, Layer, MoE, softmax_topk
+from hpcmac.llm.model.arch.fields import (
+    ModelConfig,
+    hf_fields,
+    hf_moe_fields,
+    json_float,
+    json_int,
+)
+
+_KINDS = ("linear_attention", "full_attention")
+_FULL = GQA(output_gate=True)
+_LINEAR = GatedDeltaNet(fused=True)
+_SPARSE = MoE(route=softmax_topk, shared="shared_expert", shared_gate=True)
+
+
+def hybrid_fields(raw: dict, where: str) -> dict:
+    """The :class:`ModelConfig` fields Qwen3-Next and Qwen3.5 read alike: the attention,
+    the linear attention's shapes, ``layer_types``, the ``1 + w`` norms (sizes checked)."""
+    q = raw.get("quantization")
+    if isinstance(q, dict) and "bits" in q:  # mlx-lm's folders
+        raise UsageError(f"{where}: field 'quantization': mlx-lm's folders of "
+                         f"{raw.get('model_type')} (norms stored as 1 + w, conv1d as "
+                         "(C, K, 1)) are not read yet; use the Hugging Face checkpoint")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UsageError(f"{where}: field 'hidden_act' = {act!r} is not supported; "
+                         "expected 'silu'")
+    f = hf_fields(raw, where)
+    params = raw.get("rope_parameters") or {}
+    n = f["n_layers"]
+    types = raw.get("layer_types")
+    if types is None:
+        every = json_int(raw, "full_attention_interval", where, 4)
+        if every < 1:
+            raise UsageError(f"{where}: field 'full_attention_interval' = {every}: "
+                             "expected >= 1")
+        types = ["linear_attention" if (i + 1) % every else "full_attention"
+                 for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in _KINDS for t in types):
+        raise UsageError(f"{where}: field 'layer_types': expected a list of {n} entries, each "
+                         f"{' or '.join(map(repr, _KINDS))}, found {types!r}")
+    nk = json_int(raw, "linear_num_key_heads", where, 16)
+    nv = json_int(raw, "linear_num_value_heads", where, 32)
+    if nk < 1 or nv % nk:
+        raise UsageError(f"{where}: field 'linear_num_value_heads' = {nv}: expected a "
+                         f"multiple of linear_num_key_heads ({nk})")
+    kernel = json_int(raw, "linear_conv_kernel_dim", where, 4)
+    if kernel < 1:
+        raise UsageError(f"{where}: field 'linear_conv_kernel_dim' = {kernel}: expected >= 1")
+    return dict(
+        **f, qk_norm=True, norm_offset=1.0, layer_types=list(types),
+        partial_rotary_factor=json_float(params, "partial_rotary_factor", where,
+                                         json_float(raw, "partial_rotary_factor", where,
+                                                    0.25)),
+        linear_k_heads=nk, linear_v_heads=nv,
+        linear_k_dim=json_int(raw, "linear_key_head_dim", where, 128),
+        linear_v_dim=json_int(raw, "linear_value_head_dim", where, 128),
+        linear_conv_kernel=kernel)
+
+
+def shared_expert_fields(raw: dict, where: str) -> dict:
+    """Routed experts and the one gated shared expert (Qwen3-Next, Qwen3.5-MoE)."""
+    shared = json_int(raw, "shared_expert_intermediate_size", where, 0)
+    return dict(**hf_moe_fields(raw, where), n_shared_experts=1 if shared else 0,
+                shared_intermediate=shared)
+
+
+def from_hf(raw: dict, where: str) -> ModelConfig:
+    moe = shared_expert_fields(raw, where)
+    moe["norm_topk_prob"] = bool(raw.get("norm_topk_prob", True))
+    return ModelConfig(**hybrid_fields(raw, where), **moe,
+                       decoder_sparse_step=json_int(raw, "decoder_sparse_step", where, 0) or 1,
+                       mlp_only_layers=[json_int({"mlp_only_layers": i}, "mlp_only_layers",
+                                                 where)
+                                        for i in raw.get("mlp_only_layers") or []])
+
+
+def layer(cfg: ModelConfig, i: int) -> Layer:
+    return Layer(_LINEAR if cfg.is_linear(i) else _FULL,
+                 _SPARSE if cfg.is_moe_layer(i) else MLP())
+
+
+FAMILY = Family(
+    summary=("Gated DeltaNet linear attention on three of four layers (conv and recurrent "
+             "state a fixed per-sequence cache), gated full attention with a rotary quarter, "
+             "`1 + w` RMSNorms, softmax top-k experts plus a sigmoid-gated shared expert"),
+    model_type="qwen3_next", gguf_arch=None, from_hf=from_hf, from_gguf=None,
+    layer=layer, hf_class="Qwen3NextConfig", mlx_folders=False,
+    tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=24, num_hidden_layers=4,
+              num_attention_heads=5, num_key_value_heads=1, head_dim=16,
+              linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+              linear_value_head_dim=12, num_experts=6, num_experts_per_tok=2,
+              moe_intermediate_size=10, shared_expert_intermediate_size=14,
+              max_position_embeddings=256))
