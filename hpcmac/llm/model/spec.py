@@ -127,7 +127,8 @@ def make_shards(cfg: ModelConfig, shares: Sequence[float]) -> list[Shard]:
     if t == 1:
         return [full_shard(cfg)]
     what = [("attention heads", cfg.n_heads), ("vocabulary rows", cfg.vocab)]
-    what.append(("MLP columns", cfg.intermediate))
+    if cfg.intermediate:  # none: every layer routed (Qwen3.5-MoE)
+        what.append(("MLP columns", cfg.intermediate))
     if cfg.n_experts:
         what.append(("expert columns", cfg.moe_intermediate))
     if cfg.linear_v_heads:

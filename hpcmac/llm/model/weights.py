@@ -116,15 +116,16 @@ class SafetensorsCheckpoint:
             for f in files:
                 for name in self._header(f)[1]:
                     self._file_of[name] = f
-        #: canonical name -> stored name, where they differ: a multimodal folder (Kimi K2.5,
-        #: LLaVA-style) holds its text model under ``language_model.``
+        #: canonical name -> stored name, where they differ: a multimodal folder holds its
+        #: text model under ``language_model.`` (Kimi K2.5, LLaVA-style) or
+        #: ``model.language_model.`` (Qwen3.5, its head at ``lm_head``)
         self._stored: dict[str, str] = {}
-        lm = "language_model."
-        if "model.embed_tokens.weight" not in self._file_of and \
-                lm + "model.embed_tokens.weight" in self._file_of:
-            for name in [n for n in self._file_of if n.startswith(lm)]:
-                self._stored[name[len(lm):]] = name
-                self._file_of[name[len(lm):]] = self._file_of.pop(name)
+        embed = "model.embed_tokens.weight"
+        for stored, canon in (("language_model.", ""), ("model.language_model.", "model.")):
+            if embed not in self._file_of and stored + embed[len(canon):] in self._file_of:
+                for name in [n for n in self._file_of if n.startswith(stored)]:
+                    self._stored[canon + name[len(stored):]] = name
+                    self._file_of[canon + name[len(stored):]] = self._file_of.pop(name)
         #: gpt-oss's MXFP4 tensors: name -> (its _blocks, its _scales)
         self._mxfp4 = {n[:-len("_blocks")]: (n, n[:-len("_blocks")] + "_scales")
                        for n in self._file_of
