@@ -1,0 +1,67 @@
+"""Qwen3.5 (``qwen3_5``), its text part: Qwen3-Next's hybrid layers (:mod:`.qwen3_next`:
+Gated DeltaNet on three of four layers, gated full attention with a rotary quarter of each
+head, ``1 + w`` RMSNorms) with the linear attention's projections unfused
+(``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) and a dense SwiGLU MLP in
+every layer. The folder is laid out as released: the language model described by the
+nested ``text_config`` (``model_type`` ``qwen3_5_text``; the top level's
+``tie_word_embeddings`` wins when given) and stored under ``model.language_model.``; the
+vision tower (``model.visual.``) and the multi-token-prediction weights (``mtp.``) are not
+loaded. A folder of the text model alone (``qwen3_5_text``, as transformers'
+``Qwen3_5ForCausalLM`` saves it) is the same family (:mod:`.qwen3_5_text`).
+
+Rotary is multimodal (``mrope_section``, interleaved) but a text prompt's three position
+components are all its token position, so every section rotates alike: the rope of one
+position, on the first ``partial_rotary_factor`` of each head. Refused in one line naming
+the field: a ``text_config`` that is not an object or of another ``model_type``, and what
+:func:`.qwen3_next.hybrid_fields` refuses. No GGUF form yet.
+"""
+
+from __future__ import annotations
+
+from hpcmac.errors import UsageError
+from hpcmac.llm.model.arch import qwen3_next
+from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.blocks import GQA, MLP, GatedDeltaNet, Layer
+from hpcmac.llm.model.arch.fields import ModelConfig
+
+_LINEAR = Layer(GatedDeltaNet(), MLP())
+_FULL = Layer(GQA(output_gate=True), MLP())
+
+
+def text_config(raw: dict, where: str, text_type: str) -> tuple[dict, str]:
+    """(the text model's config.json fields, where they are) of a released folder (its
+    ``text_config``, the top level's ``tie_word_embeddings``, BOS and EOS filled in), or of
+    a text-only one (``model_type`` ``text_type``: itself)."""
+    if raw.get("model_type") == text_type:
+        return raw, where
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UsageError(f"{where}: field 'text_config' = {text!r}: expected an object "
+                         "(the language model's configuration)")
+    kind = text.get("model_type", text_type)
+    if kind != text_type:
+        raise UsageError(f"{where}: field 'text_config.model_type' = {kind!r} is not "
+                         f"supported; expected {text_type!r}")
+    text = dict(text)
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "quantization"):
+        if raw.get(key) is not None and (key == "tie_word_embeddings" or text.get(key) is None):
+            text[key] = raw[key]
+    return text, f"{where} (text_config)"
+
+
+def from_hf(raw: dict, where: str) -> ModelConfig:
+    text, where = text_config(raw, where, "qwen3_5_text")
+    return ModelConfig(**{**qwen3_next.hybrid_fields(text, where), "arch": raw["model_type"]})
+
+
+FAMILY = Family(
+    summary=("Qwen3.5's text part: Qwen3-Next's hybrid Gated DeltaNet / gated-attention "
+             "layers, unfused linear-attention projections, dense MLPs; mrope read with "
+             "text positions; nested `text_config`, tensors under `model.language_model.`"),
+    model_type="qwen3_5", gguf_arch=None, from_hf=from_hf, from_gguf=None,
+    layer=lambda cfg, i: _LINEAR if cfg.is_linear(i) else _FULL,
+    hf_class="Qwen3_5TextConfig", mlx_folders=False,
+    tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=24, num_hidden_layers=4,
+              num_attention_heads=5, num_key_value_heads=1, head_dim=16,
+              linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+              linear_value_head_dim=12, max_position_embeddings=256))
