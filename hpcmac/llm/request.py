@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcmac.llm import grammar
+from hpcmac.llm import tools as tools_mod
 from hpcmac.llm.model.sampling import SamplingParams
 
 #: fields we honour, per endpoint; others OpenAI defines but we do not implement are
@@ -29,7 +30,8 @@ from hpcmac.llm.model.sampling import SamplingParams
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
            "seed", "stop", "n", "stream", "stream_options", "user", "logprobs",
            "repetition_penalty"}
-FIELDS = {"chat": _COMMON | {"messages", "response_format"},
+FIELDS = {"chat": _COMMON | {"messages", "response_format", "tools", "tool_choice",
+                             "parallel_tool_calls"},
           "completion": _COMMON | {"prompt", "response_format"}}
 #: deepest JSON nesting a body may have (a chat request needs 4)
 MAX_DEPTH = 32
@@ -153,10 +155,35 @@ def _show(v) -> str:
     return text[:40]
 
 
+@dataclass
+class Parsed:
+    """A checked request: what the scheduler needs, and how to read its answer back."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    stream: bool
+    tools: tools_mod.ToolSpec | None = None  # chat with tools (not tool_choice none)
+    reasoning: str | None = None  # chat: the template's reasoning style (tools.reasoning_style)
+    think_open: bool = False  # chat: the prompt ends inside <think>
+
+    def reader(self, family: str = "hermes") -> dict:
+        """The keyword arguments of :func:`hpcmac.llm.tools.parse` / ``StreamParser``."""
+        return {"fam": self.tools.family if self.tools else family, "spec": self.tools,
+                "style": self.reasoning, "think_open": self.think_open}
+
+
 def parse(body, endpoint: str, cfg: ServeConfig) -> tuple[list[int], int, SamplingParams,
                                                           tuple[str, ...], bool]:
     """(prompt ids, max_tokens, sampling, stop strings, stream) of a request body, or
-    ApiError(400/404) naming the field."""
+    ApiError(400/404) naming the field (:func:`parse_request` has the rest)."""
+    p = parse_request(body, endpoint, cfg)
+    return p.ids, p.max_tokens, p.sampling, p.stops, p.stream
+
+
+def parse_request(body, endpoint: str, cfg: ServeConfig) -> Parsed:
+    """The checked request, or ApiError(400/404) naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for path in _bad_strings(body, ""):
@@ -187,6 +214,16 @@ def parse(body, endpoint: str, cfg: ServeConfig) -> tuple[list[int], int, Sampli
         raise ApiError(400, f"'user' must be a string of at most {_USER_CHARS} characters",
                        "user")
     # both given: max_completion_tokens wins (OpenAI's newer name); each is checked
+    try:
+        spec = tools_mod.check(body) if endpoint == "chat" else None
+    except tools_mod.ToolError as exc:
+        raise ApiError(400, exc.message, exc.param) from None
+    if spec is not None and cfg.tok is not None:
+        spec.family = tools_mod.family(cfg.tok.chat_template)
+        spec.rendered = tools_mod.writes_tools(cfg.tok.chat_template)
+    if spec is not None and spec.forced and body.get("response_format") is not None:
+        raise ApiError(400, "'response_format' cannot be combined with a required or named "
+                            "'tool_choice'", "response_format")
     limits = [_number(body, k, int, None, lo=1, hi=I32_MAX)
               for k in ("max_tokens", "max_completion_tokens")]
     max_tokens = limits[1] or limits[0] or cfg.default_max_tokens
@@ -197,7 +234,9 @@ def parse(body, endpoint: str, cfg: ServeConfig) -> tuple[list[int], int, Sampli
         repetition_penalty=_number(body, "repetition_penalty", float, 1.0, lo=0,
                                    lo_open=True),
         seed=_number(body, "seed", int, None, lo=0, hi=I64_MAX),
-        grammar=response_format(body, cfg))
+        grammar=compile_grammar(lambda t: grammar.lark(tools_mod.call_lark(spec, cfg.tok),
+                                                       "tools", t), cfg)
+        if spec is not None and spec.forced else response_format(body, cfg))
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -213,10 +252,15 @@ def parse(body, endpoint: str, cfg: ServeConfig) -> tuple[list[int], int, Sampli
         raise ApiError(400, f"'stop': each string may have at most {_STOP_CHARS} characters",
                        "stop")
     stops = tuple(s for s in stops if s)
-    ids = _prompt_ids(body, endpoint, cfg)
+    ids = _prompt_ids(body, endpoint, cfg, spec)
     if len(ids) >= cfg.context:
         raise _too_long(len(ids), endpoint, cfg)
-    return ids, min(max_tokens, cfg.context - len(ids)), sampling, stops, stream
+    out = Parsed(ids, min(max_tokens, cfg.context - len(ids)), sampling, stops, stream, spec)
+    if endpoint == "chat" and cfg.tok is not None:
+        out.reasoning = tools_mod.reasoning_style(cfg.tok.chat_template)
+        out.think_open = out.reasoning == "think" and \
+            cfg.tok.decode(ids[-4:]).rstrip().endswith("<think>")
+    return out
 
 
 def response_format(body: dict, cfg: ServeConfig) -> str | None:
@@ -242,6 +286,10 @@ def response_format(body: dict, cfg: ServeConfig) -> str | None:
     return compile_grammar(lambda t: grammar.json_schema(
         schema, "response_format.json_schema.schema" if kind == "json_schema"
         else "response_format", t), cfg)
+
+
+def writes_tools(template) -> bool:
+    return tools_mod.writes_tools(template)
 
 
 def compile_grammar(build, cfg: ServeConfig) -> str:
@@ -302,7 +350,68 @@ def _surely_over(tok, text: str, limit: int, special: bool) -> bool:
     return False
 
 
-def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig) -> list[int]:
+def _clean_message(i: int, m) -> dict:
+    """messages[i] as the template gets it: role, text content, and an assistant's
+    ``tool_calls`` or a tool's ``tool_call_id`` / ``name``; ApiError(400) otherwise."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ApiError(400, f"messages[{i}] must be an object with a 'role'", "messages")
+    if not _ROLE.fullmatch(m["role"]):
+        raise ApiError(400, f"messages[{i}].role must be a word (letters, digits, _ "
+                            f"or -, at most 32); got {json.dumps(m['role'])[:40]}",
+                       "messages")
+    content = m.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"messages[{i}].content: only text parts are "
+                                "supported", "messages")
+        content = "".join(p["text"] for p in content)
+    calls = m.get("tool_calls")
+    if content is None and calls:
+        content = ""
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+    out = {"role": m["role"], "content": content}
+    if calls is not None:
+        if m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments", ""), (str, dict))
+                for c in calls):
+            raise ApiError(400, f"messages[{i}].tool_calls must be an assistant's list of "
+                                "{\"id\", \"type\": \"function\", \"function\": {\"name\", "
+                                "\"arguments\"}}", "messages")
+        out["tool_calls"] = [{"id": str(c.get("id", "")), "type": "function",
+                              "function": {"name": c["function"]["name"],
+                                           "arguments": c["function"].get("arguments", "")}}
+                             for c in calls]
+    for k in ("tool_call_id", "name"):
+        if m.get(k) is not None:
+            if not isinstance(m[k], str) or len(m[k]) > 256:
+                raise ApiError(400, f"messages[{i}].{k} must be a string of at most 256 "
+                                    "characters", "messages")
+            out[k] = m[k]
+    return out
+
+
+def _with_tools(msgs: list[dict], spec) -> list[dict]:
+    """Messages for a template that shows no tools: the tools in a system message, and an
+    assistant's calls written into its content (hermes style, which we then parse)."""
+    out = [dict(m) for m in msgs]
+    for m in out:
+        if m.get("tool_calls"):
+            call_text = tools_mod.hermes_call_text(m.pop("tool_calls"))
+            m["content"] = (m["content"] + "\n" if m["content"] else "") + call_text
+    if spec is not None:
+        text = tools_mod.system_text(spec.tools)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = out[0]["content"] + "\n\n" + text
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig, spec=None) -> list[int]:
     tok = cfg.tok
     if endpoint == "chat":
         msgs = body.get("messages")
@@ -312,31 +421,24 @@ def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig) -> list[int]:
             raise ApiError(400, f"{len(msgs)} messages do not fit this server's context of "
                                 f"{cfg.context} tokens", "messages",
                            code="context_length_exceeded")
-        clean = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, f"messages[{i}] must be an object with a 'role'",
-                               "messages")
-            if not _ROLE.fullmatch(m["role"]):
-                raise ApiError(400, f"messages[{i}].role must be a word (letters, digits, _ "
-                                    f"or -, at most 32); got {json.dumps(m['role'])[:40]}",
-                               "messages")
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(p, dict) and p.get("type") == "text"
-                           and isinstance(p.get("text"), str) for p in content):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are "
-                                        "supported", "messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-            clean.append({"role": m["role"], "content": content})
+        clean = [_clean_message(i, m) for i, m in enumerate(msgs)]
         if tok is None:
             raise ApiError(400, "this checkpoint has no tokenizer: use /v1/completions with "
                                 "a prompt of token ids", "messages")
         _check_length([m["content"] for m in clean], endpoint, cfg)
+        calls_text = json.dumps([m.get("tool_calls") for m in clean]
+                                + [spec.tools if spec else None], ensure_ascii=False)
+        if any(t in calls_text for t in tok.specials):
+            raise ApiError(400, "a tool call or tool holds a special-token string; refused",
+                           "tools" if spec and any(t in json.dumps(spec.tools,
+                                                                   ensure_ascii=False)
+                                                   for t in tok.specials) else "messages")
+        shown = spec.rendered if spec is not None else writes_tools(tok.chat_template)
+        if not shown:
+            clean = _with_tools(clean, spec)
         try:
-            return chat_ids(tok, clean, limit=cfg.context)
+            return chat_ids(tok, tools_mod.template_messages(clean), limit=cfg.context,
+                            tools=spec.tools if spec is not None and shown else None)
         except TooLong as exc:
             raise _too_long(None, endpoint, cfg, exc.args[0]) from None
         except ValueError as exc:
@@ -371,7 +473,8 @@ class TooLong(ValueError):
     """The rendered prompt has more tokens than the limit (args: its bytes)."""
 
 
-def chat_ids(tok, messages: list[dict], limit: int | None = None) -> list[int]:
+def chat_ids(tok, messages: list[dict], limit: int | None = None,
+             tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` through the checkpoint's chat template, as transformers'
     ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``: a template
     that writes ``bos_token`` itself is encoded without another BOS.
@@ -386,7 +489,7 @@ def chat_ids(tok, messages: list[dict], limit: int | None = None) -> list[int]:
     writes_bos = bool(tok.bos_token) and "bos_token" in (tok.chat_template or "")
     specials = tok.specials
     if not any(s in m["content"] for m in messages for s in specials):
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         if limit is not None and _surely_over(tok, text, limit, True):
             raise TooLong(len(text.encode("utf-8")))
         return tok.encode(text, add_bos=False) if writes_bos else tok.encode(text)
@@ -395,7 +498,7 @@ def chat_ids(tok, messages: list[dict], limit: int | None = None) -> list[int]:
         raise ValueError("a message holds a special-token string and the character "
                          "U+E000; refused")
     text = tok.apply_chat_template([dict(m, content=k) for m, k in zip(messages, marks)],
-                                   add_generation_prompt=True)
+                                   add_generation_prompt=True, tools=tools)
     if limit is not None and _surely_over(tok, text, limit, True):
         raise TooLong(len(text.encode("utf-8")))
     pos = [text.find(k) for k in marks]

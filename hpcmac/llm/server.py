@@ -27,8 +27,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from hpcmac.llm import tools
 from hpcmac.llm.parallel.live import Full, LiveRequest, LiveRequests
-from hpcmac.llm.request import ApiError, ServeConfig, chat_ids, load_body, parse
+from hpcmac.llm.request import ApiError, ServeConfig, chat_ids, load_body, parse, parse_request
 
 __all__ = ["ApiError", "ServeConfig", "build_app", "chat_ids", "parse", "run_serve"]
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -121,7 +122,7 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
 
     def decode(raw: bytes, kind: str):
         body = load_body(raw)
-        return body, parse(body, kind, cfg)
+        return body, parse_request(body, kind, cfg)
 
     async def health(_: Request):
         if alive.is_set() and not source.closed:
@@ -140,8 +141,11 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
                 return Response(status_code=400)  # nobody reads it
             loop = asyncio.get_running_loop()
             try:
-                body, (ids, max_tokens, sampling, stops, stream) = \
-                    await loop.run_in_executor(parser, decode, raw, kind)
+                body, p = await loop.run_in_executor(parser, decode, raw, kind)
+                ids, max_tokens, sampling, stops, stream = \
+                    p.ids, p.max_tokens, p.sampling, p.stops, p.stream
+                # chat whose answer has tool calls or reasoning to split off
+                reader = p.reader() if kind == "chat" and (p.tools or p.reasoning) else None
             except ApiError:
                 raise
             except Exception as exc:  # a defect of ours: one line, not a traceback
@@ -169,10 +173,12 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(st.ids),  # noqa: E731
                          "total_tokens": len(ids) + len(st.ids)}
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
+        def chunk(text: str | None, finish: str | None, first: bool = False,
+                  delta: dict | None = None) -> dict:
             if kind == "chat":
-                delta = {"role": "assistant", "content": text or ""} if first else \
-                    ({"content": text} if text else {})
+                if delta is None:
+                    delta = {"role": "assistant", "content": text or ""} if first else \
+                        ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
                 obj = "chat.completion.chunk"
             else:
@@ -203,13 +209,19 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
             include_usage = isinstance(body.get("stream_options"), dict) and \
                 bool(body["stream_options"].get("include_usage"))
 
+            sp = tools.StreamParser(**reader) if reader else None
+
+            def pieces(piece: str) -> list[dict]:  # a chat delta per piece of the answer
+                if sp is None:
+                    return [chunk(piece, None)] if piece else []
+                return [chunk(None, None, delta=d) for d in sp.feed(piece)]
+
             async def sse():
                 yield f"data: {json.dumps(chunk('', None, first=True))}\n\n"
                 async for what, reason in events():
                     if what == "tok":
-                        piece = st.delta(final=False)
-                        if piece:
-                            yield f"data: {json.dumps(chunk(piece, None))}\n\n"
+                        for c in pieces(st.delta(final=False)):
+                            yield f"data: {json.dumps(c)}\n\n"
                         continue
                     if reason in ("error", "cancelled"):
                         e = ApiError(500, req.error or source.error or "generation failed",
@@ -217,7 +229,15 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
                         yield f"data: {json.dumps(e.body())}\n\n"
                         return
                     piece = st.delta(final=True)
-                    last = chunk(piece, _finish(reason, st))
+                    finish = _finish(reason, st)
+                    if sp is not None:
+                        for c in pieces(piece):
+                            yield f"data: {json.dumps(c)}\n\n"
+                        rest, called = sp.close()
+                        for d in rest:
+                            yield f"data: {json.dumps(chunk(None, None, delta=d))}\n\n"
+                        piece, finish = "", "tool_calls" if called else finish
+                    last = chunk(piece, finish)
                     if include_usage:
                         last["usage"] = usage()
                     yield f"data: {json.dumps(last)}\n\n"
@@ -243,8 +263,13 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
                                 kind="server_error"))
         text = st.visible(final=True)
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": _finish(reason, st)}
+            message, finish = {"role": "assistant", "content": text}, _finish(reason, st)
+            if reader:
+                answer = tools.parse(text, **reader)
+                message = answer.message()
+                finish = "tool_calls" if answer.tool_calls else finish
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None,

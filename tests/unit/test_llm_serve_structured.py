@@ -88,3 +88,63 @@ def test_json_object_and_uncompilable_schema(server):
                 "type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})
     path = "response_format.json_schema.schema.properties.a.properties.b"
     assert e.value.body["param"] == path and path in e.value.body["message"]
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "additionalProperties": False,
+                       "required": ["city", "unit"],
+                       "properties": {"city": {"type": "string", "maxLength": 16},
+                                      "unit": {"enum": ["celsius", "fahrenheit"]}}}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                      "b": {"type": "integer", "minimum": 0, "maximum": 999}}}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _valid(name: str, arguments: str) -> dict:
+    args = json.loads(arguments)
+    jsonschema.validate(args, SCHEMAS[name])
+    return args
+
+
+def test_required_tool_call_streaming_and_not(server):
+    """tool_choice required with two tools: a valid call with schema-valid arguments,
+    finish_reason tool_calls; streamed as tool_calls deltas; a named choice calls that
+    tool; then a role:tool round trip completes."""
+    c, model = server.client(), server.model()
+    r = c.chat.completions.create(model=model, temperature=0, max_tokens=48, messages=ASK,
+                                  tools=TOOLS, tool_choice="required",
+                                  parallel_tool_calls=False)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+    call = ch.message.tool_calls[0]
+    _valid(call.function.name, call.function.arguments)
+    calls, finish = {}, None
+    for chunk in c.chat.completions.create(
+            model=model, temperature=0, max_tokens=48, messages=ASK, tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "add"}}, stream=True):
+        d = chunk.choices[0].delta
+        assert not d.content, d
+        for tc in d.tool_calls or []:
+            got = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            got["name"] += tc.function.name or ""
+            got["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls, calls
+    for got in calls.values():
+        assert got["name"] == "add"
+        _valid("add", got["arguments"])
+    back = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    r = c.chat.completions.create(model=model, temperature=0, max_tokens=8, messages=back,
+                                  tools=TOOLS)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.prompt_tokens > 60  # the tools, the call and its result are in the prompt

@@ -89,8 +89,10 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = False) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for chat ``messages`` ([{"role": ..., "content": ...}])."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for chat ``messages`` ([{"role": ..., "content": ...}]); ``tools``
+        as transformers passes them (OpenAI's ``[{"type": "function", ...}]``)."""
         import jinja2
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
@@ -100,9 +102,23 @@ class Tokenizer:
             raise UsageError(f"chat template: {msg}")
 
         env.globals["raise_exception"] = raise_exception
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            import json  # as transformers' renderer: no HTML escaping
+
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        def strftime_now(fmt):
+            import datetime
+
+            return datetime.datetime.now().strftime(fmt)
+
+        env.filters["tojson"] = tojson
+        env.globals["strftime_now"] = strftime_now
         tmpl = env.from_string(self.chat_template or CHATML)
         return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token)
+                           bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
 
     def stream(self) -> StreamDecoder:
         return StreamDecoder(self)

@@ -1,0 +1,655 @@
+"""Tool calls, OpenAI style: the request's tools checked, each family's call format parsed
+(whole, or as it streams), and the grammar that makes ``tool_choice`` required or named.
+
+Families (detected from the checkpoint's chat template, :func:`family`), as their own
+templates write a call:
+
+* ``hermes`` (Qwen2.5, Qwen3, Qwen3.5, and the fallback for a template without tools):
+  ``<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>``, or Qwen3-Coder's and
+  Qwen3.5's ``<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n
+  </tool_call>``;
+* ``llama3``: ``{"name": N, "parameters": {...}}`` (after ``<|python_tag|>`` or alone),
+  several joined by ``;``;
+* ``harmony`` (gpt-oss): ``<|channel|>commentary to=functions.N <|constrain|>json<|message|>
+  {...}`` ending with ``<|call|>``; the ``analysis`` channel is the reasoning;
+* ``deepseek`` (V3.x): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`` (V3's ``function<｜tool▁sep｜>N\\n```json ...```
+  too);
+* ``kimi`` (K2): ``<|tool_calls_section_begin|><|tool_call_begin|>functions.N:0
+  <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>``;
+* ``glm`` (4.5 to 4.7): ``<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>
+  </tool_call>``;
+* ``minimax`` (M2): ``<minimax:tool_call>\\n<invoke name="N">\\n<parameter name="K">V
+  </parameter>\\n</invoke>\\n</minimax:tool_call>``.
+
+In the XML-like formats a value is its text when the tool's schema says string, else
+JSON. Reasoning (``<think>...</think>``, harmony's analysis channel) is split off as
+``reasoning_content``. Everything here takes and returns plain OpenAI-shaped dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+FAMILIES = ("hermes", "llama3", "harmony", "deepseek", "kimi", "glm", "minimax")
+
+
+class ToolError(ValueError):
+    """A bad ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (``param`` names it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+@dataclass
+class ToolSpec:
+    """What a chat request asked of tools (rank 0, the HTTP side)."""
+
+    tools: list[dict]  # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    choice: str = "auto"  # auto | none | required | a function's name (named)
+    parallel: bool = True
+    family: str = "hermes"
+    rendered: bool = True  # the template writes the tools itself (else we add a system text)
+    think_open: bool = False  # the prompt ends inside <think> (the answer starts reasoning)
+    names: set = field(default_factory=set)
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in ("auto", "none")
+
+
+# -- the request ----------------------------------------------------------------------------
+
+def check(body: dict) -> ToolSpec | None:
+    """The request's tools, choice and parallel flag, or None without tools (or with
+    ``tool_choice: none``); ToolError naming the field."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > 128:
+        raise ToolError("'tools' must be a list of at most 128 tools", "tools")
+    clean = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)):
+            raise ToolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                            "{...}}", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ToolError(f"tools[{i}].function.name must be 1 to 64 letters, digits, "
+                            "_ . : or -", "tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object",
+                            "tools")
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise ToolError(f"tools[{i}].function.description must be a string", "tools")
+        f = {"name": name, "parameters": params}
+        if desc is not None:
+            f["description"] = desc
+        clean.append({"type": "function", "function": f})
+    names = [t["function"]["name"] for t in clean]
+    if len(set(names)) != len(names):
+        raise ToolError("'tools': two tools have the same name", "tools")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" \
+            else None
+        if name not in names:
+            raise ToolError("'tool_choice' names no tool of 'tools'", "tool_choice")
+        choice = name
+    elif choice not in ("auto", "none", "required"):
+        raise ToolError("'tool_choice' must be auto, none, required or {\"type\": "
+                        "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if choice == "none":
+        return None
+    return ToolSpec(clean, choice, parallel, names=set(names))
+
+
+def family(template: str | None) -> str:
+    """The tool-call format a chat template writes (``hermes`` when it shows none)."""
+    t = template or ""
+    if "<|channel|>" in t:
+        return "harmony"
+    if "tool\u2581calls\u2581begin" in t:
+        return "deepseek"
+    if "tool_calls_section_begin" in t or "tool_call_argument_begin" in t:
+        return "kimi"
+    if "minimax:tool_call" in t:
+        return "minimax"
+    if "<arg_key>" in t:
+        return "glm"
+    if "<tool_call>" in t:
+        return "hermes"
+    if "<|python_tag|>" in t or ("ipython" in t and "parameters" in t):
+        return "llama3"
+    return "hermes"
+
+
+def reasoning_style(template: str | None) -> str | None:
+    """How a template's answers carry reasoning: ``think``, ``harmony`` or None."""
+    t = template or ""
+    if "<|channel|>" in t:
+        return "harmony"
+    return "think" if "<think>" in t or "</think>" in t else None
+
+
+def writes_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+def system_text(tools: list[dict]) -> str:
+    """The tools as a system message, hermes style, for a template that shows none."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{lines}\n</tools>\n\nFor each function call, return a json object with "
+            "function name and arguments within <tool_call></tool_call> XML tags:\n"
+            "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+            "</tool_call>")
+
+
+def hermes_call_text(calls: list[dict]) -> str:
+    """Assistant ``tool_calls`` written into its content (a template that shows none)."""
+    out = []
+    for c in calls:
+        f = c.get("function") or {}
+        out.append("<tool_call>\n" + json.dumps({"name": f.get("name"),
+                                                 "arguments": _args_obj(f.get("arguments"))},
+                                                ensure_ascii=False) + "\n</tool_call>")
+    return "\n".join(out)
+
+
+def _args_obj(a):
+    if isinstance(a, str):
+        try:
+            return json.loads(a)
+        except ValueError:
+            return a
+    return a
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as transformers hands them to a template: assistant ``tool_calls`` whose
+    ``arguments`` are JSON text get them as objects (templates write them with tojson)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = dict(m, tool_calls=[dict(c, function=dict(c.get("function") or {},
+                                                          arguments=_args_obj(
+                                                              (c.get("function") or {}).get(
+                                                                  "arguments"))))
+                                    for c in calls])
+        out.append(m)
+    return out
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _call(name: str, args, spec: ToolSpec | None) -> dict | None:
+    """An OpenAI tool call, or None when it is not one (unknown name, args not an object)."""
+    if spec is not None and name not in spec.names:
+        return None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _props(spec: ToolSpec | None, name: str) -> dict:
+    if spec is None:
+        return {}
+    for t in spec.tools:
+        if t["function"]["name"] == name:
+            return (t["function"].get("parameters") or {}).get("properties") or {}
+    return {}
+
+
+def _value(text: str, schema) -> object:
+    """An XML-like parameter's value: its text for a string parameter, else JSON (the
+    text when it is not JSON)."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+_JSON_DEC = json.JSONDecoder()
+
+
+def _json_objects(text: str, sep: str) -> list | None:
+    """Consecutive JSON objects in ``text`` separated by ``sep`` or whitespace; None if any
+    other text is there."""
+    out, i = [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == sep):
+            i += 1
+        if i == len(text):
+            return out
+        try:
+            obj, i = _JSON_DEC.raw_decode(text, i)
+        except ValueError:
+            return None
+        out.append(obj)
+
+
+def _hermes(region: str, spec) -> list | None:
+    calls = []
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", region, re.S):
+        b = body.strip()
+        m = re.fullmatch(r"<function=([^>\n]+)>(.*?)</function>", b, re.S)
+        if m:
+            name, props = m.group(1).strip(), _props(spec, m.group(1).strip())
+            args = {k: _value(v.strip("\n"), props.get(k)) for k, v in
+                    re.findall(r"<parameter=([^>\n]+)>(.*?)</parameter>", m.group(2), re.S)}
+            c = _call(name, args, spec)
+        else:
+            try:
+                obj = json.loads(b)
+            except ValueError:
+                return None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                return None
+            c = _call(obj["name"], obj.get("arguments", obj.get("parameters", {})), spec)
+        if c is None:
+            return None
+        calls.append(c)
+    rest = re.sub(r"<tool_call>.*?</tool_call>", "", region, flags=re.S)
+    return calls if calls and not rest.strip() else None
+
+
+def _llama3(region: str, spec) -> list | None:
+    objs = _json_objects(region.replace("<|python_tag|>", ""), ";")
+    if not objs:
+        return None
+    calls = []
+    for o in objs:
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            return None
+        c = _call(o["name"], o.get("parameters", o.get("arguments", {})), spec)
+        if c is None:
+            return None
+        calls.append(c)
+    return calls
+
+
+_DS = ("<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>",
+       "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>",
+       "<\uff5ctool\u2581sep\uff5c>")
+
+
+def _deepseek(region: str, spec) -> list | None:
+    calls_b, calls_e, b, e, sep = _DS
+    body = region.strip()
+    if not body.startswith(calls_b):
+        return None
+    body = body[len(calls_b):]
+    body = body[:-len(calls_e)] if body.rstrip().endswith(calls_e) else body
+    body = body.rstrip().removesuffix(calls_e)
+    calls = []
+    for item in re.findall(re.escape(b) + "(.*?)" + re.escape(e), body, re.S):
+        if sep not in item:
+            return None
+        head, tail = item.split(sep, 1)
+        if head.strip() == "function" and "```" in tail:  # V3: function<sep>name\n```json
+            name, _, rest = tail.partition("\n")
+            m = re.search(r"```(?:json)?\s*(.*?)\s*```", rest, re.S)
+            c = _call(name.strip(), m.group(1) if m else "", spec)
+        else:
+            c = _call(head.strip(), tail.strip(), spec)
+        if c is None:
+            return None
+        calls.append(c)
+    rest = re.sub(re.escape(b) + ".*?" + re.escape(e), "", body, flags=re.S)
+    return calls if calls and not rest.strip() else None
+
+
+_KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+         "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+
+
+def _kimi(region: str, spec) -> list | None:
+    sb, se, b, a, e = _KIMI
+    body = region.strip()
+    if not body.startswith(sb):
+        return None
+    body = body[len(sb):].rstrip().removesuffix(se)
+    calls = []
+    pat = re.escape(b) + r"\s*(.*?)\s*" + re.escape(a) + "(.*?)" + re.escape(e)
+    for ident, args in re.findall(pat, body, re.S):
+        name = ident.split(":")[0].removeprefix("functions.")
+        c = _call(name, args.strip(), spec)
+        if c is None:
+            return None
+        calls.append(c)
+    rest = re.sub(pat, "", body, flags=re.S)
+    return calls if calls and not rest.strip() else None
+
+
+def _glm(region: str, spec) -> list | None:
+    calls = []
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", region, re.S):
+        name, _, rest = body.partition("<arg_key>")
+        name = name.strip()
+        props = _props(spec, name)
+        pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
+                           "<arg_key>" + rest if rest else "", re.S)
+        c = _call(name, {k.strip(): _value(v, props.get(k.strip())) for k, v in pairs}, spec)
+        if c is None:
+            return None
+        calls.append(c)
+    left = re.sub(r"<tool_call>.*?</tool_call>", "", region, flags=re.S)
+    return calls if calls and not left.strip() else None
+
+
+def _minimax(region: str, spec) -> list | None:
+    calls = []
+    blocks = re.findall(r"<minimax:tool_call>(.*?)</minimax:tool_call>", region, re.S)
+    for block in blocks:
+        for name, inner in re.findall(r'<invoke name="([^"]+)">(.*?)</invoke>', block, re.S):
+            props = _props(spec, name)
+            args = {k: _value(v.strip("\n"), props.get(k)) for k, v in
+                    re.findall(r'<parameter name="([^"]+)">(.*?)</parameter>', inner, re.S)}
+            c = _call(name, args, spec)
+            if c is None:
+                return None
+            calls.append(c)
+    left = re.sub(r"<minimax:tool_call>.*?</minimax:tool_call>", "", region, flags=re.S)
+    return calls if calls and not left.strip() else None
+
+
+#: each family's first marker of a call region, and its parser of the region
+STARTS = {"hermes": "<tool_call>", "llama3": None, "harmony": None, "deepseek": _DS[0],
+          "kimi": _KIMI[0], "glm": "<tool_call>", "minimax": "<minimax:tool_call>"}
+_PARSERS = {"hermes": _hermes, "llama3": _llama3, "deepseek": _deepseek, "kimi": _kimi,
+            "glm": _glm, "minimax": _minimax}
+
+
+def _harmony(text: str) -> tuple[str, str, list[tuple[str, str]], bool]:
+    """(reasoning, content, [(recipient, body)], complete?) of harmony messages."""
+    reasoning, content, calls = [], [], []
+    for i, msg in enumerate(re.split(r"<\|start\|>", text)):
+        if not msg.strip():
+            continue
+        head, sep, body = msg.partition("<|message|>")
+        if not sep:  # a header still arriving; or no harmony at all: text
+            if i == 0 and "<|" not in head:
+                content.append(head)
+            return "".join(reasoning), "".join(content), calls, False
+        body = re.split(r"<\|end\|>|<\|call\|>|<\|return\|>", body)[0]
+        ch = re.search(r"<\|channel\|>\s*(\w+)", head)
+        to = re.search(r"to=([^\s<]+)", head)
+        channel = ch.group(1) if ch else "final"
+        if to is not None:
+            calls.append((to.group(1), body))
+        elif channel == "analysis":
+            reasoning.append(body)
+        else:
+            content.append(body)
+    return "".join(reasoning), "".join(content), calls, True
+
+
+@dataclass
+class Parsed:
+    """One answer, split: what the message shows (OpenAI's assistant message fields)."""
+
+    content: str
+    reasoning: str | None = None
+    tool_calls: list[dict] | None = None
+
+    def message(self) -> dict:
+        m: dict = {"role": "assistant", "content": self.content if self.content or
+                   not self.tool_calls else None}
+        if self.reasoning:
+            m["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            m["tool_calls"] = self.tool_calls
+        return m
+
+
+def split_reasoning(text: str, style: str | None, think_open: bool) -> tuple[str | None, str, bool]:
+    """(reasoning, the rest, reasoning finished?) of ``text`` (``think`` style)."""
+    if style != "think":
+        return None, text, True
+    body = text
+    if not think_open:
+        stripped = body.lstrip()
+        if not stripped.startswith("<think>"):
+            return None, text, True
+        body = stripped[len("<think>"):]
+    if "</think>" not in body:
+        return body.lstrip("\n"), "", False
+    r, rest = body.split("</think>", 1)
+    return r.strip("\n"), rest.lstrip("\n"), True
+
+
+def parse(text: str, fam: str, spec: ToolSpec | None, style: str | None = None,
+          think_open: bool = False) -> Parsed:
+    """A whole answer: its reasoning, its content and its tool calls. Under ``auto`` a call
+    that does not parse (or names no tool) stays content."""
+    if style == "harmony" or fam == "harmony":
+        r, content, raw, _ = _harmony(text)
+        calls = [_call(to.removeprefix("functions."), body.strip(), spec) for to, body in raw]
+        if spec is None or not calls or None in calls:  # not a call: its text is content
+            return Parsed(content + "".join(b for _, b in raw), r or None)
+        return Parsed(content, r or None, calls if spec.parallel else calls[:1])
+    reasoning, rest, _ = split_reasoning(text, style, think_open)
+    if spec is None:
+        return Parsed(rest, reasoning)
+    head, region = _region(rest, fam)
+    if region is None:
+        return Parsed(rest, reasoning)
+    calls = _PARSERS[fam](region, spec) or (_truncated(region, fam, spec) if spec.forced
+                                             else None)
+    if not calls:
+        return Parsed(rest, reasoning)
+    if not spec.parallel:
+        calls = calls[:1]
+    return Parsed(head.rstrip(), reasoning, calls)
+
+
+#: where a call ends, and what closes the calls' section, per family
+_ENDS = {"hermes": ("</tool_call>", ""), "glm": ("</tool_call>", ""), "llama3": ("}", ""),
+         "deepseek": (_DS[3], _DS[1]), "kimi": (_KIMI[4], _KIMI[1]),
+         "minimax": ("</invoke>\n", "</minimax:tool_call>")}
+
+
+def _truncated(region: str, fam: str, spec) -> list | None:
+    """The complete calls of a region cut short (max_tokens in a later call): a forced
+    choice's grammar has kept every call before the cut valid."""
+    end, close = _ENDS[fam]
+    pos = len(region)
+    while (pos := region.rfind(end, 0, pos)) > 0:
+        calls = _PARSERS[fam](region[:pos + len(end)] + close, spec)
+        if calls:
+            return calls
+    return None
+
+
+def _region(text: str, fam: str) -> tuple[str, str | None]:
+    """(text before the call region, the region or None)."""
+    start = STARTS.get(fam)
+    if start is None:  # llama3: the whole answer is the call, when it is one
+        s = text.lstrip()
+        return ("", text) if s.startswith("{") or s.startswith("<|python_tag|>") else (text, None)
+    i = text.find(start)
+    return (text, None) if i < 0 else (text[:i], text[i:])
+
+
+def _cut_open(text: str) -> str:
+    """``text`` less a tail that may be the start of a special token (``<|...``)."""
+    i = text.rfind("<")
+    return text[:i] if i >= 0 and "|>" not in text[i:] and len(text) - i < 16 else text
+
+
+class StreamParser:
+    """An answer as it streams: OpenAI delta dicts for each piece of text (rank 0)."""
+
+    def __init__(self, fam: str, spec: ToolSpec | None, style: str | None,
+                 think_open: bool = False):
+        self.fam, self.spec, self.style, self.think_open = fam, spec, style, think_open
+        self.text = ""
+        self.sent_r = self.sent_c = 0
+        self.calls = 0
+
+    def _hold(self, content: str) -> str:
+        """Content safe to show: before a call region, less a tail that may begin one."""
+        if self.spec is None:
+            return content
+        if self.fam == "llama3":
+            return "" if not content.strip() or content.lstrip()[:1] in "{<" else content
+        head, region = _region(content, self.fam)
+        if region is not None:
+            return head.rstrip()
+        start = STARTS[self.fam]
+        for k in range(min(len(start) - 1, len(head)), 0, -1):
+            if start.startswith(head[-k:]):
+                head = head[:-k]
+                break
+        return head.rstrip()  # the whole answer's content loses what precedes a call
+
+    def feed(self, piece: str) -> list[dict]:
+        self.text += piece
+        if self.style == "harmony" or self.fam == "harmony":
+            r, content, _, _ = _harmony(self.text)
+            # a special token may be arriving: hold a tail from its "<|" (or "<")
+            return self._out(_cut_open(r), _cut_open(content))
+        if self.style == "think" and not self.think_open and \
+                "<think>".startswith(self.text.lstrip()[:7]) and len(self.text.lstrip()) < 7:
+            return []  # "<think>" may be arriving
+        r, rest, done = split_reasoning(self.text, self.style, self.think_open)
+        if r is not None and not done:
+            lead = r
+            # "</think>" may be arriving: hold a tail that begins it, and the newlines
+            # the whole answer's reasoning would lose
+            for k in range(min(7, len(lead)), 0, -1):
+                if "</think>".startswith(lead[-k:]):
+                    lead = lead[:-k]
+                    break
+            return self._out(lead.rstrip("\n"), "")
+        return self._out(r or "", self._hold(rest))
+
+    def _out(self, r: str, c: str) -> list[dict]:
+        out = []
+        if len(r) > self.sent_r:
+            out.append({"reasoning_content": r[self.sent_r:]})
+            self.sent_r = len(r)
+        if len(c) > self.sent_c:
+            out.append({"content": c[self.sent_c:]})
+            self.sent_c = len(c)
+        return out
+
+    def close(self) -> tuple[list[dict], bool]:
+        """The last deltas, and whether the answer was tool calls."""
+        p = parse(self.text, self.fam, self.spec, self.style, self.think_open)
+        out = self._out(p.reasoning or "", p.content)
+        if p.tool_calls:
+            out.append({"tool_calls": [dict(c, index=i) for i, c in enumerate(p.tool_calls)]})
+        return out, bool(p.tool_calls)
+
+
+# -- the grammar of a forced call ---------------------------------------------------------
+
+def _lit(s: str, tok) -> str:
+    """A Lark terminal for ``s``: its special token when it is one, else the text."""
+    if tok is not None and s in set(tok.specials):
+        ids = tok.encode(s, add_bos=False)
+        if len(ids) == 1:
+            return f"<[{ids[0]}]>"
+    return json.dumps(s)
+
+
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+
+
+def _xml_params(params: dict, key: str, mid: str, end: str, tok) -> str:
+    """Required parameters, in order, as ``key K mid V end`` (a string's value is text
+    without '<'; any other is JSON)."""
+    props = params.get("properties") or {}
+    parts = []
+    for k in params.get("required") or []:
+        sub = props.get(k, {})
+        v = '/[^<]*/' if isinstance(sub, dict) and sub.get("type") == "string" else \
+            _json(sub if isinstance(sub, dict) else {})
+        parts.append(f"{_lit(key.format(k=k), tok)} {v} {_lit(end, tok)}")
+    return " ".join(parts) if parts else '""'
+
+
+def call_lark(spec: ToolSpec, tok) -> str:
+    """A Lark grammar (llguidance's dialect) of the answers that are only calls of
+    ``spec``'s tools (the named one, or any for ``required``), one or, when parallel,
+    several; the family's own format, its markers as special tokens where they are."""
+    tools = [t["function"] for t in spec.tools
+             if spec.choice == "required" or t["function"]["name"] == spec.choice]
+    fam = spec.family
+    multi = spec.parallel and fam != "harmony"
+    rules = []
+    for i, f in enumerate(tools):
+        n, params = f["name"], f.get("parameters") or {"type": "object"}
+        if fam == "hermes":
+            obj = {"type": "object", "required": ["name", "arguments"],
+                   "additionalProperties": False,
+                   "properties": {"name": {"const": n}, "arguments": params}}
+            body = (f'{_lit("<tool_call>", tok)} "\\n" {_json(obj)} "\\n" '
+                    f'{_lit("</tool_call>", tok)}')
+        elif fam == "llama3":
+            obj = {"type": "object", "required": ["name", "parameters"],
+                   "additionalProperties": False,
+                   "properties": {"name": {"const": n}, "parameters": params}}
+            body = _json(obj)
+        elif fam == "harmony":
+            body = (f'{_lit("<|channel|>", tok)} "commentary to=functions.{n} " '
+                    f'{_lit("<|constrain|>", tok)} "json" {_lit("<|message|>", tok)} '
+                    f'{_json(params)}')
+        elif fam == "deepseek":
+            body = f'{_lit(_DS[2], tok)} {json.dumps(n)} {_lit(_DS[4], tok)} {_json(params)} ' \
+                   f'{_lit(_DS[3], tok)}'
+        elif fam == "kimi":
+            body = (f'{_lit(_KIMI[2], tok)} "functions.{n}:" /[0-9]/ {_lit(_KIMI[3], tok)} '
+                    f'{_json(params)} {_lit(_KIMI[4], tok)}')
+        elif fam == "glm":
+            body = (f'{_lit("<tool_call>", tok)} {json.dumps(n + chr(10))} '
+                    + _xml_params(params, "<arg_key>{k}</arg_key>\n<arg_value>", "",
+                                  "</arg_value>\n", tok) + f' {_lit("</tool_call>", tok)}')
+        else:  # minimax
+            body = (f'"<invoke name=\\"{n}\\">\\n" '
+                    + _xml_params(params, '<parameter name="{k}">', "", "</parameter>\n", tok)
+                    + ' "</invoke>\\n"')
+        rules.append(f"t{i}: {body}")
+    one = " | ".join(f"t{i}" for i in range(len(tools)))
+    sep = {"llama3": '"; "', "hermes": '"\\n"', "glm": '"\\n"'}.get(fam, '""')
+    calls = f"({one}) ({sep} ({one}))*" if multi else f"({one})"
+    if fam == "deepseek":
+        calls = f"{_lit(_DS[0], tok)} {calls} {_lit(_DS[1], tok)}"
+    elif fam == "kimi":
+        calls = f"{_lit(_KIMI[0], tok)} {calls} {_lit(_KIMI[1], tok)}"
+    elif fam == "minimax":
+        calls = f'{_lit("<minimax:tool_call>", tok)} "\\n" {calls} ' \
+                f'{_lit("</minimax:tool_call>", tok)}'
+    return "start: " + calls + "\n" + "\n".join(rules) + "\n"
