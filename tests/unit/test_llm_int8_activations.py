@@ -83,6 +83,19 @@ def test_int8_product_is_the_product_with_rounded_activations(bits, group, m):
     assert np.abs(y - ref).max() > 0  # it did round: not the float path by accident
 
 
+#: MXFP4 and FP8 weights (their E2M1 lookup and E4M3 conversion have portable forms too)
+_FLOAT_MODES = r"""
+from hpcmac.llm.model import fp8
+from hpcmac.llm.model.quant import pack
+rng = np.random.default_rng(5)
+float_modes = {
+    "mxfp4": QuantTensor(pack(rng.integers(0, 16, (70, 256), dtype=np.uint8), 4),
+                         rng.integers(118, 130, (70, 8), dtype=np.uint8), None, 4, 32, "",
+                         "mxfp4"),
+    "fp8": fp8.from_blocks(*fp8.quantize(rng.standard_normal((70, 256)).astype(np.float32))),
+}
+xf = rng.standard_normal((2, 256)).astype(np.float32)
+"""
 _PORTABLE = r"""
 import json, sys
 import numpy as np, mlx.core as mx
@@ -98,12 +111,16 @@ for bits, group in [(4, 32), (8, 32), (3, 64)]:
                                                        bits=bits)), bits, group)
     x = rng.standard_normal((2, 256)).astype(np.float32)
     out[f"{bits}-{group}"] = [qmatmul(x, NQWeight(t), int8=i).tolist() for i in (False, True)]
+""" + _FLOAT_MODES + r"""
+for k, t in float_modes.items():
+    out[k] = qmatmul(xf, NQWeight(t)).tolist()
 print(json.dumps(out))
 """
 
 
 def test_portable_path_equals_vnni_path(tmp_path):
-    """numba compiling for a generic x86-64 (no VNNI) gives the same products."""
+    """numba compiling for a generic x86-64 (no VNNI, no pshufb, no F16C) gives the same
+    products (MXFP4 and FP8 too)."""
     import json
 
     from hpcmac.llm.model import qvec
@@ -113,6 +130,12 @@ def test_portable_path_equals_vnni_path(tmp_path):
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
+    here = {}
+    exec(_FLOAT_MODES, {"np": np, "QuantTensor": QuantTensor}, here)
+    for key, t in here["float_modes"].items():
+        y = qmatmul(here["xf"], NQWeight(t))
+        np.testing.assert_allclose(np.array(got.pop(key)), y, rtol=0,
+                                   atol=1e-6 * np.abs(y).max())
     for key, (yf, yi) in got.items():
         bits, group = map(int, key.split("-"))
         rng = np.random.default_rng(bits)

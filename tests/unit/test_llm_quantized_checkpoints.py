@@ -41,13 +41,16 @@ from hpcmac.llm.model.weights import open_checkpoint  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = dict(hidden_size=128, intermediate_size=256, vocab_size=256, num_attention_heads=4,
               num_key_value_heads=2)
-#: name -> (arch, config overrides, bits, group, mlx-lm recipe)
+#: name -> (arch, config overrides, bits, group, mlx-lm recipe or mode)
 CASES = {
     "llama-q4-g64": ("llama", {}, 4, 64, None),
     "qwen3-q8-g32": ("qwen3", dict(head_dim=32), 8, 32, None),
     "qwen3moe-q4-g128": ("qwen3_moe", dict(head_dim=32, moe_intermediate_size=128), 4, 128,
                          None),
     "llama-mixed_3_6-g64": ("llama", {}, 4, 64, "mixed_3_6"),
+    # mlx-lm's --q-mode mxfp4: E2M1 codes, E8M0 scales per 32, no biases
+    "qwen3moe-mxfp4": ("qwen3_moe", dict(head_dim=32, moe_intermediate_size=128), 4, 32,
+                       "mxfp4"),
 }
 PROMPT = [1, 5, 9, 33, 70, 2, 17]
 N_TOKENS = 12
@@ -64,7 +67,9 @@ def quantized(tmp_path_factory):
             base = tmp_path_factory.mktemp(name)
             src = random_checkpoint(arch, base / "hf", seed=5, initializer_range=0.2,
                                     **{**SHAPES, **over})
-            made[name] = mlx_lm_quantize(src, base / "q", bits, group, recipe)
+            mode = recipe if recipe == "mxfp4" else "affine"
+            made[name] = mlx_lm_quantize(src, base / "q", bits, group,
+                                         None if mode != "affine" else recipe, mode)
         return made[name]
 
     return get
@@ -147,7 +152,9 @@ def test_mlx_lm_checkpoint_same_tokens_as_mlx_lm(name, backend, quantized):
     cfg = json.loads((folder / "config.json").read_text())
     n_layers = cfg["num_hidden_layers"]
     q = load_stage(folder, 0, n_layers, backend=backend)
-    assert q.formats and all(k.startswith("mlx q") for k in q.formats)
+    assert q.formats and all(k.startswith("mlx ") for k in q.formats)
+    if name.endswith("mxfp4"):  # mlx-lm keeps the router affine 8-bit
+        assert set(q.formats) == {"mlx mxfp4", "mlx q8 g64"}
     assert stage_greedy(q, PROMPT, N_TOKENS) == mlx_lm_greedy(folder, PROMPT, N_TOKENS)
     f = load_stage(folder, 0, n_layers, backend="numpy", keep_quantized=False)
     assert not f.formats
@@ -193,13 +200,13 @@ def test_unsupported_mode_is_one_line(quantized, tmp_path):
 
     folder = shutil.copytree(quantized("llama-q4-g64"), tmp_path / "m")
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization"] = {**cfg["quantization"], "mode": "mxfp4"}
+    cfg["quantization"] = {**cfg["quantization"], "mode": "nvfp4"}
     (folder / "config.json").write_text(json.dumps(cfg))
     r = _cli(["--model", str(folder), "--prompt-ids", "1,2", "--max-tokens", "2"])
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "quantization mode 'mxfp4' is not supported" in lines[0]
-    assert "model.embed_tokens.weight" in lines[0] or "layers." in lines[0]
+    assert len(lines) == 1 and "quantization mode 'nvfp4' is not supported" in lines[0]
+    assert "config.json: quantization" in lines[0]  # at config time, before any weight
 
 
 def test_corrupt_scales_shape_is_one_line(quantized, tmp_path):

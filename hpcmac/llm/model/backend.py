@@ -194,12 +194,24 @@ def check_quantize(backend: str, bits: int | None, group_size: int = 64) -> None
 
 
 class QWeight:
-    """A weight (out, in) kept quantized by MLX (affine, ``bits`` per weight, one scale and
-    bias per ``group`` inputs), multiplied with ``mx.quantized_matmul``."""
+    """A weight (out, in) kept quantized by MLX, multiplied with ``mx.quantized_matmul``:
+    affine (``bits`` per weight, one scale and bias per ``group`` inputs) or mxfp4 (MLX's
+    own mode: the E2M1 words and E8M0 scales as stored). FP8 (mode ``fp8``): MLX has no
+    FP8 matmul; the E4M3 codes (uint8) and the float32 scale per row and 128 inputs are
+    held as they are and dequantized at each use (``mx.from_fp8``) before a float32
+    matmul."""
 
-    __slots__ = ("wq", "scales", "biases", "bits", "group", "source")
+    __slots__ = ("wq", "scales", "biases", "bits", "group", "source", "mode")
 
     def __init__(self, mx, w: np.ndarray | QuantTensor, bits: int, group: int):
+        self.mode = w.mode if isinstance(w, QuantTensor) else "affine"
+        if self.mode != "affine":  # the codes and scales as stored, no biases
+            self.wq = mx.array(np.ascontiguousarray(w.words).view(np.uint8).reshape(w.shape)
+                               if self.mode == "fp8" else np.ascontiguousarray(w.words))
+            self.scales, self.biases = mx.array(np.ascontiguousarray(w.scales)), None
+            self.bits, self.group, self.source = w.bits, w.group, w.source
+            mx.eval(self.wq, self.scales)
+            return
         if isinstance(w, QuantTensor):  # already quantized: the stored codes, as they are
             from hpcmac.llm.model.quant import narrowest
 
@@ -220,7 +232,14 @@ class QWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(self.wq.nbytes + self.scales.nbytes + self.biases.nbytes)
+        return int(self.wq.nbytes + self.scales.nbytes +
+                   (0 if self.biases is None else self.biases.nbytes))
+
+    def fp8_float(self, mx, rows=None):
+        """The FP8 weight (or its ``rows``) dequantized to float32 (out, in)."""
+        wq, sc = (self.wq, self.scales) if rows is None else (self.wq[rows], self.scales[rows])
+        w = mx.from_fp8(wq, dtype=mx.float32).reshape(*wq.shape[:-1], -1, self.group)
+        return (w * sc[..., None]).reshape(wq.shape)
 
 
 class MLXBackend:
@@ -274,16 +293,24 @@ class MLXBackend:
         """Rows ``idx`` of a quantized (out, in) weight, dequantized: (len(idx), in) float32."""
         i = self.mx.array(np.asarray(idx, dtype=np.int32))
         f32 = self.mx.float32  # dequantized in float32 (16-bit scales would round the result)
-        out = self.mx.dequantize(w.wq[i], w.scales[i].astype(f32), w.biases[i].astype(f32),
-                                 group_size=w.group, bits=w.bits)
+        if w.mode == "fp8":
+            out = w.fp8_float(self.mx, i)
+        elif w.mode == "mxfp4":  # exact in any float type
+            out = self.mx.dequantize(w.wq[i], w.scales[i], None, group_size=w.group,
+                                     bits=w.bits, mode="mxfp4").astype(f32)
+        else:
+            out = self.mx.dequantize(w.wq[i], w.scales[i].astype(f32),
+                                     w.biases[i].astype(f32), group_size=w.group, bits=w.bits)
         return np.array(out, dtype=np.float32)
 
     def linear(self, x, wt):
         if isinstance(wt, Blocks):
             return self.mx.concatenate([self.linear(x, p) for p in wt], axis=-1)
         if isinstance(wt, QWeight):
+            if wt.mode == "fp8":
+                return x @ wt.fp8_float(self.mx).T
             return self.mx.quantized_matmul(x, wt.wq, wt.scales, wt.biases, transpose=True,
-                                            group_size=wt.group, bits=wt.bits)
+                                            group_size=wt.group, bits=wt.bits, mode=wt.mode)
         return x @ wt
 
     def sigmoid(self, x):

@@ -175,10 +175,11 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
 
 
 def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int, group: int,
-                    recipe: str | None = None) -> Path:
+                    recipe: str | None = None, mode: str = "affine") -> Path:
     """Quantize a random folder with mlx-lm itself (as ``mlx_lm.convert -q``), into ``out``.
 
-    ``recipe``: one of mlx-lm's mixed-precision recipes (e.g. ``mixed_3_6``).
+    ``recipe``: one of mlx-lm's mixed-precision recipes (e.g. ``mixed_3_6``); ``mode``:
+    MLX's quantization mode (``mxfp4``: ``--q-mode mxfp4``).
     mlx-lm wants ``rope_theta`` and ``num_experts`` at the top of config.json
     (transformers 5 writes ``rope_parameters`` and may write ``num_local_experts``):
     both are added to the source folder first, with the same values, so both
@@ -198,7 +199,8 @@ def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int, group: int,
         from mlx_lm.convert import mixed_quant_predicate_builder
 
         pred = mixed_quant_predicate_builder(recipe, model, group)
-    model, config = quantize_model(model, config, group, bits, quant_predicate=pred)
+    model, config = quantize_model(model, config, group, bits, mode=mode,
+                                   quant_predicate=pred)
     save_model(out, model)
     save_config(config, out / "config.json")
     return out

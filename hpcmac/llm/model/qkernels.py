@@ -47,7 +47,14 @@ import os
 
 import numpy as np
 
-from hpcmac.llm.model.quant import QuantTensor, compact_scales, unpack, widen_scales
+from hpcmac.llm.model.quant import (
+    E4M3_VALUES,
+    FP4_VALUES,
+    QuantTensor,
+    compact_scales,
+    unpack,
+    widen_scales,
+)
 
 #: rows of x above which a product goes through dequantized tiles and BLAS
 GEMM_ROWS = 32
@@ -93,7 +100,7 @@ def _compile():
     opts = dict(cache=True, nogil=True, boundscheck=False)
 
     @nb.njit(**opts)  # no fastmath: scale * q + bias rounded as MLX's dequantize does
-    def deq(q, s, b, bits4, w):  # q rows (n, bytes); s, b (n, G) float32 -> w (n, K)
+    def deq(q, s, b, kind, table, w):  # q rows (n, bytes); s, b (n, G) f32 -> w (n, K)
         n, K = w.shape
         group = K // s.shape[1]
         for o in range(n):
@@ -101,29 +108,56 @@ def _compile():
                 g = c * 32 // group
                 sc = s[o, g]
                 bi = b[o, g]
-                if bits4:  # byte j: codes j (low nibble) and j + 16 (high)
+                if kind == 1 or kind == 2:  # byte j: codes j (low nibble) and j + 16 (high)
                     for j in range(16):
                         byte = np.int32(q[o, c * 16 + j])
-                        w[o, c * 32 + j] = sc * np.float32(byte & np.int32(15)) + bi
-                        w[o, c * 32 + 16 + j] = sc * np.float32(byte >> np.int32(4)) + bi
+                        w[o, c * 32 + j] = sc * table[byte & np.int32(15)] + bi
+                        w[o, c * 32 + 16 + j] = sc * table[byte >> np.int32(4)] + bi
                 else:
                     for j in range(32):
-                        w[o, c * 32 + j] = sc * np.float32(np.int32(q[o, c * 32 + j])) + bi
+                        w[o, c * 32 + j] = sc * table[np.int32(q[o, c * 32 + j])] + bi
 
     _kernels = dict(mv_f32=mv_f32, mv_i8=mv_i8, quantize_x=quantize_x, deq=deq)
     return _kernels
 
 
-class NQWeight:
-    """A quantized weight (out, in) for the numpy backend (see the module docstring)."""
+#: the value of each code, by kernel kind (see :mod:`~hpcmac.llm.model.qvec`): the affine
+#: integers; E2M1 doubled; E4M3 over 2^8 (the scales carry the factors 1/2 and 2^8)
+_TABLES = {0: np.arange(256, dtype=np.float32), 1: np.arange(256, dtype=np.float32),
+           2: np.concatenate([FP4_VALUES * 2, np.zeros(240, np.float32)]),
+           3: E4M3_VALUES / np.float32(256)}
 
-    __slots__ = ("q", "scales", "biases", "bias_c", "bits", "group", "n", "k", "source")
+
+def _mode_scales(t: QuantTensor) -> tuple[int, np.ndarray]:
+    """(kernel kind, scales as the kernel reads them) of a float-mode tensor: MXFP4's
+    E8M0 s as the bfloat16 bits of 2^(s - 128) (exact, subnormals too); FP8's float32
+    scales times 2^8 (exact)."""
+    if t.mode == "mxfp4":
+        f = np.ldexp(np.float32(1.0), np.asarray(t.scales).astype(np.int32) - 128)
+        return 2, np.ascontiguousarray((f.astype(np.float32).view(np.uint32)
+                                        >> np.uint32(16)).astype(np.uint16))
+    return 3, np.ascontiguousarray(np.asarray(t.scales, np.float32) * np.float32(256))
+
+
+class NQWeight:
+    """A quantized weight (out, in) for the numpy backend (see the module docstring).
+
+    ``kind``: what a code means to the kernels (:mod:`~hpcmac.llm.model.qvec`): 0, 1
+    affine (bytes, nibbles), 2 MXFP4, 3 FP8."""
+
+    __slots__ = ("q", "scales", "biases", "bias_c", "bits", "group", "n", "k", "source",
+                 "kind")
 
     def __init__(self, t: QuantTensor):
         if t.ndim != 2:
             raise ValueError("NQWeight: expected a 2-D weight")
         self.n, self.k = t.shape
         self.bits, self.group, self.source = t.bits, t.group, t.source
+        self.kind = 1 if t.bits == 4 else 0
+        if t.mode != "affine":
+            self.kind, self.scales = _mode_scales(t)
+            self.bias_c = 0.0
+            self.biases = np.empty((0, self.scales.shape[1]), self.scales.dtype)
         if t.bits == 8:
             self.q = aligned(np.asarray(t.words).view(np.uint8).reshape(self.n, self.k))
         else:
@@ -132,6 +166,8 @@ class NQWeight:
                 c = codes.reshape(self.n, -1, 2, 16)
                 codes = (c[:, :, 0] | (c[:, :, 1] << np.uint8(4))).reshape(self.n, -1)
             self.q = aligned(codes)
+        if t.mode != "affine":
+            return
         self.scales, b, self.bias_c = compact_scales(t.scales, t.biases, t.bits)
         # derived biases: an empty array tells the kernels to use bias_c * scale
         self.biases = b if b is not None else np.empty((0, self.scales.shape[1]),
@@ -140,10 +176,6 @@ class NQWeight:
     @property
     def nbytes(self) -> int:
         return int(self.q.nbytes + self.scales.nbytes + self.biases.nbytes)
-
-    @property
-    def packed4(self) -> bool:
-        return self.bits == 4
 
     def scales_biases(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """float32 scales and biases of rows ``[lo, hi)``."""
@@ -156,7 +188,7 @@ class NQWeight:
         """Rows ``[lo, hi)`` as float32 (hi - lo, in)."""
         w = out if out is not None else np.empty((hi - lo, self.k), np.float32)
         s, b = self.scales_biases(lo, hi)
-        _compile()["deq"](self.q[lo:hi], s, b, self.packed4, w)
+        _compile()["deq"](self.q[lo:hi], s, b, self.kind, _TABLES[self.kind], w)
         return w
 
     def take(self, idx: np.ndarray) -> np.ndarray:
@@ -171,15 +203,17 @@ def qmatmul(x: np.ndarray, w: NQWeight, int8: bool = False) -> np.ndarray:
     """``x @ W.T`` for a quantized weight: x (M, in) float32 -> (M, out) float32.
 
     ``int8``: round the activations to 8 bits per run of 32 first (see the module
-    docstring); only up to ``GEMM_ROWS`` rows (decode): more rows (prefill) multiply float32.
+    docstring); only up to ``GEMM_ROWS`` rows (decode), and affine codes only: more rows
+    (prefill) and the MXFP4 and FP8 codes multiply float32.
     """
+    int8 = int8 and w.kind < 2
     x = np.ascontiguousarray(x, dtype=np.float32)
     m = x.shape[0]
     kern = _compile()
     y = np.empty((m, w.n), np.float32)
     if m <= GEMM_ROWS:
         kern["mv_i8" if int8 else "mv_f32"](w.q, w.scales, w.biases, x, y, w.group,
-                                            int(w.packed4), w.bias_c)
+                                            w.kind, w.bias_c)
         return y
     tile = max(TILE, min(w.n, TILE_BYTES // (4 * w.k)))
     buf = np.empty((min(tile, w.n), w.k), np.float32)

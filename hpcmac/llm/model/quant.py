@@ -1,14 +1,27 @@
-"""Quantized weights kept quantized: MLX's affine format as the one in-memory form.
+"""Quantized weights kept quantized: one in-memory form, MLX's, in three modes.
 
 A :class:`QuantTensor` is a weight (..., out, in) stored as MLX stores it
 (``mx.quantize``, mlx-lm's ``-q``, mlx-community checkpoints): integer codes
 ``q`` in ``[0, 2**bits)`` packed little-endian into ``uint32`` words along the
-input axis, and one float32 ``scale`` and ``bias`` per ``group`` inputs, so that
+input axis, and one scale per ``group`` inputs along each row. The ``mode`` says
+what a code means:
 
-    w[..., o, i] = scales[..., o, i // group] * q[..., o, i] + biases[..., o, i // group]
+* ``affine`` (MLX's default): a float32 ``scale`` and ``bias`` per group,
 
-computed in float32 (the product, then the sum, each rounded once: exactly what
-``mx.dequantize`` does). Both backends take this form: MLX multiplies the
+      w[..., o, i] = scales[..., o, i // group] * q[..., o, i] + biases[..., o, i // group]
+
+  computed in float32 (the product, then the sum, each rounded once: exactly what
+  ``mx.dequantize`` does);
+* ``mxfp4`` (OCP microscaling FP4: gpt-oss's ``*_blocks``/``*_scales``, MLX's
+  ``mode: mxfp4``, GGUF's MXFP4): 4-bit E2M1 codes (:data:`FP4_VALUES`), groups
+  of 32, ``scales`` uint8 E8M0, ``w = FP4_VALUES[q] * 2**(scale - 127)`` (exact);
+* ``fp8`` (DeepSeek's FP8 releases: e4m3 with a float32 ``weight_scale_inv`` per
+  128 x 128 block): 8-bit E4M3 codes (:data:`E4M3_VALUES`), groups of 128 along a
+  row, ``scales`` float32 per row and group (the block's scale repeated over its 128
+  rows), ``w = E4M3_VALUES[q] * scale`` (one rounding, as the release's own
+  dequantization in float32).
+
+``biases`` is None in the two float modes. Both backends take this form: MLX multiplies the
 packed words with ``mx.quantized_matmul``; numpy repacks them for its compiled
 kernels (:mod:`hpcmac.llm.model.qkernels`). GGUF block formats that map onto it
 without a second rounding are converted by :mod:`hpcmac.llm.model.gguf_quant`.
@@ -27,8 +40,34 @@ from hpcmac.errors import UsageError
 #: bits per weight and group sizes of MLX's affine quantization
 BITS = (2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)
-#: quantization modes we read ("affine" is MLX's default and mlx-lm's -q)
-MODES = ("affine",)
+#: the 16 E2M1 values by code (sign bit 3): MXFP4's codes
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+
+
+def e8m0(scales: np.ndarray) -> np.ndarray:
+    """MXFP4's E8M0 scale bytes -> float32 2^(s - 127), exact (subnormal for s = 0; 255,
+    NaN in the format, gives inf)."""
+    return np.ldexp(np.float32(1.0), np.asarray(scales).astype(np.int32) - 127)
+
+
+def _e4m3_values() -> np.ndarray:
+    """float32 of each of the 256 E4M3 ("fn": no infinities, S.1111.111 NaN) codes."""
+    c = np.arange(256, dtype=np.int32)
+    e, m = (c >> 3) & 15, (c & 7).astype(np.float32)
+    mag = np.where(e == 0, m * 2.0 ** -9, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+    mag = np.where((c & 127) == 127, np.nan, mag)
+    return np.where(c & 128, -mag, mag).astype(np.float32)
+
+
+#: the float32 value of each E4M3 code: FP8's codes
+E4M3_VALUES = _e4m3_values()
+
+#: MLX quantization modes we read ("affine" is MLX's default and mlx-lm's -q; "mxfp4" is
+#: mlx-lm's ``--q-mode mxfp4``: 4 bits, groups of 32)
+MODES = ("affine", "mxfp4")
+#: the in-memory modes (see the module docstring): (bits, group) of the float ones
+FLOAT_MODES = {"mxfp4": (4, 32), "fp8": (8, 128)}
 
 
 def check_format(what: str, bits, group, mode: str = "affine") -> None:
@@ -36,6 +75,12 @@ def check_format(what: str, bits, group, mode: str = "affine") -> None:
     if mode not in MODES:
         raise UsageError(f"{what}: quantization mode {mode!r} is not supported; "
                          f"supported: {', '.join(MODES)} (bits {BITS}, groups {GROUPS})")
+    if mode in FLOAT_MODES:
+        if (bits, group) != FLOAT_MODES[mode]:
+            b, g = FLOAT_MODES[mode]
+            raise UsageError(f"{what}: mode {mode!r} with bits {bits}, group_size {group}: "
+                             f"expected bits {b}, group_size {g}")
+        return
     if bits not in BITS:
         raise UsageError(f"{what}: {bits}-bit quantization is not supported; "
                          f"supported bits: {', '.join(map(str, BITS))}")
@@ -90,20 +135,23 @@ def unpack(words: np.ndarray, bits: int, n: int) -> np.ndarray:
 
 @dataclass
 class QuantTensor:
-    """A weight (..., out, in) held in MLX's affine format (see the module docstring).
+    """A weight (..., out, in) held in MLX's format (see the module docstring).
 
     words : (..., out, in * bits / 32) uint32, packed codes
-    scales, biases : (..., out, in / group) float32
-    bits, group : bits per weight, inputs per scale and bias
+    scales : (..., out, in / group): float32 (affine, fp8) or uint8 E8M0 (mxfp4)
+    biases : (..., out, in / group) float32 (affine), None (mxfp4, fp8)
+    bits, group : bits per weight, inputs per scale
     source : where it came from, for ``info`` (e.g. ``"mlx q4 g64"``, ``"gguf Q4_1"``)
+    mode : ``affine``, ``mxfp4`` or ``fp8``
     """
 
     words: np.ndarray
     scales: np.ndarray
-    biases: np.ndarray
+    biases: np.ndarray | None
     bits: int
     group: int
     source: str = ""
+    mode: str = "affine"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -115,26 +163,47 @@ class QuantTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(self.words.nbytes + self.scales.nbytes + self.biases.nbytes)
+        return int(self.words.nbytes + self.scales.nbytes +
+                   (0 if self.biases is None else self.biases.nbytes))
+
+    @property
+    def format(self) -> tuple:
+        """(mode, bits, group): tensors of one format concatenate into one."""
+        return self.mode, self.bits, self.group
 
     def codes(self) -> np.ndarray:
         """The integer codes (..., out, in) uint8."""
         return unpack(self.words, self.bits, self.shape[-1])
 
     def dequantize(self) -> np.ndarray:
-        """float32 (..., out, in), bit for bit what ``mx.dequantize`` gives."""
-        q = self.codes().astype(np.float32)
+        """float32 (..., out, in), bit for bit what ``mx.dequantize`` gives (fp8: what
+        the release's float32 dequantization gives, ``float(code) * scale``)."""
+        codes = self.codes()
+        if self.mode == "mxfp4":
+            q, s = FP4_VALUES[codes], e8m0(self.scales)
+        elif self.mode == "fp8":
+            q, s = E4M3_VALUES[codes], self.scales
+        else:
+            q, s = codes.astype(np.float32), self.scales
         q = q.reshape(*q.shape[:-1], -1, self.group)  # (..., out, G, group)
-        w = self.scales[..., None] * q + self.biases[..., None]
+        w = s[..., None] * q
+        if self.biases is not None:
+            w += self.biases[..., None]
         return w.reshape(self.shape)
+
+    def map(self, fn) -> QuantTensor:
+        """The same format with ``fn`` applied to words, scales and biases alike (a
+        selection along a leading axis)."""
+        return QuantTensor(fn(self.words), fn(self.scales),
+                           None if self.biases is None else fn(self.biases),
+                           self.bits, self.group, self.source, self.mode)
 
     def __getitem__(self, key) -> QuantTensor:
         """Leading-axis selection (rows, or experts of a stack); never cuts the input axis."""
         if isinstance(key, tuple):
             raise TypeError("QuantTensor: index the leading axis only; use .cols(lo, hi) "
                             "for input columns (on group boundaries)")
-        return QuantTensor(self.words[key], self.scales[key], self.biases[key],
-                           self.bits, self.group, self.source)
+        return self.map(lambda a: a[key])
 
     def cols(self, lo: int, hi: int) -> QuantTensor:
         """Input columns ``[lo, hi)``; both must fall on group boundaries."""
@@ -144,14 +213,15 @@ class QuantTensor:
         g0, g1 = lo // self.group, hi // self.group
         return QuantTensor(np.ascontiguousarray(self.words[..., g0 * wpg:g1 * wpg]),
                            np.ascontiguousarray(self.scales[..., g0:g1]),
+                           None if self.biases is None else
                            np.ascontiguousarray(self.biases[..., g0:g1]),
-                           self.bits, self.group, self.source)
+                           self.bits, self.group, self.source, self.mode)
 
 
 def same_format(parts) -> bool:
-    """Whether every part is a QuantTensor of one (bits, group)."""
+    """Whether every part is a QuantTensor of one (mode, bits, group)."""
     return all(isinstance(p, QuantTensor) for p in parts) and \
-        len({(p.bits, p.group) for p in parts}) == 1
+        len({p.format for p in parts}) == 1
 
 
 class RowBlocks(list):
@@ -170,11 +240,21 @@ def concat_rows(parts: list, axis: int = 0):
     if same_format(parts):
         p0 = parts[0]
         src = p0.source if len({p.source for p in parts}) == 1 else "mixed"
-        return QuantTensor(*(np.concatenate([getattr(p, f) for p in parts], axis=axis)
-                             for f in ("words", "scales", "biases")), p0.bits, p0.group, src)
+        b = None if p0.biases is None else np.concatenate([p.biases for p in parts], axis=axis)
+        return QuantTensor(np.concatenate([p.words for p in parts], axis=axis),
+                           np.concatenate([p.scales for p in parts], axis=axis),
+                           b, p0.bits, p0.group, src, p0.mode)
     if any(isinstance(p, QuantTensor) for p in parts) and parts[0].ndim == 2 and axis == 0:
         return RowBlocks(parts)
     return np.concatenate([as_float(p) for p in parts], axis=axis)
+
+
+def stack(parts: list[QuantTensor]) -> QuantTensor:
+    """Quantized weights of one format stacked along a new first axis (experts)."""
+    p0 = parts[0]
+    return QuantTensor(np.stack([p.words for p in parts]), np.stack([p.scales for p in parts]),
+                       None if p0.biases is None else np.stack([p.biases for p in parts]),
+                       p0.bits, p0.group, p0.source, p0.mode)
 
 
 def as_float(w) -> np.ndarray:
@@ -234,9 +314,20 @@ def widen_scales(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def float_mode_nbytes(numel: int, mode: str, backend: str = "numpy") -> int:
+    """Bytes of ``numel`` weights held in a float mode: the codes, and per group the
+    scale as the backend keeps it (mxfp4: the E8M0 byte on MLX, its bfloat16 on numpy;
+    fp8: float32)."""
+    bits, group = FLOAT_MODES[mode]
+    scale = 4 if mode == "fp8" else (1 if backend == "mlx" else 2)
+    return numel * bits // 8 + (numel // group) * scale
+
+
 def mlx_held_nbytes(t: QuantTensor) -> int:
     """Bytes the MLX backend holds for ``t``: the packed words, and scales and biases both
     (``mx.quantized_matmul`` needs biases) in the narrowest exact storage."""
+    if t.mode in FLOAT_MODES:
+        return float_mode_nbytes(int(np.prod(t.shape)), t.mode, "mlx")
     if t.ndim == 3:
         return sum(mlx_held_nbytes(t[e]) for e in range(t.shape[0]))
     s, b = narrowest(np.asarray(t.scales, np.float32), np.asarray(t.biases, np.float32))
@@ -245,6 +336,8 @@ def mlx_held_nbytes(t: QuantTensor) -> int:
 
 def numpy_held_nbytes(t: QuantTensor) -> int:
     """Bytes the numpy backend holds for ``t`` (per 2-D matrix, as it stores them)."""
+    if t.mode in FLOAT_MODES:
+        return float_mode_nbytes(int(np.prod(t.shape)), t.mode)
     if t.ndim == 3:
         return sum(numpy_held_nbytes(t[e]) for e in range(t.shape[0]))
     s, b, _ = compact_scales(t.scales, t.biases, t.bits)

@@ -28,6 +28,16 @@ through the 512-bit form where the CPU has it) when numba compiles for a CPU
 that has it; elsewhere the same sums are built from widened multiplies and adds
 (LLVM maps them onto what the target has, e.g. NEON on Apple silicon).
 
+What a code means (``kind``, one compiled variant each): 0 an unsigned byte
+(affine 8 bits and the widened 2, 3, 5, 6), 1 an unsigned nibble (affine 4 bits),
+2 an E2M1 nibble (MXFP4), 3 an E4M3 byte (FP8). The float codes become floats
+in registers: an E2M1 nibble is looked up as twice its value, a signed integer
+in [-12, 12] (``pshufb`` on x86, a few byte operations elsewhere), so the
+scale carries the factor 1/2; an E4M3 byte moves into the bits of an IEEE
+half (sign to bit 15, exponent and mantissa shifted by 7: the value over 2^8,
+subnormals included) and widens to float32 (``vcvtph2ps``), so the scale
+carries 2^8. Both are exact. 8-bit activations take kinds 0 and 1 only.
+
 Storage the kernels read (see :class:`~hpcmac.llm.model.qkernels.NQWeight`):
 codes ``q`` (out, bytes) uint8, one byte per code (8 bits and the widened 2,
 3, 5 and 6 bits), or for 4 bits one byte per two codes where, within each run
@@ -154,6 +164,45 @@ class _IR:
         hi = self.b.lshr(by, ir.Constant(_vec(_I8, 16), [4] * 16))
         return self.b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
 
+    def fp4(self, n):
+        """``<16 x i8>`` E2M1 codes (0..15) -> twice their values as signed bytes."""
+        b = self.b
+        table = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+        v16 = _vec(_I8, 16)
+        if _HAS_PSHUFB:
+            f = self.fn("llvm.x86.ssse3.pshuf.b.128", v16, [v16, v16])
+            return b.call(f, [ir.Constant(v16, [t & 255 for t in table]), n])
+        def c(k):
+            return ir.Constant(v16, [k] * 16)
+
+        m = b.and_(n, c(7))  # magnitude code: doubled value m, 6, 8, 12 for m = 5, 6, 7
+        usub = self.fn("llvm.usub.sat.v16i8", v16, [v16, v16])
+        v = b.add(b.add(m, b.call(usub, [m, c(4)])), b.shl(b.call(usub, [m, c(6)]), c(1)))
+        neg = b.sub(c(0), b.lshr(n, c(3)))  # 0 or -1
+        return b.sub(b.xor(v, neg), neg)
+
+    def e4m3(self, by):
+        """``<16 x i8>`` E4M3 codes -> ``<16 x float>`` of their values / 2^8 (exact).
+
+        Through an IEEE half where the CPU converts halves (x86 F16C, every AArch64);
+        elsewhere (a generic x86-64, where LLVM would call a half-conversion routine the
+        JIT does not link) through the bits of a float32, the value / 2^120 (E4M3's
+        subnormals land on float32 subnormals), times 2^112."""
+        b = self.b
+        wide = _I16 if _HAS_F16 else _I32
+        vt = _vec(wide, 16)
+        w = b.zext(by, vt)
+
+        def c(k):
+            return ir.Constant(vt, [k] * 16)
+
+        if _HAS_F16:
+            h = b.or_(b.shl(b.and_(w, c(0x7F)), c(7)), b.shl(b.and_(w, c(0x80)), c(8)))
+            return b.fpext(b.bitcast(h, _vec(ir.HalfType(), 16)), _vec(_F32, 16))
+        f = b.or_(b.shl(b.and_(w, c(0x7F)), c(20)), b.shl(b.and_(w, c(0x80)), c(24)))
+        return b.fmul(b.bitcast(f, _vec(_F32, 16)),
+                      ir.Constant(_vec(_F32, 16), [float(2.0 ** 112)] * 16))
+
     def dot_u8i8(self, codes, xq, width: int):
         """``<n x u8> . <n x i8>`` (n = 32 or 64) as ``<n/4 x i32>``: lane j sums bytes
         ``4j .. 4j+3``, as ``vpdpbusd`` does (``width``: see :func:`vnni_width`)."""
@@ -199,6 +248,38 @@ class _IR:
             s = self.scale(sp, b.add(row_off, g), sdt)
             b.store(self.fma(s, b.load(b.gep(vp, [g])), b.load(tail)), tail)
         return b.fadd(self.hsum(b.load(acc)), b.load(tail))
+
+
+def _has_pshufb() -> bool:
+    """Whether numba compiles for an x86 CPU with SSSE3's ``pshufb`` (the E2M1 lookup)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if not llvm.get_process_triple().startswith(("x86_64", "i686")):
+        return False
+    if config.CPU_NAME not in (None, "host"):
+        return "+ssse3" in (config.CPU_FEATURES or "")
+    return bool(llvm.get_host_cpu_features().get("ssse3"))
+
+
+def _has_f16() -> bool:
+    """Whether numba compiles for a CPU that converts IEEE halves to float32 in hardware
+    (x86 F16C; AArch64 always)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    triple = llvm.get_process_triple()
+    if triple.startswith(("aarch64", "arm64")):
+        return True
+    if not triple.startswith(("x86_64", "i686")):
+        return False
+    if config.CPU_NAME not in (None, "host"):
+        return "+f16c" in (config.CPU_FEATURES or "")
+    return bool(llvm.get_host_cpu_features().get("f16c"))
+
+
+_HAS_PSHUFB = _has_pshufb()
+_HAS_F16 = _has_f16()
 
 
 def _half_like(t):
@@ -271,7 +352,7 @@ def _emit(context, builder, sig, args, int8: bool):
     cpg = b.udiv(chunks, G)  # chunks per group: 1, 2 or 4
     shift = b.select(b.icmp_unsigned("==", cpg, _c64(1)), _c64(0),
                      b.select(b.icmp_unsigned("==", cpg, _c64(2)), _c64(1), _c64(2)))
-    is4 = b.icmp_unsigned("!=", bits4, ir.Constant(bits4.type, 0))
+    kindv = bits4  # the code kind (see the module docstring)
     width = vnni_width() if int8 else 0
     f16 = _vec(_F32, 16)
     accs = [cgutils.alloca_once(b, f16) for _ in range(R)]
@@ -304,8 +385,9 @@ def _emit(context, builder, sig, args, int8: bool):
     def factor(r: int, c, n: int):
         return b.load(b.gep(scr.data, [b.add(b.mul(_c64(r), chunks), c)]))
 
-    def rows(o0, nr: int, bits4_static: bool):
-        """Rows ``[o0, o0 + nr)`` for every activation row."""
+    def rows(o0, nr: int, kind: int):
+        """Rows ``[o0, o0 + nr)`` for every activation row (codes of ``kind``)."""
+        bits4_static = kind in (1, 2)
         cb = 16 if bits4_static else 32  # code bytes per chunk
         with cgutils.for_range(b, M) as lm:
             m = lm.index
@@ -366,7 +448,13 @@ def _emit(context, builder, sig, args, int8: bool):
                         else:
                             lo = h.load(q.data, qo, _vec(_I8, 16))
                             hi = h.load(q.data, b.add(qo, _c64(16)), _vec(_I8, 16))
-                        p = h.fma(b.uitofp(lo, f16), x_lo, b.fmul(b.uitofp(hi, f16), x_hi))
+                        if kind == 2:
+                            lo, hi = (b.sitofp(h.fp4(v), f16) for v in (lo, hi))
+                        elif kind == 3:
+                            lo, hi = h.e4m3(lo), h.e4m3(hi)
+                        else:
+                            lo, hi = b.uitofp(lo, f16), b.uitofp(hi, f16)
+                        p = h.fma(lo, x_lo, b.fmul(hi, x_hi))
                         b.store(h.fma(p, h.splat(factor(r, c, 1), 16), b.load(accs[r])),
                                 accs[r])
             xs_row = b.gep(xs.data, [b.mul(m, G)])
@@ -387,18 +475,25 @@ def _emit(context, builder, sig, args, int8: bool):
                 phi.add_incoming(be, blk_e)
                 b.store(b.fadd(tot, phi), b.gep(y.data, [b.add(b.mul(m, N), o)]))
 
-    def all_rows(bits4_static: bool):
+    def all_rows(kind: int):
         nfull = b.udiv(N, _c64(R))
         with cgutils.for_range(b, nfull) as lo:
-            rows(b.mul(lo.index, _c64(R)), R, bits4_static)
+            rows(b.mul(lo.index, _c64(R)), R, kind)
         with cgutils.for_range(b, b.sub(N, b.mul(nfull, _c64(R)))) as lo:
-            rows(b.add(b.mul(nfull, _c64(R)), lo.index), 1, bits4_static)
+            rows(b.add(b.mul(nfull, _c64(R)), lo.index), 1, kind)
 
-    with b.if_else(is4) as (then, other):
-        with then:
-            all_rows(True)
-        with other:
-            all_rows(False)
+    def dispatch(kinds):
+        if len(kinds) == 1:
+            all_rows(kinds[0])
+            return
+        with b.if_else(b.icmp_unsigned("==", kindv, ir.Constant(kindv.type, kinds[0]))) \
+                as (then, other):
+            with then:
+                all_rows(kinds[0])
+            with other:
+                dispatch(kinds[1:])
+
+    dispatch([1, 0] if int8 else [1, 0, 2, 3])
     return context.get_dummy_value()
 
 

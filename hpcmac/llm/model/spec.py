@@ -260,12 +260,19 @@ def take(a, spec: TensorSpec, cfg: ModelConfig, shard: Shard):
             a = a.dequantize()
         else:
             key = (slice(None),) * spec.axis + (slice(lo, hi),)
-            return QuantTensor(*(np.ascontiguousarray(getattr(a, f)[key])
-                                 for f in ("words", "scales", "biases")),
-                               a.bits, a.group, a.source)
+            return a.map(lambda v: np.ascontiguousarray(v[key]))
     key = [slice(None)] * a.ndim
     key[spec.axis] = slice(lo, hi)
     return np.ascontiguousarray(a[tuple(key)])
+
+
+def cut_on_groups(spec: TensorSpec, cfg: ModelConfig, shard: Shard, group: int,
+                  axis: int) -> bool:
+    """Whether this shard's slice of a tensor quantized in groups of ``group`` along
+    ``axis`` stays quantized: not cut along that axis, or cut on group boundaries
+    (else :func:`take` dequantizes it)."""
+    rng = part(spec, cfg, shard)
+    return rng is None or spec.axis != axis or (rng[0] % group == 0 and rng[1] % group == 0)
 
 
 def local_shape(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> tuple[int, ...]:

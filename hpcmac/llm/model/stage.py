@@ -240,6 +240,26 @@ class _Loader:
         self._count(w)
         return w
 
+    def raw_t(self, name: str, sp: TensorSpec | None = None):
+        """A matrix whose canonical layout is (..., in, out) (gpt-oss's experts) as the
+        checkpoint keeps it quantized, in its stored layout (..., out, in): this rank's
+        slice, a QuantTensor (float32 where the cut falls off its groups); None when the
+        file holds it as floats (or weights are not kept quantized)."""
+        get = getattr(self.ckpt, "get_weight_t", None)
+        w = get(name) if self.keep and get is not None else None
+        if w is None:
+            return None
+        sp = sp or self.specs[name]
+        n = len(sp.shape)
+        t = replace(sp, shape=(*sp.shape[:-2], sp.shape[-1], sp.shape[-2]),
+                    axis={n - 1: n - 2, n - 2: n - 1}.get(sp.axis, sp.axis))
+        if tuple(w.shape) != t.shape:
+            raise UsageError(f"{self.ckpt.path}: tensor {name} has shape "
+                             f"{list(w.shape)} as stored; expected {list(t.shape)}")
+        w = spec.take(w, t, self.cfg, self.shard)
+        self._count(w)
+        return w
+
     def _count(self, w) -> None:
         if isinstance(w, QuantTensor) and self.be.name == "numpy":  # as NQWeight holds it
             self.nbytes += numpy_held_nbytes(w)

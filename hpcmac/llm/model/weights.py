@@ -7,9 +7,12 @@ names, so the model never cares where its weights come from:
 ``ckpt.get(name) -> float32 ndarray``, ``ckpt.experts(layer, which) -> (E, out, in)``.
 ``ckpt.get_weight(name)`` and ``ckpt.experts(..., keep_quant=True)`` give a
 weight as stored: a :class:`~hpcmac.llm.model.quant.QuantTensor` when the file
-holds it quantized in a form we keep (MLX affine safetensors as mlx-lm and
-mlx-community write them; the exact GGUF block types), float32 otherwise;
-``ckpt.stored_nbytes(name)`` is what that takes in memory.
+holds it quantized in a form we keep (MLX affine and mxfp4 safetensors as mlx-lm
+and mlx-community write them; FP8 e4m3 with block scales; the exact GGUF block
+types and MXFP4), float32 otherwise; ``ckpt.stored_nbytes(name)`` is what that
+takes in memory. gpt-oss's MXFP4 experts are stored (E, out, in) where their
+canonical layout is transformers' (E, in, out): ``ckpt.get_weight_t(name)``
+gives them kept 4-bit in the stored layout.
 
 Safetensors files are memory-mapped and only the tensors a caller asks for are
 read, so a pipeline stage touches only the bytes of its own layers.
@@ -28,11 +31,15 @@ from hpcmac.io.inputs import decode_text, parse_json, read_text
 from hpcmac.llm.model.backend import release_mapped
 from hpcmac.llm.model.config import ModelConfig, is_gguf, resolve_model
 from hpcmac.llm.model.quant import (
+    FLOAT_MODES,
     QuantTensor,
     as_float,
     check_format,
+    float_mode_nbytes,
     held_nbytes,
     quantized_nbytes,
+    same_format,
+    stack,
 )
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
@@ -176,12 +183,35 @@ class SafetensorsCheckpoint:
         return self._qcfg
 
     def is_quantized(self, name: str) -> bool:
-        """Whether ``name`` (a ``.weight``) is stored MLX-quantized (it has ``.scales``)."""
-        return name.endswith(".weight") and self.has(name[:-len("weight")] + "scales")
+        """Whether ``name`` (a ``.weight``) is stored quantized: MLX's (it has ``.scales``)
+        or FP8 (it has ``.weight_scale_inv``)."""
+        return name.endswith(".weight") and (
+            self.has(name[:-len("weight")] + "scales") or self.is_fp8(name))
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether ``name`` is an FP8 weight with block scales (``.weight_scale_inv``)."""
+        return name.endswith(".weight") and name + "_scale_inv" in self._file_of
+
+    def fp8_block(self) -> int:
+        """The FP8 block size, checked: config.json's ``weight_block_size`` (square)."""
+        q = self._quant_config()
+        b = q.get("weight_block_size", [128, 128])
+        if not (isinstance(b, list) and len(b) == 2 and b[0] == b[1] and
+                isinstance(b[0], int) and b[0] > 0 and b[0] % 32 == 0):
+            raise UsageError(f"{self.path / 'config.json'}: quantization_config."
+                             f"weight_block_size {b!r}: expected [b, b], b a multiple of 32 "
+                             "(128 in the releases)")
+        return b[0]
 
     def quant_params(self, name: str) -> tuple[int, int]:
         """(bits, group) of a quantized ``name``, checked: config.json's per-layer entry
         for its module, else the global ``quantization``; one line if unsupported."""
+        return self.quant_format(name)[1:]
+
+    def quant_format(self, name: str) -> tuple[str, int, int]:
+        """(mode, bits, group) of a quantized ``name`` (see :meth:`quant_params`)."""
+        if self.is_fp8(name):
+            return "fp8", 8, self.fp8_block()
         base = name[:-len(".weight")]
         q = self._quant_config()
         if not q:
@@ -190,15 +220,17 @@ class SafetensorsCheckpoint:
         p = q.get(base)
         if not isinstance(p, dict):
             p = q
+        # a per-layer entry is mlx.nn's to_quantized arguments: its mode defaults to affine
         bits, group, mode = p.get("bits", q.get("bits")), \
-            p.get("group_size", q.get("group_size")), p.get("mode", q.get("mode", "affine"))
+            p.get("group_size", q.get("group_size")), p.get("mode", "affine")
         check_format(f"{self.path}: tensor {name}", bits, group, mode)
-        return int(bits), int(group)
+        return mode, int(bits), int(group)
 
     def _raw(self, name: str) -> np.ndarray:
         """A tensor's bytes as stored, memory-mapped (no copy), in its own dtype."""
         f, start, info = self._info(name)
-        dtype = dict(_ST_DTYPES, U32=np.uint32, U8=np.uint8).get(info["dtype"])
+        dtype = dict(_ST_DTYPES, U32=np.uint32, U8=np.uint8, F8_E4M3=np.uint8).get(
+            info["dtype"])
         if dtype is None:
             raise UsageError(f"{f}: tensor {name} has dtype {info['dtype']}; "
                              f"expected one of {', '.join(_ST_DTYPES)} (or U32 codes)")
@@ -222,16 +254,47 @@ class SafetensorsCheckpoint:
             return bf16_to_f32(raw)
         return np.array(raw, dtype=np.float32)
 
+    def _fp8(self, name: str):
+        """An FP8 weight kept 8-bit (a QuantTensor of mode fp8), or float32 when its input
+        size is not a multiple of the block (such a weight is dequantized)."""
+        from hpcmac.llm.model import fp8
+
+        f, _, info = self._info(name)
+        if info["dtype"] != "F8_E4M3":
+            raise UsageError(f"{f}: tensor {name} has a weight_scale_inv but dtype "
+                             f"{info['dtype']}; expected F8_E4M3")
+        codes, sinv = self._raw(name), self._float(name + "_scale_inv")
+        block = self.fp8_block()
+        if codes.ndim != 2:
+            raise UsageError(f"{f}: tensor {name}: expected a 2-D FP8 weight, found shape "
+                             f"{list(codes.shape)}")
+        want = [-(-d // block) for d in codes.shape]
+        if list(sinv.shape) != want:
+            raise UsageError(f"{f}: tensor {name}_scale_inv has shape {list(sinv.shape)}; "
+                             f"expected {want} (blocks of {block} x {block})")
+        if codes.shape[1] % block:  # a last partial block of inputs: float32
+            return fp8.E4M3_VALUES[codes] * np.repeat(np.repeat(
+                sinv, block, axis=0), block, axis=1)[:codes.shape[0], :codes.shape[1]]
+        return fp8.from_blocks(np.array(codes), sinv, block, f"fp8 e4m3 b{block}")
+
     def _quant(self, name: str) -> QuantTensor:
         base = name[:-len("weight")]
-        bits, group = self.quant_params(name)
+        if self.is_fp8(name):
+            return self._fp8(name)
+        mode, bits, group = self.quant_format(name)
         words = self._raw(name)
         if words.dtype != np.uint32:
             raise UsageError(f"{self.path}: tensor {name} is quantized (it has scales) but is "
                              f"{words.dtype}, expected U32 packed codes")
-        scales, biases = self._float(base + "scales"), None
-        if self.has(base + "biases"):
-            biases = self._float(base + "biases")
+        if mode == "mxfp4":  # uint8 E8M0 scales, no biases
+            scales, biases = self._raw(base + "scales"), None
+            if scales.dtype != np.uint8:
+                raise UsageError(f"{self.path}: tensor {base}scales is {scales.dtype}; "
+                                 "expected U8 (E8M0) scales for mode mxfp4")
+        else:
+            scales, biases = self._float(base + "scales"), None
+            if self.has(base + "biases"):
+                biases = self._float(base + "biases")
         inputs = words.shape[-1] * 32 // bits
         want = (*words.shape[:-1], inputs // group)
         if inputs % group or tuple(scales.shape) != want or (
@@ -240,6 +303,9 @@ class SafetensorsCheckpoint:
             raise UsageError(f"{self.path}: tensor {base}scales/biases has shape {got}; "
                              f"expected {list(want)} for {bits}-bit codes of {inputs} inputs "
                              f"in groups of {group}")
+        if mode == "mxfp4":
+            return QuantTensor(np.ascontiguousarray(words), np.array(scales), None, bits,
+                               group, "mlx mxfp4", "mxfp4")
         if biases is None:
             raise UsageError(f"{self.path}: tensor {base}biases is missing (affine "
                              "quantization needs scales and biases)")
@@ -253,17 +319,34 @@ class SafetensorsCheckpoint:
         return name in self._file_of or name in self._mxfp4
 
     # -- MXFP4 (gpt-oss's experts) -------------------------------------------------
+    def get_weight_t(self, name: str) -> QuantTensor | None:
+        """A tensor whose canonical layout is (..., in, out) (transformers' gpt-oss expert
+        parameters), kept 4-bit as stored: a QuantTensor (..., out, in) of mode mxfp4;
+        None when the file holds it as floats."""
+        from hpcmac.llm.model import mxfp4
+
+        if name not in self._mxfp4:
+            return None
+        bname, sname = self._mxfp4[name]
+        try:
+            return mxfp4.from_blocks(self._raw(bname), self._raw(sname), "mxfp4 blocks")
+        except ValueError as exc:
+            raise UsageError(f"{self.path}: tensor {bname} / {sname}: {exc}") from None
+
     def _mxfp4_get(self, name: str) -> np.ndarray:
         """An MXFP4 tensor decoded to float32, laid out as transformers' gpt-oss expert
         parameter: the stored (E, out, in) with its last two axes swapped, (E, in, out)."""
-        from hpcmac.llm.model import mxfp4
+        return np.ascontiguousarray(self.get_weight_t(name).dequantize().swapaxes(-1, -2))
 
-        bname, sname = self._mxfp4[name]
-        blocks, scales = self._raw(bname), self._raw(sname)
-        try:
-            return mxfp4.dequantize(blocks, scales).swapaxes(-1, -2)
-        except ValueError as exc:
-            raise UsageError(f"{self.path}: tensor {bname} / {sname}: {exc}") from None
+    def quant_layout(self, name: str) -> tuple[int, int] | None:
+        """(group, the canonical axis its groups run along) of a tensor kept quantized;
+        None for a float one. A tensor-parallel cut of that axis off the groups makes
+        the loader dequantize it (see :func:`hpcmac.llm.model.spec.take`)."""
+        if name in self._mxfp4:
+            return 32, len(self.shape(name)) - 2
+        if self.is_quantized(name) and self.stored_nbytes(name) < 4 * self.numel(name):
+            return self.quant_params(name)[1], len(self.shape(name)) - 1
+        return None
 
     def _info(self, name: str) -> tuple[Path, int, dict]:
         if name not in self._file_of:
@@ -282,7 +365,7 @@ class SafetensorsCheckpoint:
             *lead, out, inp = logical_shape(tuple(self._info(self._mxfp4[name][0])[2]["shape"]))
             return (*lead, inp, out)
         shape = tuple(self._info(name)[2]["shape"])
-        if self.is_quantized(name):  # the logical (..., out, in), not the packed words
+        if self.is_quantized(name) and not self.is_fp8(name):  # (..., out, in), not words
             bits, _ = self.quant_params(name)
             shape = (*shape[:-1], shape[-1] * 32 // bits)
         return shape
@@ -291,11 +374,18 @@ class SafetensorsCheckpoint:
         return int(np.prod(self.shape(name), dtype=np.int64))
 
     def stored_nbytes(self, name: str) -> int:
-        """Bytes ``name`` takes in memory as :meth:`get_weight` returns it (MXFP4: decoded
-        to float32)."""
+        """Bytes ``name`` takes in memory kept as stored, as the numpy backend holds it
+        (gpt-oss's MXFP4 experts: as :meth:`get_weight_t` gives them)."""
         if name in self._mxfp4:
-            return 4 * self.numel(name)
+            return float_mode_nbytes(self.numel(name), "mxfp4")
+        if self.is_fp8(name):
+            block = self.fp8_block()
+            return float_mode_nbytes(self.numel(name), "fp8") \
+                if self.shape(name)[-1] % block == 0 else 4 * self.numel(name)
         if self.is_quantized(name):  # as the numpy backend holds it (see quant.held_nbytes)
+            mode = self.quant_format(name)[0]
+            if mode in FLOAT_MODES:
+                return float_mode_nbytes(self.numel(name), mode)
             base = name[:-len("weight")]
             size = {"F32": 4, "F16": 2, "BF16": 2}
             per_group = sum(size.get(self._info(base + p)[2]["dtype"], 4)
@@ -343,11 +433,14 @@ class SafetensorsCheckpoint:
         e = 0
         mats = []
         while self.has(f"{prefix}.{e}.{leaf}.weight"):
-            mats.append(self.get(f"{prefix}.{e}.{leaf}.weight"))
+            name = f"{prefix}.{e}.{leaf}.weight"
+            mats.append(self.get_weight(name) if keep_quant else self.get(name))
             e += 1
         if not mats:
             raise UsageError(f"{self.path}: tensor {prefix}.0.{leaf}.weight is missing")
-        return np.stack(mats)
+        if same_format(mats):  # kept quantized (an FP8 release's experts)
+            return stack(mats)
+        return np.stack([as_float(m) for m in mats])
 
     def release(self) -> None:
         """Forget the pages read so far (see :func:`release_mapped`)."""
@@ -360,6 +453,15 @@ class SafetensorsCheckpoint:
                  for w in ("gate", "up", "down")]
         if all(self.has(n) and self.is_quantized(n) for n in names):
             return sum(self.stored_nbytes(n) for n in names)
+        prefix = f"model.layers.{layer}.{module}.experts"
+        first = [f"{prefix}.0.{w}_proj.weight" for w in ("gate", "up", "down")]
+        if all(self.has(n) and self.is_fp8(n) for n in first):  # an FP8 release's experts
+            total, e = 0, 0
+            while self.has(f"{prefix}.{e}.gate_proj.weight"):
+                total += sum(self.stored_nbytes(f"{prefix}.{e}.{w}_proj.weight")
+                             for w in ("gate", "up", "down"))
+                e += 1
+            return total
         return None
 
 
@@ -382,8 +484,10 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
 
     ``path_or_ckpt``: a model path or short name, or a checkpoint already opened
     with :func:`open_checkpoint`. Tensors stored quantized in a form we keep
-    (MLX affine, the exact GGUF types) count their quantized bytes; other GGUF
-    types are dequantized to float32 at load (4 bytes a weight). With
+    (MLX affine and mxfp4, FP8 with block scales, gpt-oss's MXFP4 experts, the
+    exact GGUF types) count their quantized bytes as the numpy backend holds
+    them, unless a tensor-parallel cut falls off their groups (then float32, as
+    loaded); other GGUF types are dequantized to float32 at load (4 bytes a weight). With
     ``quantize`` bits (MLX backend), every matrix it keeps quantized (input size
     a multiple of ``group_size``, the embedding too; not MLA's absorbed kv_b)
     counts its quantized bytes. ``shard``: this rank's part under tensor
@@ -417,7 +521,11 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
                                  f"expected {list(t.shape)}")
             if stored is not None and t.kind == "matrix" and \
                     stored(t.name) < 4 * ckpt.numel(t.name):
-                total += int(stored(t.name) * frac)  # kept quantized as stored
+                layout = getattr(ckpt, "quant_layout", lambda _: None)(t.name)
+                if layout is None or spec.cut_on_groups(t, cfg, shard, *layout):
+                    total += int(stored(t.name) * frac)  # kept quantized as stored
+                else:  # cut off its groups: dequantized at load
+                    total += 4 * numel
                 continue
         if quantize and t.kind == "matrix" and shape[-1] % group_size == 0:
             total += quantized_nbytes(numel, quantize, group_size)

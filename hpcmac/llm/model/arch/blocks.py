@@ -408,14 +408,20 @@ class InterleavedMoE:
         be, m = ld.be, _p(i) + "mlp."
         w["router"] = ld.w(m + "router.weight")
         w["router_b"] = ld.np(m + "router.bias")
-        gu = ld.np(m + "experts.gate_up_proj")  # (E, D, 2I) this rank's column pairs
-        w["e_gu"] = be.weight(np.ascontiguousarray(
-            np.concatenate([gu[:, :, 0::2], gu[:, :, 1::2]], axis=2).transpose(0, 2, 1)))
+        gu = ld.raw_t(m + "experts.gate_up_proj")  # kept MXFP4: (E, 2I, D), rows pairs
+        if gu is not None:
+            w["e_gu"] = be.weight(concat_rows([gu.map(lambda a: a[:, 0::2]),
+                                               gu.map(lambda a: a[:, 1::2])], axis=1))
+        else:
+            gu = ld.np(m + "experts.gate_up_proj")  # (E, D, 2I) this rank's column pairs
+            w["e_gu"] = be.weight(np.ascontiguousarray(
+                np.concatenate([gu[:, :, 0::2], gu[:, :, 1::2]], axis=2).transpose(0, 2, 1)))
         del gu
         b = ld.np(m + "experts.gate_up_proj_bias")  # (E, 2I)
         w["e_b_gu"] = be.asarray(np.ascontiguousarray(
             np.concatenate([b[:, 0::2], b[:, 1::2]], axis=1)))
-        w["e_down"] = be.weight(np.ascontiguousarray(
+        down = ld.raw_t(m + "experts.down_proj")  # kept MXFP4 (E, D, I), else None
+        w["e_down"] = be.weight(down if down is not None else np.ascontiguousarray(
             ld.np(m + "experts.down_proj").transpose(0, 2, 1)))  # (E, D, I)
         if ld.has_part(m + "experts.down_proj_bias"):  # added once, after the sum
             w["e_b_down"] = be.asarray(ld.np(m + "experts.down_proj_bias"))

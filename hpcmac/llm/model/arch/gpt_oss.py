@@ -5,7 +5,8 @@ router logits (with a bias), softmax over those k, each expert a clamped SwiGLU 
 biases (``swiglu_limit``, ``swiglu_alpha``) stored gate/up interleaved; YaRN rope.
 
 Float checkpoints, and the MXFP4 experts as published (``*_blocks`` / ``*_scales``,
-``quant_method: mxfp4``), decoded to float32 at load (exact; not kept 4-bit yet); any
+``quant_method: mxfp4``), kept 4-bit (:mod:`~hpcmac.llm.model.mxfp4`; a tensor-parallel
+cut of the experts' columns off their groups of 32 dequantizes ``down_proj``); any
 other quantization is refused in one line. The sliding layers' cache keeps every token
 and masks by the window. No GGUF form yet.
 """
@@ -70,7 +71,7 @@ FAMILY = Family(
              "router with a bias, clamped SwiGLU experts with biases, YaRN"),
     model_type="gpt_oss", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _SLIDING if cfg.is_sliding(i) else _FULL, hf_class="GptOssConfig",
-    quant_methods={"mxfp4": "the published MXFP4 experts, decoded to float32 at load"},
+    quant_methods={"mxfp4": "the published MXFP4 experts, kept 4-bit"},
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=21, num_hidden_layers=2,
               num_attention_heads=5, num_key_value_heads=1, head_dim=12,
               num_local_experts=6, num_experts_per_tok=4, sliding_window=8,

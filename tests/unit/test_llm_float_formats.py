@@ -1,0 +1,119 @@
+"""MXFP4 and FP8 weights kept in their precision: the codes, the held bytes and the
+kernels' error bound.
+
+The bound, derived: a dot product of n float32 terms computed in float32 in any order
+(with or without FMA) is within ``gamma_n * sum_i |w_i x_i|`` of the exact one,
+``gamma_n = n u / (1 - n u)``, ``u = 2^-24`` (Higham, Accuracy and Stability of
+Numerical Algorithms, 3.1). The weights themselves are exact in float32 (an E2M1 value
+times a power of two; an E4M3 value times its float32 scale, one rounding, as the
+release's own dequantization: the same float32 value on every path). So the numpy
+kernels (per chunk of 32 products, then scaled, in their own order), the BLAS tiles on
+the dequantized weights and MLX are each within ``gamma_n S`` of the exact product, and
+within ``2 gamma_n S`` of each other (``S = sum |w| |x|`` per output). The model-level
+checks (tokens equal, logits within 1e-4 of the largest) are the family tests'
+(tests/mpi/test_gpt_oss.py, test_deepseek_fp8.py) and the MLX-folder ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpcmac.llm.model import fp8, mxfp4
+from hpcmac.llm.model.qkernels import NQWeight, qmatmul
+from hpcmac.llm.model.quant import QuantTensor, numpy_held_nbytes, pack
+
+U = 2.0 ** -24
+
+
+def gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def _mxfp4(rng, out, inp) -> QuantTensor:
+    codes = rng.integers(0, 16, (out, inp), dtype=np.uint8)
+    scales = rng.integers(118, 130, (out, inp // 32), dtype=np.uint8)
+    return QuantTensor(pack(codes, 4), scales, None, 4, 32, "test", "mxfp4")
+
+
+def _fp8(rng, out, inp) -> QuantTensor:
+    w = (rng.standard_normal((out, inp)) * 0.05).astype(np.float32)
+    codes, sinv = fp8.quantize(w)
+    return fp8.from_blocks(codes, sinv)
+
+
+def test_e4m3_table_is_torchs():
+    torch = pytest.importorskip("torch")
+    ref = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    assert np.array_equal(fp8.E4M3_VALUES, ref.float().numpy(), equal_nan=True)
+
+
+def test_fp8_blocks_dequantize_as_the_release_does():
+    """DeepSeek's own dequantization: weight.float() times the block's scale_inv, in float32
+    (here with torch); an out size that is not a multiple of 128 (a last partial block)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((200, 256)).astype(np.float32)
+    codes, sinv = fp8.quantize(w)
+    assert codes.dtype == np.uint8 and sinv.shape == (2, 2)
+    t = fp8.from_blocks(codes, sinv)
+    c = torch.from_numpy(codes).view(torch.float8_e4m3fn).float()
+    s = torch.from_numpy(sinv).repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)
+    assert np.array_equal(t.dequantize(), (c * s).numpy())
+    assert np.abs(t.dequantize() - w).max() <= np.abs(w).max() / 448 * 32  # e4m3: 3 bits
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8.from_blocks(codes[:, :200], sinv)
+
+
+def test_mxfp4_layout_is_mlxs():
+    """gpt-oss's blocks and scales are MLX's mode="mxfp4" words and scales, bit for bit."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((8, 128)).astype(np.float32)
+    words, scales = (np.array(a) for a in mx.quantize(mx.array(w), group_size=32, bits=4,
+                                                      mode="mxfp4"))
+    blocks = words.view(np.uint8).reshape(8, 4, 16)
+    ref = np.array(mx.dequantize(mx.array(words), mx.array(scales), None, group_size=32,
+                                 bits=4, mode="mxfp4").astype(mx.float32))
+    assert np.array_equal(mxfp4.dequantize(blocks, scales), ref)
+
+
+@pytest.mark.parametrize("make", [_mxfp4, _fp8], ids=["mxfp4", "fp8"])
+@pytest.mark.parametrize("m", [1, 3, 40])  # 40: past GEMM_ROWS, the dequantized tiles
+def test_numpy_kernel_within_the_bound(make, m):
+    rng = np.random.default_rng(m)
+    t = make(rng, 130, 512)
+    w = t.dequantize()
+    x = rng.standard_normal((m, 512)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = gamma(512) * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
+    nq = NQWeight(t)
+    y = qmatmul(x, nq)
+    assert np.all(np.abs(y - exact) <= bound)
+    assert np.all(np.abs(y - x @ w.T) <= 2 * bound)  # against float32 BLAS on w
+    assert np.array_equal(nq.dequantize_rows(0, 130), w)
+    # held in (nearly) the file's bytes: MXFP4 17 bytes a 32 (codes and the E8M0 byte),
+    # held 18 (its bfloat16); FP8 1 byte a weight and a float32 per 128 x 128, held one
+    # per row and 128
+    file = 130 * 512 * (17 / 32 if t.mode == "mxfp4" else 1 + 4 / 128 ** 2)
+    assert nq.nbytes == numpy_held_nbytes(t) <= 1.1 * file
+
+
+@pytest.mark.parametrize("make", [_mxfp4, _fp8], ids=["mxfp4", "fp8"])
+def test_mlx_backend_within_the_bound(make):
+    pytest.importorskip("mlx.core")
+    from hpcmac.llm.model.backend import get_backend
+    from hpcmac.llm.model.quant import mlx_held_nbytes
+
+    be = get_backend("mlx")
+    rng = np.random.default_rng(7)
+    t = make(rng, 70, 256)
+    w = t.dequantize()
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = gamma(256) * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
+    qw = be.weight(t)
+    y = be.to_numpy(be.linear(be.asarray(x), qw))
+    assert np.all(np.abs(y - exact) <= bound)
+    assert np.array_equal(be.rows(qw, np.array([0, 5, 69])), w[[0, 5, 69]])
+    assert qw.nbytes == mlx_held_nbytes(t)
