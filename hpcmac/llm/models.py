@@ -36,7 +36,9 @@ def formats() -> dict:
     from hpcmac.llm.model.quant import BITS, GROUPS, MODES
 
     return {
-        "safetensors": "F32, F16, BF16 tensors, held as float32",
+        "safetensors": "F32, F16, BF16 tensors, held as float32; FP8 e4m3 weights with "
+                       "block weight_scale_inv (quant_method fp8) kept 8-bit; gpt-oss's MXFP4 "
+                       "*_blocks/*_scales kept 4-bit",
         "mlx": f"MLX-quantized folders: mode {', '.join(MODES)}, bits "
                f"{', '.join(map(str, BITS))}, group_size {', '.join(map(str, GROUPS))}; "
                "kept quantized",

@@ -125,10 +125,14 @@ def _hf_bits(raw: dict) -> tuple[float, str]:
     q = raw.get("quantization") or raw.get("quantization_config") or {}
     if isinstance(q, dict) and q.get("bits"):
         gs = int(q.get("group_size", 64) or 64)
+        if q.get("mode") == "mxfp4":  # an E8M0 byte per group of 32, no bias (MLX)
+            return float(q["bits"]) + 8.0 / gs, f"quantization mxfp4, groups of {gs}"
         # affine groups: a 16-bit scale and a 16-bit bias per group (MLX)
         return float(q["bits"]) + 32.0 / gs, f"quantization {q['bits']} bits, groups of {gs}"
     if isinstance(q, dict) and q.get("quant_method") == "fp8":
-        return 8.0, "fp8"
+        # e4m3 codes, held with a float32 scale per row and block of inputs
+        b = (q.get("weight_block_size") or [128])[0]
+        return 8.0 + 32.0 / b, f"fp8 e4m3, blocks of {b}"
     dt = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     return float(_DTYPE_BITS.get(dt, 16)), f"torch_dtype {dt}"
 

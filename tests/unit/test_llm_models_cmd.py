@@ -22,6 +22,9 @@ DSV3 = dict(model_type="deepseek_v3", vocab_size=96, hidden_size=48, intermediat
             num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=8, first_k_dense_replace=1)
+#: a small Llama config.json (no FP8 releases in the block form: refused)
+LLAMA = dict(model_type="llama", vocab_size=96, hidden_size=48, intermediate_size=80,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def test_docs_table_is_the_commands_output():
@@ -56,9 +59,12 @@ def test_command_json():
 
 
 @pytest.mark.parametrize("raw, says", [
+    (dict(LLAMA, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                      "weight_block_size": [128, 128]}),
+     "quantization_config.quant_method 'fp8' is not supported for llama"),
     (dict(DSV3, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                     "weight_block_size": [128, 128]}),
-     "quantization_config.quant_method 'fp8' is not supported for deepseek_v3"),
+                                     "weight_block_size": [128, 64]}),
+     "quantization_config.weight_block_size \\[128, 64\\]: expected \\[b, b\\]"),
     (dict(DSV3, model_type="kimi_k2",
           quantization_config={"quant_method": "compressed-tensors", "format": "pack-quantized"}),
      "quant_method 'compressed-tensors' is not supported for kimi_k2"),
@@ -85,13 +91,17 @@ def test_quantizations_read_pass():
                head_dim=12, num_local_experts=6, num_experts_per_tok=4, sliding_window=8,
                quantization_config={"quant_method": "mxfp4"})
     config_from_hf(gpt)
+    for fam in ("deepseek_v3", "kimi_k2"):  # their releases' own quantization_config
+        config_from_hf(dict(DSV3, model_type=fam, quantization_config={
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}))
 
 
 def test_fp8_folder_exits_2_before_weights(tmp_path):
     """The whole command: exit 2, one line naming config.json, no traceback (the folder has
     no weights at all, so reaching them would say something else)."""
     (tmp_path / "config.json").write_text(json.dumps(
-        dict(DSV3, quantization_config={"quant_method": "fp8"})))
+        dict(LLAMA, quantization_config={"quant_method": "fp8"})))
     out = subprocess.run([sys.executable, "-m", "hpcmac.llm", "generate", "--model",
                           str(tmp_path), "--prompt-ids", "1,2", "--max-tokens", "1"],
                          capture_output=True, text=True, timeout=120,

@@ -84,6 +84,59 @@ def mxfp4_checkpoint(folder: str | Path, out: str | Path, seed: int = 0) -> Path
     return out
 
 
+#: config.json's quantization_config of the FP8 releases (DeepSeek V3's own)
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}
+
+
+def is_fp8_linear(name: str, shape) -> bool:
+    """Whether the FP8 releases store tensor ``name`` in FP8: every linear projection
+    (attention, MLP, routed and shared experts); not the embedding, the head, the norms
+    or the routers."""
+    return len(shape) == 2 and name.endswith(("_proj.weight", ".w1.weight", ".w2.weight",
+                                              ".w3.weight")) and "lm_head" not in name
+
+
+def fp8_checkpoint(folder: str | Path, out: str | Path, float_out: str | Path | None = None
+                   ) -> Path:
+    """A copy of a random float ``folder`` quantized as DeepSeek's FP8 release is: each
+    linear weight (:func:`is_fp8_linear`) as F8_E4M3 codes and a float32
+    ``weight_scale_inv`` per 128 x 128 block (``amax / 448``; torch's float8_e4m3fn
+    rounding: :func:`hpcmac.llm.model.fp8.quantize`), the rest as it was, and
+    :data:`FP8_CONFIG` in config.json. ``float_out``: also the dequantized float32 model
+    (the same config without quantization; the oracle's weights)."""
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.numpy import save_file as save_np
+    from safetensors.torch import save_file
+
+    from hpcmac.llm.model import fp8
+
+    folder, out = Path(folder), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors, floats = {}, {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if is_fp8_linear(name, t.shape):
+                codes, sinv = fp8.quantize(t.astype(np.float32))
+                tensors[name] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+                tensors[name + "_scale_inv"] = torch.from_numpy(sinv)
+                floats[name] = fp8.dequantize(codes, sinv)
+            else:
+                tensors[name] = torch.from_numpy(np.ascontiguousarray(t))
+                floats[name] = t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8_CONFIG},
+                                                indent=1))
+    if float_out is not None:
+        float_out = Path(float_out)
+        float_out.mkdir(parents=True, exist_ok=True)
+        save_np(floats, str(float_out / "model.safetensors"), metadata={"format": "pt"})
+        (float_out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
 def hf_model(folder: str | Path):
     """The transformers model of a folder, float32, eval mode (the oracle)."""
     import torch

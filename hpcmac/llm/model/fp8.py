@@ -40,6 +40,15 @@ def from_blocks(codes: np.ndarray, scale_inv: np.ndarray, block: int = BLOCK,
     return QuantTensor(words, np.ascontiguousarray(scales), None, 8, block, source, "fp8")
 
 
+def dequantize(codes: np.ndarray, scale_inv: np.ndarray, block: int = BLOCK) -> np.ndarray:
+    """float32 (out, in) of FP8 codes and block scales, any shape (a last partial block
+    too): ``E4M3_VALUES[code] * scale_inv[o // b, i // b]``, one float32 rounding (what
+    :meth:`QuantTensor.dequantize` gives for a weight kept 8-bit)."""
+    out, inp = codes.shape
+    s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block, 0), block, 1)
+    return E4M3_VALUES[codes] * s[:out, :inp]
+
+
 def quantize(w: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """float32 (out, in) -> (E4M3 codes (out, in) uint8, scale_inv (ceil(out/b), ceil(in/b))
     float32) as DeepSeek's release does: per block ``s = amax / 448``, codes

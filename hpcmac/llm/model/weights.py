@@ -194,14 +194,11 @@ class SafetensorsCheckpoint:
 
     def fp8_block(self) -> int:
         """The FP8 block size, checked: config.json's ``weight_block_size`` (square)."""
+        from hpcmac.llm.model.arch import check_fp8
+
         q = self._quant_config()
-        b = q.get("weight_block_size", [128, 128])
-        if not (isinstance(b, list) and len(b) == 2 and b[0] == b[1] and
-                isinstance(b[0], int) and b[0] > 0 and b[0] % 32 == 0):
-            raise UsageError(f"{self.path / 'config.json'}: quantization_config."
-                             f"weight_block_size {b!r}: expected [b, b], b a multiple of 32 "
-                             "(128 in the releases)")
-        return b[0]
+        check_fp8(q, f"{self.path / 'config.json'}: quantization_config")
+        return q["weight_block_size"][0]
 
     def quant_params(self, name: str) -> tuple[int, int]:
         """(bits, group) of a quantized ``name``, checked: config.json's per-layer entry
@@ -273,8 +270,7 @@ class SafetensorsCheckpoint:
             raise UsageError(f"{f}: tensor {name}_scale_inv has shape {list(sinv.shape)}; "
                              f"expected {want} (blocks of {block} x {block})")
         if codes.shape[1] % block:  # a last partial block of inputs: float32
-            return fp8.E4M3_VALUES[codes] * np.repeat(np.repeat(
-                sinv, block, axis=0), block, axis=1)[:codes.shape[0], :codes.shape[1]]
+            return fp8.dequantize(codes, sinv, block)
         return fp8.from_blocks(np.array(codes), sinv, block, f"fp8 e4m3 b{block}")
 
     def _quant(self, name: str) -> QuantTensor:
@@ -454,14 +450,15 @@ class SafetensorsCheckpoint:
         if all(self.has(n) and self.is_quantized(n) for n in names):
             return sum(self.stored_nbytes(n) for n in names)
         prefix = f"model.layers.{layer}.{module}.experts"
-        first = [f"{prefix}.0.{w}_proj.weight" for w in ("gate", "up", "down")]
-        if all(self.has(n) and self.is_fp8(n) for n in first):  # an FP8 release's experts
-            total, e = 0, 0
-            while self.has(f"{prefix}.{e}.gate_proj.weight"):
-                total += sum(self.stored_nbytes(f"{prefix}.{e}.{w}_proj.weight")
-                             for w in ("gate", "up", "down"))
-                e += 1
-            return total
+        for leaves in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+            if all(self.has(f"{prefix}.0.{w}.weight") and self.is_fp8(f"{prefix}.0.{w}.weight")
+                   for w in leaves):  # an FP8 release's experts, one tensor each
+                total, e = 0, 0
+                while self.has(f"{prefix}.{e}.{leaves[0]}.weight"):
+                    total += sum(self.stored_nbytes(f"{prefix}.{e}.{w}.weight")
+                                 for w in leaves)
+                    e += 1
+                return total
         return None
 
 

@@ -81,9 +81,8 @@ def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
 
 #: quantization methods of Hugging Face folders that no family reads yet, and what to do
 _NOT_READ = {
-    "fp8": "FP8 e4m3 with block scales (the original DeepSeek V3.x, Kimi K2, GLM-4.x-FP8 "
-           "and MiniMax M2 releases) is not read yet: use a BF16 copy, an MLX-quantized "
-           "folder or a GGUF",
+    "fp8": "FP8 e4m3 with block scales is read for the families with FP8 releases "
+           "(DeepSeek V3.x, Kimi K2, GLM-4.x, MiniMax M2, Qwen3)",
     "compressed-tensors": "compressed-tensors packs (Kimi K2 Thinking's INT4) are not read "
                           "yet: use a BF16 copy, an MLX-quantized folder or a GGUF",
 }
@@ -112,9 +111,25 @@ def check_quantization(raw: dict, fam: Family, where: str) -> None:
                                  + (f"one of {known}, " if known else "")
                                  + "MLX's 'quantization' (bits, group_size) or a float "
                                    "checkpoint")
+            if method == "fp8":
+                check_fp8(q, f"{where}: {key}")
         elif "bits" in q or "group_size" in q or "mode" in q:  # MLX's own
             check_format(f"{where}: {key}", q.get("bits"), q.get("group_size"),
                          q.get("mode", "affine"))
+
+
+def check_fp8(q: dict, where: str) -> None:
+    """One line unless an ``fp8`` quantization_config is the releases' form: ``fmt``
+    e4m3 and square ``weight_block_size`` blocks of a multiple of 32 (128 x 128)."""
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UsageError(f"{where}.fmt {fmt!r} is not supported; expected 'e4m3'")
+    b = q.get("weight_block_size")
+    if not (isinstance(b, list) and len(b) == 2 and b[0] == b[1] and isinstance(b[0], int)
+            and not isinstance(b[0], bool) and b[0] > 0 and b[0] % 32 == 0):
+        raise UsageError(f"{where}.weight_block_size {b!r}: expected [b, b] with b a "
+                         "multiple of 32 ([128, 128] in the releases; per-tensor FP8 is "
+                         "not read)")
 
 
 def config_from_gguf(meta: GGUFMeta) -> ModelConfig:

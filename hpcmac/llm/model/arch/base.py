@@ -39,6 +39,12 @@ def _default_gguf_meta(w, cfg: ModelConfig) -> None:
     w.add_value_length(cfg.head_dim)
 
 
+#: the ``quant_methods`` entry of the families with FP8 releases (DeepSeek V3.x, Kimi K2,
+#: GLM-4.x-FP8, MiniMax M2, Qwen3-FP8): e4m3 weights with block scales, read by
+#: :mod:`hpcmac.llm.model.fp8`
+FP8 = {"fp8": "e4m3 with 128 x 128 block scales, kept 8-bit"}
+
+
 @dataclass(frozen=True)
 class Family:
     """One architecture (global: every rank reads the same).

@@ -8,7 +8,7 @@ GGUF: ``deepseek2``, with ``attn_kv_b`` or the newer ``attn_k_b``/``attn_v_b`` s
 from __future__ import annotations
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import MLA, MLP, Layer, MoE, sigmoid_grouped
 from hpcmac.llm.model.arch.fields import (
     ModelConfig,
@@ -94,6 +94,7 @@ def write_gguf_meta(w, cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
+    quant_methods=FP8,
     summary=("multi-head latent attention; sigmoid routing with correction bias and group-limited "
              "top-k, shared experts, dense first layers, routed scaling"),
     model_type="deepseek_v3", gguf_arch="deepseek2", from_hf=from_hf, from_gguf=from_gguf,

@@ -12,7 +12,7 @@ uses the ``num_hidden_layers`` layers, as transformers does. No GGUF form yet.
 from __future__ import annotations
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import GQA, MLP, Layer, MoE, sigmoid_grouped
 from hpcmac.llm.model.arch.fields import (
     ModelConfig,
@@ -46,6 +46,7 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    quant_methods=FP8,
     summary=("GLM-4.5 to 4.7: partial rotary, optional QK-norm, DeepSeek's routing, shared "
              "experts, dense first layers"),
     model_type="glm4_moe", gguf_arch=None, from_hf=from_hf, from_gguf=None,

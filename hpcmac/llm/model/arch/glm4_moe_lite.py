@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from hpcmac.errors import UsageError
 from hpcmac.llm.model.arch import deepseek_v3
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import MLA, MLP, Layer, MoE, sigmoid_grouped
 from hpcmac.llm.model.arch.fields import ModelConfig, json_float
 
@@ -46,6 +46,7 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    quant_methods=FP8,
     summary=("GLM-4.7-Flash: DeepSeek-V3's latent attention with GLM-4's routing, shared experts, "
              "dense layers by `mlp_layer_types`"),
     model_type="glm4_moe_lite", gguf_arch=None, from_hf=from_hf, from_gguf=None,

@@ -15,7 +15,7 @@ form yet.
 from __future__ import annotations
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import GQA, Layer, MoE, sigmoid_grouped
 from hpcmac.llm.model.arch.fields import ModelConfig, hf_fields, hf_moe_fields, json_float
 
@@ -59,6 +59,7 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    quant_methods=FP8,
     summary=("RMSNorm over all of Q's and K's projected dimensions, partial rotary (`rotary_dim`),"
              " sigmoid-routed experts with correction bias in every layer"),
     model_type="minimax_m2", gguf_arch=None, from_hf=from_hf, from_gguf=None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import GQA, MLP, Layer
 from hpcmac.llm.model.arch.fields import ModelConfig, gguf_fields, hf_fields
 
@@ -18,6 +18,7 @@ def from_gguf(meta) -> ModelConfig:
 
 
 FAMILY = Family(
+    quant_methods=FP8,
     mlx_quant_tested=True,
     summary="Llama's layers with Q/K RMSNorm",
     model_type="qwen3", gguf_arch="qwen3", from_hf=from_hf, from_gguf=from_gguf,

@@ -3,7 +3,7 @@ every ``decoder_sparse_step``-th layer except ``mlp_only_layers``, which are den
 
 from __future__ import annotations
 
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import GQA, MLP, Layer, MoE, softmax_topk
 from hpcmac.llm.model.arch.fields import (
     ModelConfig,
@@ -32,6 +32,7 @@ def from_gguf(meta) -> ModelConfig:
 
 
 FAMILY = Family(
+    quant_methods=FP8,
     mlx_quant_tested=True,
     summary=("Q/K RMSNorm; softmax top-k experts, optional renormalisation, `decoder_sparse_step`,"
              " `mlp_only_layers`"),

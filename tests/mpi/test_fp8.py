@@ -1,0 +1,125 @@
+"""FP8 releases kept 8-bit, against transformers at any rank count: DeepSeek V3's and
+MiniMax M2's layers as their FP8 checkpoints store them (``fixtures.fp8_checkpoint``:
+every linear projection e4m3 with a float32 ``weight_scale_inv`` per 128 x 128 block,
+``amax / 448`` by torch's float8_e4m3fn; DeepSeek's own quantization_config).
+
+The oracle is transformers on the dequantized float32 model (the same weights: FP8 codes
+times block scales in float32, what the releases' own dequantization gives): 16 greedy
+tokens equal and logits within 1e-4 of the largest, at np 1 (whole model), tensor N
+and pipeline N (``family_util``). The kernels' own bound per product (``2 gamma_n sum
+|w||x|`` from float32 BLAS) is tests/unit/test_llm_float_formats.py's. Shapes have sizes
+of 128s where blocks matter, a partial last block of rows (kv_a: 128 + 16) and cuts off
+the blocks under tensor 2 (DeepSeek's dense MLP of 384 columns, o_proj's 2 heads of 32
+inputs a rank), which the loader dequantizes and the planner counts as float32.
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+from family_util import N_NEW, check_case, write_cases
+
+from hpcmac.errors import UsageError
+from hpcmac.testing import world
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
+
+VOCAB = 97
+CASES = {
+    "deepseek_v3": (3, dict(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=384, moe_intermediate_size=256,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, n_shared_experts=1, max_position_embeddings=256)),
+    "minimax_m2": (4, dict(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256,
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5))),
+}
+
+
+def build_fp8(model_type, path, seed, fields):
+    """A random float model quantized as the FP8 releases are; transformers runs the
+    dequantized copy (``path + "-float"``)."""
+    import torch
+    import transformers
+
+    from hpcmac.llm.model.fixtures import fp8_checkpoint, random_checkpoint
+
+    random_checkpoint(model_type, path + "-src", seed=seed, initializer_range=0.1, **fields)
+    fp8_checkpoint(path + "-src", path, path + "-float")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path + "-float", dtype=torch.float32, experts_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    out = {}
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        for name, case in CASES.items():
+            out.update(stack.enter_context(write_cases(name, {name: case}, VOCAB,
+                                                       build=build_fp8)))
+        yield out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_transformers(checkpoints, name):
+    check_case(f"fp8 {name}", checkpoints[name])
+
+
+def test_kept_8bit_and_counted(checkpoints):
+    """Every linear projection is held 8-bit (numpy and MLX), the planner's count
+    (weights.stage_nbytes) is the numpy stage's bytes, whole and as tensor rank 1 of 2,
+    and the stage holds at most 1.1x the file beyond MLA's absorbed kv_b (kept float32 by
+    design: 3 more bytes a weight). MLX gives numpy's tokens (rank 0)."""
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.fixtures import stage_greedy
+    from hpcmac.llm.model.spec import make_shards
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.model.weights import open_checkpoint, stage_nbytes
+
+    g = world()
+    if g.rank == 0:
+        for name in CASES:
+            path, prompts, ref = checkpoints[name]
+            cfg = load_config(path)
+            n = cfg.n_layers
+            st = load_stage(path, 0, n)
+            assert set(st.formats) == {"fp8 e4m3 b128"}
+            assert stage_nbytes(path, 0, n, True, True) == st.nbytes
+            shard = make_shards(cfg, [1.0, 1.0])[1]
+            part = load_stage(path, 1, n, False, True, shard=shard, reduce=lambda a: a)
+            assert stage_nbytes(path, 1, n, False, True, shard=shard) == part.nbytes
+            ck = open_checkpoint(path)
+            kv_b = sum(ck.numel(t) for t in ck.names() if t.endswith("kv_b_proj.weight"))
+            file = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+            backends = ("numpy", "mlx") if find_spec("mlx") else ("numpy",)
+            for backend in backends:
+                s = st if backend == "numpy" else load_stage(path, 0, n, backend=backend)
+                assert s.nbytes <= 1.1 * file + 3 * kv_b, (name, backend, s.nbytes, file)
+                if backend == "mlx":
+                    assert stage_greedy(s, prompts[0], N_NEW) == ref[0][0]
+            floats = load_stage(path, 0, n, keep_quantized=False)
+            assert st.nbytes < 0.4 * floats.nbytes
+    g.barrier()
+
+
+@pytest.mark.parametrize("q, says", [
+    (dict(quant_method="fp8", fmt="e5m2", weight_block_size=[128, 128]), "fmt 'e5m2'"),
+    (dict(quant_method="fp8", fmt="e4m3"), "weight_block_size None"),
+    (dict(quant_method="fp8", weight_block_size=[128, 64]), "weight_block_size \\[128, 64\\]"),
+])
+def test_refused_in_one_line(q, says):
+    from hpcmac.llm.model.arch import config_from_hf
+
+    raw = dict(model_type="deepseek_v3", **CASES["deepseek_v3"][1], quantization_config=q)
+    with pytest.raises(UsageError, match=says) as e:
+        config_from_hf(raw, "m/config.json")
+    assert str(e.value).startswith("m/config.json: quantization_config") and \
+        "\n" not in str(e.value)
