@@ -31,7 +31,7 @@ _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p
            "seed", "stop", "n", "stream", "stream_options", "user", "logprobs",
            "repetition_penalty"}
 FIELDS = {"chat": _COMMON | {"messages", "response_format", "tools", "tool_choice",
-                             "parallel_tool_calls"},
+                             "parallel_tool_calls", "top_logprobs"},
           "completion": _COMMON | {"prompt", "response_format"}}
 #: deepest JSON nesting a body may have (a chat request needs 4)
 MAX_DEPTH = 32
@@ -199,8 +199,7 @@ def parse_request(body, endpoint: str, cfg: ServeConfig) -> Parsed:
     n = _number(body, "n", int, 1, lo=1, hi=I32_MAX)
     if n != 1:
         raise ApiError(400, "only n=1 is supported", "n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported", "logprobs")
+    want = _logprobs(body, endpoint)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", "stream")
@@ -234,6 +233,7 @@ def parse_request(body, endpoint: str, cfg: ServeConfig) -> Parsed:
         repetition_penalty=_number(body, "repetition_penalty", float, 1.0, lo=0,
                                    lo_open=True),
         seed=_number(body, "seed", int, None, lo=0, hi=I64_MAX),
+        logprobs=want,
         grammar=compile_grammar(lambda t: grammar.lark(tools_mod.call_lark(spec, cfg.tok),
                                                        "tools", t), cfg)
         if spec is not None and spec.forced else response_format(body, cfg))
@@ -261,6 +261,26 @@ def parse_request(body, endpoint: str, cfg: ServeConfig) -> Parsed:
         out.think_open = out.reasoning == "think" and \
             cfg.tok.decode(ids[-4:]).rstrip().endswith("<think>")
     return out
+
+
+#: most likely tokens a request may ask for with each token (OpenAI's bound)
+MAX_TOP_LOGPROBS = 20
+
+
+def _logprobs(body: dict, endpoint: str) -> int:
+    """How many top logprobs to return with each token, -1 for none: chat's ``logprobs``
+    (true/false) and ``top_logprobs``; the completions' ``logprobs`` (an integer)."""
+    if endpoint == "completion":
+        return _number(body, "logprobs", int, -1, lo=0, hi=MAX_TOP_LOGPROBS)
+    on = body.get("logprobs", False)
+    if on is None:
+        on = False
+    if not isinstance(on, bool):
+        raise ApiError(400, "'logprobs' must be true or false", "logprobs")
+    top = _number(body, "top_logprobs", int, None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not on:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else -1
 
 
 def response_format(body: dict, cfg: ServeConfig) -> str | None:

@@ -27,7 +27,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from hpcmac.llm import tools
+from hpcmac.llm import logprobs, tools
 from hpcmac.llm.parallel.live import Full, LiveRequest, LiveRequests
 from hpcmac.llm.request import ApiError, ServeConfig, chat_ids, load_body, parse, parse_request
 
@@ -49,6 +49,12 @@ class _Stream:
         self.sent = 0  # characters already handed to the client
         self.ids: list[int] = []
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.lps: list = []  # (token, logprob row) of each kept token, when asked
+        self.lp_sent = 0  # of them, already streamed
+        self._lp = None  # the row of the token on its way
+
+    def on_logprob(self, row) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, ("lp", row))
 
     # scheduler thread
     def on_token(self, tok: int) -> None:
@@ -59,8 +65,11 @@ class _Stream:
 
     # event loop
     def add(self, tok: int) -> None:
+        row, self._lp = self._lp, None
         if tok in self.eos:
             return
+        if row is not None:
+            self.lps.append((tok, row))
         self.ids.append(tok)
         if self.decoder is not None:
             self.text += self.decoder.push(tok)
@@ -157,6 +166,7 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
             req = LiveRequest(prompt=ids, max_tokens=max_tokens, sampling=sampling,
                               eos_ids=cfg.eos_ids, stops=stops, on_token=st.on_token,
                               on_finish=st.on_finish,
+                              on_logprob=st.on_logprob if sampling.logprobs >= 0 else None,
                               decoder=cfg.tok.stream() if stops and cfg.tok else None)
             try:
                 key = source.submit(req)
@@ -173,16 +183,30 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(st.ids),  # noqa: E731
                          "total_tokens": len(ids) + len(st.ids)}
 
+        want_lp = sampling.logprobs >= 0
+
+        def lp_of(items) -> dict | None:
+            if not want_lp:
+                return None
+            return logprobs.chat(cfg.tok, items) if kind == "chat" else \
+                logprobs.completion(cfg.tok, items)
+
+        def new_lps():  # streaming: the logprobs of the tokens since the last chunk
+            items = st.lps[st.lp_sent:]
+            st.lp_sent = len(st.lps)
+            return lp_of(items) if items else None
+
         def chunk(text: str | None, finish: str | None, first: bool = False,
                   delta: dict | None = None) -> dict:
             if kind == "chat":
                 if delta is None:
                     delta = {"role": "assistant", "content": text or ""} if first else \
                         ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": new_lps() if not first else None,
+                          "finish_reason": finish}
                 obj = "chat.completion.chunk"
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None,
+                choice = {"index": 0, "text": text or "", "logprobs": new_lps(),
                           "finish_reason": finish}
                 obj = "text_completion"
             return {"id": rid, "object": obj, "created": created, "model": cfg.model_id,
@@ -194,6 +218,9 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
             try:
                 while True:
                     what, value = await st.q.get()
+                    if what == "lp":
+                        st._lp = value
+                        continue
                     if what == "tok":
                         st.add(value)
                         yield "tok", None
@@ -268,11 +295,11 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
                 answer = tools.parse(text, **reader)
                 message = answer.message()
                 finish = "tool_calls" if answer.tool_calls else finish
-            choice = {"index": 0, "message": message, "logprobs": None,
+            choice = {"index": 0, "message": message, "logprobs": lp_of(st.lps),
                       "finish_reason": finish}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": lp_of(st.lps),
                       "finish_reason": _finish(reason, st)}
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created,

@@ -51,10 +51,10 @@ def test_a_failing_request_ends_alone(checkpoint, monkeypatch):
     g = world()
     real_call = Sampler.__call__
 
-    def failing(self, logits, seen=()):
+    def failing(self, logits, seen=(), mask=None):
         if self.params.seed == INJECTED:
             raise RuntimeError("injected sampling failure")
-        return real_call(self, logits, seen)
+        return real_call(self, logits, seen, mask)
 
     monkeypatch.setattr(Sampler, "__call__", failing)
     cfg = load_config(checkpoint)

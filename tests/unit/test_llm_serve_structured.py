@@ -148,3 +148,40 @@ def test_required_tool_call_streaming_and_not(server):
                                   tools=TOOLS)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r.usage.prompt_tokens > 60  # the tools, the call and its result are in the prompt
+
+
+def test_logprobs_chat_and_completion(server):
+    """Greedy logprobs (under --tp a max-loc whose slices give the log-sum-exp and top-k)
+    equal a sampled request's (the logits gathered whole) on the same first token; the
+    chosen greedy token is the top one; streamed chunks carry their tokens' logprobs;
+    the completions endpoint's shape; bad values are 400 naming the field."""
+    c, model = server.client(), server.model()
+
+    def ask(**kw):
+        return c.chat.completions.create(model=model, max_tokens=3, messages=ASK,
+                                         logprobs=True, top_logprobs=4, **kw).choices[0]
+
+    greedy, sampled = ask(temperature=0), ask(temperature=1.0, seed=3)
+    g, s0 = greedy.logprobs.content, sampled.logprobs.content
+    assert len(g) == 3 and len(g[0].top_logprobs) == 4
+    for e in g:
+        assert e.token == e.top_logprobs[0].token and e.logprob == e.top_logprobs[0].logprob
+        assert all(a.logprob >= b.logprob for a, b in zip(e.top_logprobs, e.top_logprobs[1:]))
+    assert [t.token for t in g[0].top_logprobs] == [t.token for t in s0[0].top_logprobs]
+    for a, b in zip(g[0].top_logprobs, s0[0].top_logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-6 and a.logprob < 0
+    assert "".join(e.token for e in g) == greedy.message.content
+    streamed = [e.token for ch in c.chat.completions.create(
+        model=model, max_tokens=3, messages=ASK, temperature=0, logprobs=True, stream=True)
+        if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert streamed == [e.token for e in g]
+    r = c.completions.create(model=model, prompt="The capital of France is", max_tokens=2,
+                             temperature=0, logprobs=2).choices[0]
+    assert len(r.logprobs.tokens) == 2 and "".join(r.logprobs.tokens) == r.text
+    assert r.logprobs.text_offset[0] == 0 and len(r.logprobs.top_logprobs[0]) == 2
+    for bad, param in [({"logprobs": "yes"}, "logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
+                       ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")]:
+        with pytest.raises(serve.openai.BadRequestError) as e:
+            c.chat.completions.create(model=model, max_tokens=2, messages=ASK,
+                                      extra_body=bad)
+        assert e.value.body["param"] == param

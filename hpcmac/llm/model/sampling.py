@@ -34,6 +34,8 @@ class SamplingParams:
             raise UsageError(f"--top-k {self.top_k}: expected >= 0")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"--top-p {self.top_p}: expected in (0, 1]")
+        if not -1 <= self.logprobs <= 20:
+            raise UsageError(f"logprobs {self.logprobs}: expected -1 (off) to 20")
         if self.repetition_penalty <= 0:
             raise UsageError(f"--repetition-penalty {self.repetition_penalty}: expected > 0")
 

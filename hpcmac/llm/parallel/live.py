@@ -31,6 +31,9 @@ class LiveRequest(Request):
     stops: tuple[str, ...] = ()
     on_token: Callable[[int], None] | None = field(default=None, repr=False)
     on_finish: Callable[[str, int], None] | None = field(default=None, repr=False)
+    #: logprobs asked: called before on_token with float64 (chosen logprob, k top
+    #: logprobs, their k ids)
+    on_logprob: Callable[[object], None] | None = field(default=None, repr=False)
     decoder: object = field(default=None, repr=False)  # incremental text, for stops
     text: str = ""
     error: str | None = None  # why it ended, when it ended with "error"
@@ -107,6 +110,11 @@ class LiveRequests:
         req = self._live.get(key)
         if req is not None and req.on_token is not None:
             req.on_token(tok)  # raising ends this request alone (the scheduler catches)
+
+    def logprob(self, key: int, row) -> None:
+        req = self._live.get(key)
+        if req is not None and req.on_logprob is not None:
+            req.on_logprob(row)
 
     def stop_check(self, key: int, generated: list[int]) -> bool:
         """Whether a stop string has appeared in the text so far (incremental decoding)."""

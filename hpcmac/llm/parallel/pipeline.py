@@ -27,7 +27,11 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
   micro-batch.
 * last stage -> rank 0, tag ``TAG_RET``: ``int32[1 + n_sample] = (mb_id,
   token...)``, one message per micro-batch, in issue order; a token of
-  ``FAILED`` (-1) says that sequence's sampling failed.
+  ``FAILED`` (-1) says that sequence's sampling failed. When some sampled
+  sequence asked for logprobs (k most likely), tag ``TAG_LOGP`` follows:
+  ``float64[sum(1 + 2 k)]``, per such sequence in order (chosen token's logprob,
+  the k logprobs, their k ids), of the model's own distribution (before grammar,
+  penalty and temperature).
 
 Serving, one request never ends the job: what depends on a request alone (its sampling
 parameters, its control message, its callbacks, its sampling on the last stage)
@@ -61,7 +65,7 @@ from hpcmac.llm.parallel.results import PipelineResult, RankStats, SeqResult
 from hpcmac.llm.parallel.tensor import GATHER, MAXLOC
 
 FWD, CTRL, STOP, PING = 1, 2, 3, 4
-TAG_FWD, TAG_RET = 71, 72
+TAG_FWD, TAG_RET, TAG_LOGP = 71, 72, 73
 HDR = 4
 META = 5
 WIRE = np.int32  # header, meta and returned token ids
@@ -164,6 +168,7 @@ class _StageState:
         self.logits: dict[int, list[np.ndarray]] = {}
         self.next = group.rank + 1 if group.rank + 1 < group.size else -1
         self.used_slots: set[int] = set()
+        self.logp = np.empty(0)  # the last micro-batch's logprob rows (TAG_LOGP)
 
     def apply_ctrl(self, ctrl: dict) -> None:
         if self.tensor is not None:
@@ -191,9 +196,12 @@ class _StageState:
         t0 = time.perf_counter()
         idxs = [int(i) for i in meta[meta[:, 4] != 0, 0]]
         mode = self._head_mode(idxs)
+        self.logp = np.empty(0)
         masks = self._masks(idxs) if self.spec.last else None
+        ks = self._logprob_ks(idxs) if self.spec.last else []
+        topk = max(ks, default=-1) if mode == MAXLOC else -1
         if self.tensor is not None:  # first: the followers wait for it
-            self.tensor.send_step(meta, x, mode, masks if mode == MAXLOC else None)
+            self.tensor.send_step(meta, x, mode, masks if mode == MAXLOC else None, topk)
         slots = [int(s) for s in meta[:, 1]]
         lengths = [int(n) for n in meta[:, 2]]
         batch = Batch(slots=slots, lengths=lengths, positions=[int(p) for p in meta[:, 3]])
@@ -207,19 +215,31 @@ class _StageState:
             toks = np.empty(len(rows), dtype=np.int64)
             if len(rows):
                 logits = np.asarray(self.stage.logits(h[rows]), dtype=np.float32)
+                stats = None
                 if self.tensor is not None:
                     logits = self.tensor.head(logits, self.stage.vocab[0], mode,
-                                              masks if mode == MAXLOC else None)
+                                              masks if mode == MAXLOC else None, topk)
+                    if topk >= 0:
+                        logits, stats = logits
                 for k, idx in enumerate(idxs):
                     toks[k] = self._draw(idx, logits[k], mode,
                                          None if masks is None else masks[k])
                     if mode != MAXLOC and self.plan.keep_logits and toks[k] != FAILED:
                         self.logits[idx].append(logits[k].copy())
+                self.logp = _logprob_rows(ks, logits, toks, stats, mode)
         self.stats.busy_s += time.perf_counter() - t0
         self.stats.cpu_s += time.process_time() - c0
         self.stats.micro_batches += 1
         return h, toks
 
+
+    def _logprob_ks(self, idxs: list[int]) -> list[int]:
+        """Top logprobs each sampled row asked for (-1: none)."""
+        out = []
+        for i in idxs:
+            s = self.samplers.get(i)
+            out.append(s.params.logprobs if s is not None else -1)
+        return out
 
     def _masks(self, idxs: list[int]) -> np.ndarray | None:
         """The packed grammar masks (k, W) int32 of the sampled rows, all bits set for a
@@ -273,6 +293,33 @@ class _StageState:
             if p.temperature != 0.0 or p.repetition_penalty != 1.0:
                 return GATHER
         return MAXLOC
+
+
+def _logprob_rows(ks: list[int], logits: np.ndarray, toks: np.ndarray, stats, mode: int
+                  ) -> np.ndarray:
+    """The TAG_LOGP payload of a micro-batch (see the module doc): from the full logits
+    rows, or (a tensor group's max-loc) from the combined per-slice statistics ``stats``
+    (k, 1 + 2 kmax) = (chosen logprob, top logprobs, top ids)."""
+    parts = []
+    for k, want in enumerate(ks):
+        if want < 0:
+            continue
+        row = np.full(1 + 2 * want, np.nan)
+        if toks[k] != FAILED:
+            if mode == MAXLOC:
+                kmax = (stats.shape[1] - 1) // 2
+                row[0] = stats[k, 0]
+                row[1:1 + want] = stats[k, 1:1 + want]
+                row[1 + want:] = stats[k, 1 + kmax:1 + kmax + want]
+            else:
+                x = logits[k].astype(np.float64)
+                m = x.max()
+                lp = x - (m + np.log(np.exp(x - m).sum()))
+                row[0] = lp[int(toks[k])]
+                top = np.argsort(-lp, kind="stable")[:want]
+                row[1:1 + want], row[1 + want:] = lp[top], top
+        parts.append(row)
+    return np.concatenate(parts) if parts else np.empty(0)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -345,6 +392,8 @@ def _serve(st: _StageState, t_start: float) -> None:
             ret[0] = mb_id
             ret[1:] = toks
             link.send(ret, 0, TAG_RET, phase)
+            if st.logp.size:
+                link.send(st.logp, 0, TAG_LOGP, phase)
     link.flush()
     st.stats.wall_s = time.perf_counter() - t_start
 
@@ -496,7 +545,7 @@ class _Scheduler:
         self.mb_id += 1
         h, out = self.st.compute(x, meta)
         if self.size == 1:
-            self.receive(sampled, out)
+            self.receive(sampled, out, self.st.logp)
             return
         hdr = np.array([FWD, len(mb), x.size, mb_id], dtype=WIRE)
         link = self.st.link
@@ -504,28 +553,44 @@ class _Scheduler:
         link.send(pack(meta, h), 1, TAG_FWD, phase)
         buf = np.empty(1 + len(sampled), dtype=WIRE)
         req = self.st.group.irecv(buf, self.size - 1, TAG_RET)
-        self.inflight.append((mb_id, sampled, buf, req))
+        n_lp = sum(1 + 2 * s.req.sampling.logprobs for s in sampled
+                   if s.req.sampling.logprobs >= 0)
+        lp = None
+        if n_lp:  # its logprobs follow the tokens
+            lp = np.empty(n_lp)
+            lp = (lp, self.st.group.irecv(lp, self.size - 1, TAG_LOGP))
+        self.inflight.append((mb_id, sampled, buf, req, lp))
 
     def collect(self, block: bool) -> bool:
         """Take the oldest returned micro-batch; False when none was ready (non-blocking)."""
         if not self.inflight:
             return False
-        mb_id, sampled, buf, req = self.inflight[0]
+        mb_id, sampled, buf, req, lp = self.inflight[0]
         if block:
             self.st.link.wd.wait(req, self.size - 1, "to send back tokens",
                                  grace=0.5 * self.size + 1.0)
         elif not req.test():
             return False
+        if lp is not None:  # sent right after the tokens
+            self.st.link.wd.wait(lp[1], self.size - 1, "to send back logprobs",
+                                 grace=0.5 * self.size + 1.0)
         self.inflight.popleft()
         if int(buf[0]) != mb_id:
             raise RuntimeError(f"pipeline out of order: expected micro-batch {mb_id}, got {buf[0]}")
-        self.receive(sampled, buf[1:])
+        self.receive(sampled, buf[1:], lp[0] if lp is not None else None)
         return True
 
-    def receive(self, sampled: list[_Seq], toks: np.ndarray) -> None:
+    def receive(self, sampled: list[_Seq], toks: np.ndarray, logp=None) -> None:
         t = self.now()
+        off = 0
         for s, tok in zip(sampled, toks):
             tok = int(tok)
+            want = s.req.sampling.logprobs
+            if want >= 0 and logp is not None:
+                row = logp[off:off + 1 + 2 * want]
+                off += 1 + 2 * want
+                if tok != FAILED and s.finish != "cancelled" and self.source is not None:
+                    self.source.logprob(s.idx, row)
             s.waiting = False
             if s.finish == "cancelled":  # the client left while this token was on its way
                 self.retire(s, t)

@@ -182,14 +182,15 @@ class TensorGroup:
             self.wd.wait(req, r, "to take a step")
 
     def send_step(self, meta: np.ndarray, x: np.ndarray, mode: int,
-                  masks: np.ndarray | None = None) -> None:
+                  masks: np.ndarray | None = None, topk: int = -1) -> None:
         """Leader: the followers run this step too (``x``: token ids or hidden states;
-        ``masks``: the sampled rows' packed grammar masks, for a masked max-loc)."""
+        ``masks``: the sampled rows' packed grammar masks, for a masked max-loc; ``topk``:
+        a max-loc that also gives logprobs, the top ``topk``)."""
         if self.size == 1:
             return
         self.stats.steps += 1
-        hdr = np.array([FWD, meta.shape[0], x.shape[0], mode | (MASKED if masks is not None
-                                                                 else 0)], dtype=np.int32)
+        mode |= (MASKED if masks is not None else 0) | ((topk + 1) << 8)
+        hdr = np.array([FWD, meta.shape[0], x.shape[0], mode], dtype=np.int32)
         bufs = [hdr, np.ascontiguousarray(meta, dtype=np.int32), np.ascontiguousarray(x)]
         if masks is not None:
             bufs.append(np.ascontiguousarray(masks, dtype=np.int32))
@@ -223,26 +224,41 @@ class TensorGroup:
     # -- the head ------------------------------------------------------------------------
 
     def head(self, logits: np.ndarray, v0: int, mode: int,
-             masks: np.ndarray | None = None) -> np.ndarray | None:
+             masks: np.ndarray | None = None, topk: int = -1):
         """Collective over the group: combine the vocabulary slices of the logits.
 
         ``logits``: (k, slice) float32 of this rank's rows ``[v0, v0 + slice)``.
         ``masks``: ``MAXLOC`` only, the rows' packed grammar masks (k, W) over the whole
         vocabulary (every rank holds the same): each rank masks its own slice before
-        its max-loc. Returns on the leader: ``MAXLOC``: (k,) int64 greedy token ids;
+        its max-loc. ``topk`` >= 0 (``MAXLOC``): logprobs too, from the slices alone: each
+        rank adds its slice's log-sum-exp and its ``topk`` best (logit, id) of the raw
+        logits; the leader's log-sum-exp of those is the whole vocabulary's, and the
+        best ``topk`` of the ranks' bests are the whole's. Returns on the leader:
+        ``MAXLOC``: (k,) int64 greedy token ids, with ``topk`` also (k, 1 + 2 topk)
+        float64 (the chosen token's logprob, the top logprobs, their ids);
         ``GATHER``: (k, vocab) float32 logits. None on the followers.
         """
         k = logits.shape[0]
         if mode == MAXLOC:
+            raw = logits
             if masks is not None:
                 from hpcmac.llm.grammar import apply_mask
 
                 logits = apply_mask(np.array(logits, dtype=np.float32), masks, v0)
-            mine = np.empty((k, 2), dtype=np.float64)
+            kk = min(max(topk, 0), raw.shape[1])
+            mine = np.full((k, 3 + 2 * max(topk, 0) if topk >= 0 else 2), -np.inf)
             if k:
                 best = np.argmax(logits, axis=1)
                 mine[:, 0] = logits[np.arange(k), best]
                 mine[:, 1] = best + v0
+            if k and topk >= 0:
+                x = raw.astype(np.float64)
+                m = x.max(axis=1, keepdims=True)
+                mine[:, 2] = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+                if kk:
+                    top = np.argsort(-x, axis=1, kind="stable")[:, :kk]
+                    mine[:, 3:3 + kk] = np.take_along_axis(x, top, axis=1)
+                    mine[:, 3 + topk:3 + topk + kk] = top + v0
         else:
             mine = np.ascontiguousarray(logits, dtype=np.float32)
         if self.rank != 0:
@@ -252,20 +268,38 @@ class TensorGroup:
             return None
         parts = [mine]
         for r in self.peers:
-            n = 2 if mode == MAXLOC else int(self._slices[r])
+            n = mine.shape[1] if mode == MAXLOC else int(self._slices[r])
             buf = np.empty((k, n), dtype=np.float64 if mode == MAXLOC else np.float32)
             parts.append(self._recv(buf, TAG_HEAD, r, "to send its logits"))
         if mode == GATHER:
             return np.concatenate(parts, axis=1)
-        out = parts[0].copy()
+        out = parts[0][:, :2].copy()
         for p in parts[1:]:  # a strictly larger logit wins: ties keep the lower id
             better = p[:, 0] > out[:, 0]
-            out[better] = p[better]
-        return out[:, 1].astype(np.int64)
+            out[better] = p[better, :2]
+        ids = out[:, 1].astype(np.int64)
+        if topk < 0:
+            return ids
+        return ids, _combine_logprobs(parts, out[:, 0], topk)
 
     def set_vocab_slices(self, slices: Sequence[int]) -> None:
         """Every rank's vocabulary slice size (global), for the leader's gathers."""
         self._slices = list(slices)
+
+
+def _combine_logprobs(parts: list[np.ndarray], best: np.ndarray, topk: int) -> np.ndarray:
+    """(k, 1 + 2 topk): the chosen logprob, top logprobs and ids, from each rank's
+    (best, id, log-sum-exp, topk logits, topk ids) rows (see :meth:`TensorGroup.head`)."""
+    lse = np.logaddexp.reduce(np.stack([p[:, 2] for p in parts]), axis=0)  # (k,)
+    vals = np.concatenate([p[:, 3:3 + topk] for p in parts], axis=1)
+    ids = np.concatenate([p[:, 3 + topk:3 + 2 * topk] for p in parts], axis=1)
+    order = np.lexsort((ids, -vals), axis=1)[:, :topk] if topk else \
+        np.empty((len(best), 0), dtype=np.int64)
+    out = np.empty((len(best), 1 + 2 * topk))
+    out[:, 0] = best - lse
+    out[:, 1:1 + topk] = np.take_along_axis(vals, order, axis=1) - lse[:, None]
+    out[:, 1 + topk:] = np.take_along_axis(ids, order, axis=1)
+    return out
 
 
 def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slots: int,
@@ -282,7 +316,7 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
         hdr = tg._recv(np.empty(4, dtype=np.int32), TAG_STEP, 0, "to send a step", grace,
                        wd=tg.wd_step)
         kind, n, T, mode = (int(v) for v in hdr)
-        masked, mode = bool(mode & MASKED), mode & ~MASKED
+        masked, topk, mode = bool(mode & MASKED), (mode >> 8) - 1, mode & 3
         if kind == STOP:
             return
         if kind == PING:
@@ -317,5 +351,6 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
         if last:
             rows = (np.cumsum(lengths) - 1)[meta[:, 4] != 0]
             if len(rows):
-                tg.head(np.asarray(stage.logits(h[rows]), dtype=np.float32), v0, mode, masks)
+                tg.head(np.asarray(stage.logits(h[rows]), dtype=np.float32), v0, mode, masks,
+                        topk)
 
