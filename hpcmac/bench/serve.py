@@ -11,6 +11,15 @@ same rank count, aggregate tok/s over its own wall time from the first
 prompt to the last token (its JSON's ``wall_s``; loading excluded).
 Ratios: serve at 16 clients over generate --batch, and p95 ITL at 16
 clients over p95 ITL at 1 client.
+
+``--chat``: the prefix cache instead. One client holds a 6-turn chat (a long
+system prompt, six questions, each answer fed back) with a server whose prefix
+cache is on, then with one whose cache is off (``--prefix-cache-gb 0``), sending
+the same messages; per turn, the time to the first streamed token and
+``cached_tokens``. With llama.cpp's Python wheel (``xllamacpp``), the same
+messages go to its ``Server`` (``cache_prompt`` on, one slot, as many threads as
+ranks, the same GGUF), the time to its first streamed token measured the same way.
+Ratios: the last turn's TTFT, cache on over off, and hpcmac over llama.cpp.
 """
 
 from __future__ import annotations
@@ -138,6 +147,144 @@ def load(url: str, clients: int, requests: list[tuple[str, int]]) -> dict:
             "itl_p50": _pct(itl, 0.5), "itl_p95": _pct(itl, 0.95)}
 
 
+#: the chat of ``--chat``: a system prompt of ~300 tokens, then six questions
+CHAT_SYSTEM = (
+    "You are a patient assistant for a small team that runs a cluster of four Mac Studio "
+    "computers. The team uses the cluster for two things: serving language models to the "
+    "people in the office through an OpenAI-compatible endpoint, and running numerical "
+    "codes (dense linear algebra, sparse solvers, finite elements) written in Python on top "
+    "of MPI. The machines are connected by Thunderbolt cables in a full mesh, and each pair "
+    "of machines has its own small subnet. Two machines have 512 GB of memory and two have "
+    "256 GB. When you answer, be short and concrete: name the command or the setting, say "
+    "why in one sentence, and mention what could go wrong. If a question is about memory, "
+    "remember that each machine has a different amount, and that a model must fit in the "
+    "memory of the machines that hold it, with room left for the cache of keys and values. "
+    "If a question is about speed, remember that a single stream of tokens gets faster only "
+    "with tensor parallelism, while many streams at once also gain from a pipeline. Never "
+    "invent numbers; if you do not know, say so and suggest how to measure it.")
+CHAT_QUESTIONS = ["How do I start the server on all four machines?",
+                  "Which layout should I use for one user?", "And for twenty users?",
+                  "How much memory does the cache need?", "What if one machine fails?",
+                  "Summarise your advice in one sentence."]
+
+#: the llama.cpp side of --chat: one Server, the turns' messages in order, streamed
+_LLAMACPP_CHAT = r"""
+import json, sys, time
+import xllamacpp as xlc
+p = xlc.CommonParams()
+p.model.path = sys.argv[1]
+p.n_ctx = 4096
+p.n_parallel = 1
+p.cpuparams.n_threads = p.cpuparams_batch.n_threads = int(sys.argv[2])
+server = xlc.Server(p)
+out = []
+for msgs, n in json.load(open(sys.argv[3])):
+    t0, first = time.perf_counter(), []
+    def chunk(ch):
+        ch = ch if isinstance(ch, dict) else json.loads(ch)
+        for c in ch.get("choices") or ():
+            if not first and (c.get("delta") or {}).get("content"):
+                first.append(time.perf_counter() - t0)
+    server.handle_chat_completions({"messages": msgs, "max_tokens": n, "temperature": 0,
+                                    "stream": True, "cache_prompt": True}, chunk)
+    out.append({"ttft_s": first[0] if first else float("nan")})
+print("@@" + json.dumps(out))
+"""
+
+
+def chat_turns(url: str, max_tokens: int, turns: list | None = None) -> list[dict]:
+    """One streaming client through the chat (``turns``: the messages of each turn, to
+    send again as they are; else the answers are fed back): per turn, TTFT, cached and
+    prompt tokens, the messages sent and the answer."""
+    import httpx
+
+    msgs = [{"role": "system", "content": CHAT_SYSTEM}]
+    rows = []
+    with httpx.Client(timeout=600) as c:
+        for k in range(len(turns) if turns else len(CHAT_QUESTIONS)):
+            sent = turns[k] if turns else msgs + [{"role": "user",
+                                                   "content": CHAT_QUESTIONS[k]}]
+            body = {"messages": sent, "max_tokens": max_tokens, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            t0, first, text, usage = time.perf_counter(), None, [], {}
+            with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ch = json.loads(line[6:])
+                    usage = ch.get("usage") or usage
+                    piece = ch["choices"][0].get("delta", {}).get("content") \
+                        if ch.get("choices") else None
+                    if piece:
+                        first = first if first is not None else time.perf_counter() - t0
+                        text.append(piece)
+            rows.append({"turn": k + 1, "ttft_s": first, "messages": sent,
+                         "prompt_tokens": usage.get("prompt_tokens"),
+                         "cached_tokens": usage.get("prompt_tokens_details", {}).get(
+                             "cached_tokens"), "answer": "".join(text)})
+            msgs = sent + [{"role": "assistant", "content": "".join(text)}]
+    return rows
+
+
+def llama_chat(model: str, threads: int, turns: list, max_tokens: int) -> list[dict] | None:
+    """llama.cpp's Server on the same turns (None without ``xllamacpp`` or a GGUF)."""
+    from importlib.util import find_spec
+
+    from hpcmac.llm.model.config import is_gguf, resolve_model
+
+    path = resolve_model(model)
+    if find_spec("xllamacpp") is None or not is_gguf(path):
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "turns.json"
+        f.write_text(json.dumps([[t, max_tokens] for t in turns]))
+        r = subprocess.run([sys.executable, "-c", _LLAMACPP_CHAT, str(path), str(threads),
+                            str(f)], capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0 or "@@" not in r.stdout:
+        raise UsageError(f"llama.cpp's chat failed: {r.stderr.strip()[-300:]}")
+    return json.loads(r.stdout.rsplit("@@", 1)[1])
+
+
+def run_chat(args) -> int:
+    """``--chat``: the 6-turn chat, prefix cache on and off, and llama.cpp (see the module)."""
+    rows = []
+    for np_ in args.ranks:
+        got = {}
+        for label, extra in (("on", []), ("off", ["--prefix-cache-gb", "0"])):
+            proc, url = start_server(np_, args.model, 1, extra)
+            try:
+                chat_turns(url, 2, [[{"role": "user", "content": "Hi"}]])  # warm-up
+                got[label] = chat_turns(url, args.max_tokens,
+                                        [t["messages"] for t in got["on"]] if got else None)
+            finally:
+                stop_server(proc)
+        llama = llama_chat(args.model, np_, [t["messages"] for t in got["on"]],
+                           args.max_tokens)
+        for k, (on, off) in enumerate(zip(got["on"], got["off"])):
+            rows.append({"ranks": np_, "turn": k + 1, "prompt_tokens": on["prompt_tokens"],
+                         "cached_tokens": on["cached_tokens"], "ttft_on_s": on["ttft_s"],
+                         "ttft_off_s": off["ttft_s"], "same_answer": on["answer"] == off["answer"],
+                         "llama_ttft_s": llama[k]["ttft_s"] if llama else None})
+    print(f"hpcmac.bench.serve --chat: {args.model}, a 6-turn chat, answers of "
+          f"{args.max_tokens} tokens, greedy; TTFT client side; llama.cpp: cache_prompt on")
+    print(f"{'ranks':>5} {'turn':>4} {'prompt':>6} {'cached':>6} {'TTFT on':>8} {'off':>8} "
+          f"{'on/off':>6} {'llama.cpp':>9} {'on/llama':>8} {'same':>5}")
+    for r in rows:
+        r["on_over_off"] = r["ttft_on_s"] / r["ttft_off_s"]
+        lt = r["llama_ttft_s"]
+        r["on_over_llama"] = r["ttft_on_s"] / lt if lt else None
+        print(f"{r['ranks']:>5} {r['turn']:>4} {r['prompt_tokens']:>6} {r['cached_tokens']:>6} "
+              f"{r['ttft_on_s'] * 1e3:>6.0f}ms {r['ttft_off_s'] * 1e3:>6.0f}ms "
+              f"{r['on_over_off']:>6.2f} "
+              + (f"{lt * 1e3:>7.0f}ms {r['on_over_llama']:>8.2f}" if lt else f"{'-':>9} {'-':>8}")
+              + f" {'yes' if r['same_answer'] else 'NO':>5}")
+    if args.json:
+        from hpcmac.io.outputs import write_atomic
+
+        write_atomic(args.json, json.dumps(rows, indent=1), what="--json")
+    return 0
+
+
 def generate_batch(np_: int, model: str, requests: list[tuple[str, int]], slots: int) -> dict:
     """``generate --batch`` on the same prompts: tokens over its wall time (from its JSON)."""
     with tempfile.TemporaryDirectory() as d:
@@ -166,10 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=0,
                     help="serve's --prefill-chunk (default: serve's own, 64)")
+    ap.add_argument("--chat", action="store_true",
+                    help="the prefix cache: a 6-turn chat's TTFT, cache on and off, and "
+                         "llama.cpp's with cache_prompt (see the module docstring)")
     ap.add_argument("--json", type=checked_output("--json"), default=None, metavar="FILE")
     args = ap.parse_args(argv)
     if min(args.ranks) < 1 or min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1:
         raise UsageError("--ranks, --clients, --requests and --max-tokens must be >= 1")
+    if args.chat:
+        return run_chat(args)
     reqs = [(PROMPTS[i % len(PROMPTS)], args.max_tokens) for i in range(args.requests)]
     slots = max(args.clients)
     rows = []

@@ -54,6 +54,11 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
     g.add_argument("--json", type=output_path, default=None,
                    metavar="FILE", help="write results as JSON")
     g.add_argument("--quiet", action="store_true", help="do not stream the text")
+    g.add_argument("--prefix-cache-gb", type=float_arg, default=None, metavar="GB",
+                   help="KV kept of prompts already computed, reused by prompts that start "
+                        "with them (a chat's earlier turns, a shared system prompt), in GiB "
+                        "per rank at most, least recently used dropped first (default: 1, "
+                        "at most half the memory the weights leave; 0: off)")
     p = g.add_argument_group("several ranks (pipeline and tensor parallel)")
     p.add_argument("--tp", type=int, default=None, metavar="T",
                    help="ranks per tensor-parallel group (default: all ranks for one "
@@ -119,6 +124,9 @@ def check_arguments(args: argparse.Namespace) -> SamplingParams:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
                               args.repetition_penalty, args.seed)
     sampling.validate()
+    gb = getattr(args, "prefix_cache_gb", None)
+    if gb is not None and not 0 <= gb <= 1 << 20:
+        raise UsageError(f"--prefix-cache-gb {gb:g}: expected a size in GiB, 0 (off) or more")
     for name in ("micro_batches", "max_batch", "prefill_chunk"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 0")

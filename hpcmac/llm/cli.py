@@ -30,6 +30,7 @@ from hpcmac.llm.parallel.placement import LayoutFlags, Placement
 from hpcmac.llm.parallel.plan import agree
 from hpcmac.llm.parallel.runtime import (
     agree_placement,
+    agree_prefix_cache,
     bring_up,
     gather_cluster,
     hostfile_path,
@@ -245,6 +246,8 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
         group, cfg, args.model, cluster, LayoutFlags.of(args), kv_tokens=slots * shape[1],
         sequences=len(reqs), quantize=args.quantize, group_size=args.q_group_size,
         predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
+    blocks, block_bytes, cache_line = agree_prefix_cache(group, cfg, placement,
+                                                         args.prefix_cache_gb)
     rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
                   quantize=args.quantize, group_size=args.q_group_size,
                   int8_activations=args.int8_activations, timeout=args.timeout)
@@ -254,6 +257,8 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     comm.announce()
     if group.rank == 0 and group.size > 1:
         print(placement.describe(), file=sys.stderr, flush=True)
+    if group.rank == 0 and (args.prefix_cache_gb is not None or not blocks):
+        print(cache_line, file=sys.stderr, flush=True)
     show = _Printer(tok, stop, out, len(reqs), args.quiet) if group.rank == 0 else None
     stop_check = None
     if group.rank == 0 and stop.stops:
@@ -271,6 +276,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
             micro_batches=args.micro_batches or None, max_batch=slots,
             prefill_chunk=args.prefill_chunk or None, max_len=shape[1],
             on_token=show.token if show else None, stop_check=stop_check,
+            prefix_blocks=blocks, prefix_bytes=block_bytes,
         )
     finally:
         if threads is not None:
@@ -365,7 +371,7 @@ def result_json(res: PipelineResult, tok, stop, plan: Placement | None) -> dict:
     for s in res.seqs:
         seqs.append({
             "prompt_tokens": s.prompt_tokens, "tokens": s.tokens, "text": _text(tok, stop, s),
-            "finish_reason": s.finish, "ttft_s": s.ttft,
+            "cached_tokens": s.cached_tokens, "finish_reason": s.finish, "ttft_s": s.ttft,
             "prefill_tok_s": len(s.prompt_tokens) / s.ttft if s.ttft > 0 else 0.0,
             "decode_tok_s": s.decode_tok_s,
         })
@@ -380,6 +386,7 @@ def result_json(res: PipelineResult, tok, stop, plan: Placement | None) -> dict:
                     "busy": st.busy, "micro_batches": st.micro_batches} for st in res.stats],
         "bytes_per_token": res.link_bytes_per_token(),
         "interrupted": res.interrupted,
+        "prefix_cache": res.prefix,
     })
     if plan is not None:
         doc["split"] = {"how": plan.how, "layers": [s.n_layers for s in plan.stages],

@@ -181,7 +181,8 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(st.ids),  # noqa: E731
-                         "total_tokens": len(ids) + len(st.ids)}
+                         "total_tokens": len(ids) + len(st.ids),
+                         "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
 
         want_lp = sampling.logprobs >= 0
 
@@ -429,6 +430,7 @@ def run_serve(args, group=None) -> int:
     from hpcmac.llm.parallel.plan import agree
     from hpcmac.llm.parallel.runtime import (
         agree_placement,
+        agree_prefix_cache,
         bring_up,
         gather_cluster,
         hostfile_path,
@@ -486,6 +488,8 @@ def run_serve(args, group=None) -> int:
         group, cfg, args.model, cluster, LayoutFlags.of(args), kv_tokens=slots * context,
         sequences=slots, quantize=args.quantize, group_size=args.q_group_size,
         predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
+    blocks, block_bytes, cache_line = agree_prefix_cache(group, cfg, placement,
+                                                         args.prefix_cache_gb)
     rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
                   quantize=args.quantize, group_size=args.q_group_size,
                   int8_activations=args.int8_activations, timeout=args.timeout)
@@ -510,6 +514,7 @@ def run_serve(args, group=None) -> int:
         layout = placement.layout.describe() if group.size > 1 else "1 rank"
         if group.size > 1:
             print(placement.describe(why=True), file=sys.stderr, flush=True)
+        print(cache_line, file=sys.stderr, flush=True)
         print(f"serving {name} on http://{args.host}:{args.port}/v1 ({layout}, "
               f"{slots} sequences at once, context {context})", file=sys.stderr, flush=True)
         if not is_loopback(held["sock"]):
@@ -521,7 +526,8 @@ def run_serve(args, group=None) -> int:
         res = rt.run(None, source=source, micro_batches=args.micro_batches or None,
                      max_batch=slots, prefill_chunk=args.prefill_chunk or 64, max_len=context,
                      on_token=source.token if source else None,
-                     stop_check=source.stop_check if source else None)
+                     stop_check=source.stop_check if source else None,
+                     prefix_blocks=blocks, prefix_bytes=block_bytes)
     finally:
         if group.rank == 0:
             alive.clear()

@@ -124,6 +124,22 @@ def test_hostile_flags_are_one_line(llama, tmp_path, capsys):
     assert stat.S_ISCHR(os.lstat(tmp_path / "full").st_mode)
 
 
+def test_prefix_cache_larger_than_memory_is_refused_before_loading(llama, capsys,
+                                                                    monkeypatch):
+    from hpcmac.llm.model import stage
+
+    def never(*a, **k):
+        raise AssertionError("weights loaded before the refusal")
+
+    monkeypatch.setattr(stage, "load_stage", never)
+    base = ["generate", "--model", str(llama), "--prompt-ids", "1,2", "--max-tokens", "2"]
+    bad([*base, "--prefix-cache-gb", "100000"], capsys,
+        "--prefix-cache-gb 100000: ")
+    bad([*base, "--prefix-cache-gb", "-1"], capsys, "--prefix-cache-gb -1: expected a size")
+    code, _, err = run([*base, "--prefix-cache-gb", "100000"], capsys)
+    assert "GiB left after the weights and KV cache" in err and "expected at most" in err
+
+
 def test_unsupported_architecture(llama, tmp_path, capsys):
     cfg = json.loads((llama / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))

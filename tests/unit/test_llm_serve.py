@@ -237,6 +237,65 @@ def _concurrent_streams(server, n_uniq: int) -> None:
     assert httpx.get(server.url + "/health").json()["load"] == 0
 
 
+CHAT = ["Name a fruit.", "And a vegetable?", "Which is sweeter?", "Name a colour.",
+        "And another one?", "Say hello."]
+BLOCK = 16  # hpcmac.llm.parallel.prefix.BLOCK
+
+
+def test_a_chat_reuses_its_earlier_turns(server):
+    """A 6-turn chat: turns 2..6 reuse the prefix cache (cached_tokens: whole blocks, at
+    least the previous prompt's, at most what the previous turn fed), in the JSON answer
+    and in the last chunk of a stream asked for usage; the text of every turn is what
+    ``generate`` gives for that turn's prompt alone, with no prefix cache."""
+    from hpcmac.llm.model.tokenizer import load_tokenizer
+    from hpcmac.llm.server import chat_ids
+
+    c, model = server.client(), server.model()
+    msgs, turns = [], []
+    for k, question in enumerate(CHAT):
+        msgs.append({"role": "user", "content": question})
+        if k < len(CHAT) - 1:
+            r = c.chat.completions.create(model=model, temperature=0, max_tokens=6,
+                                          messages=msgs)
+            text, usage = r.choices[0].message.content, r.usage
+        else:  # the last turn streams, with usage in its final chunk
+            pieces, usage = [], None
+            for ch in c.chat.completions.create(model=model, temperature=0, max_tokens=6,
+                                                messages=msgs, stream=True,
+                                                stream_options={"include_usage": True}):
+                if ch.choices and ch.choices[0].delta.content:
+                    pieces.append(ch.choices[0].delta.content)
+                usage = ch.usage or usage
+            text = "".join(pieces)
+        turns.append((list(msgs), text, usage))
+        msgs.append({"role": "assistant", "content": text})
+    for k in range(1, len(CHAT)):
+        prev, cur = turns[k - 1][2], turns[k][2]
+        cached = cur.prompt_tokens_details.cached_tokens
+        fed = prev.prompt_tokens + prev.completion_tokens  # at most: the last is not fed
+        lo = min(prev.prompt_tokens, cur.prompt_tokens - 1) // BLOCK * BLOCK
+        hi = min(fed, cur.prompt_tokens - 1) // BLOCK * BLOCK
+        assert cached % BLOCK == 0 and 0 < lo <= cached <= hi, (k, cached, lo, hi)
+    # (the first turn may reuse the template's default system prompt: the server is shared)
+    tok = load_tokenizer("smollm2")
+    prompts = tuple(tuple(chat_ids(tok, m)) for m, _, _ in turns)
+    key = (prompts, server.layout)  # a pipeline's bits are one rank's: np 1 and 2 share it
+    if key not in _ORACLES:
+        batch = ROOT / f".pytest-serve-chat-{os.getpid()}.jsonl"
+        batch.write_text("".join(json.dumps({"prompt_ids": list(p)}) + "\n" for p in prompts))
+        try:
+            _ORACLES[key] = _generate("--batch", str(batch), "--max-tokens", "6",
+                                      "--prefix-cache-gb", "0", *server.layout,
+                                      np_=server.np if server.layout else 1)
+        finally:
+            batch.unlink(missing_ok=True)
+    want = _ORACLES[key]
+    eos = set(tok.eos_ids)
+    assert [t for _, t, _ in turns] == [tok.decode([i for i in s["tokens"] if i not in eos])
+                                        for s in want["sequences"]]
+    assert all(s["cached_tokens"] == 0 for s in want["sequences"])
+
+
 def test_bad_requests_get_4xx_and_the_server_goes_on(server):
     u = server.url + "/v1/completions"
     cases = [

@@ -13,10 +13,16 @@ zero states; :meth:`KVCache.snapshot` / :meth:`KVCache.restore` copy one slot's 
 and back (a prefix cache needs them at its block boundaries).
 
 All values are local to a rank: each pipeline stage holds only its own layers.
+
+Prefix blocks (:mod:`hpcmac.llm.parallel.prefix`): a rank also keeps copies of runs of
+a slot's tokens, :class:`KVBlock`, by a block id that rank 0 chose; :meth:`KVCache.apply`
+runs rank 0's ordered save/load instructions, the same on every rank, each on its own
+share of the KV (its layers, its KV heads).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,6 +30,48 @@ import numpy as np
 if TYPE_CHECKING:
     from hpcmac.llm.model.arch.fields import ModelConfig
 
+#: prefix-block instructions (rank 0 -> every rank, in order): ``(SAVE, slot, start, n,
+#: block id)`` copies tokens ``[start, start + n)`` of ``slot`` into the block;
+#: ``(LOAD, slot, id, id, ...)`` writes the blocks one after another from position 0
+SAVE, LOAD = 0, 1
+
+
+@dataclass
+class KVBlock:
+    """A copy of ``n`` consecutive tokens of one slot, every layer of this rank (local).
+
+    ``k``, ``v``: per layer, the cache's arrays for those tokens (numpy).
+    ``state``: for a model with linear-attention layers, their recurrent states after
+    the block's last token (:meth:`KVCache.snapshot`), to be put back with the block
+    (:meth:`KVCache.restore`); None for attention alone. Not filled yet: such a family
+    gets no prefix cache (:func:`recurrent_layers`), until the scheduler cuts prefill
+    chunks at block ends so that the state there exists to be snapshot.
+    """
+
+    n: int
+    k: list
+    v: list
+    state: list | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+                   + sum(getattr(a, "nbytes", 0) for a in self.state or ()))
+
+
+def _has_state(layer) -> bool:
+    """Whether a layer's blocks keep a recurrent state (their attention has
+    ``state_shapes``: linear attention), as :class:`KVCache` lays it out."""
+    return hasattr(getattr(layer, "attention", None), "state_shapes")
+
+
+def recurrent_layers(cfg: ModelConfig) -> list[int]:
+    """Global layers that keep a recurrent state instead of per-token KV: a prefix block
+    must then hold that state at its end (:attr:`KVBlock.state`, from
+    :meth:`KVCache.snapshot`), which the prefix cache does not do yet."""
+    from hpcmac.llm.model import arch
+
+    return [i for i in range(cfg.n_layers) if _has_state(arch.layer(cfg, i))]
 
 
 class KVCache:
@@ -37,6 +85,9 @@ class KVCache:
         self.max_slots, self.max_len = int(max_slots), int(max_len)
         self.lengths = np.zeros(self.max_slots, dtype=np.int64)  # tokens held per slot
         n = end - start
+        self.backend, self.mla = backend, bool(cfg.mla)
+        #: prefix blocks held by this rank, by the id rank 0 gave them
+        self.blocks: dict[int, KVBlock] = {}
         zeros = getattr(backend, "cache_zeros", backend.zeros)
         if cfg.mla:
             kv = ((max_slots, max_len, cfg.kv_lora_rank),
@@ -47,9 +98,8 @@ class KVCache:
         self.recurrent: list[int] = []
         self.k, self.v = [], []
         for j in range(n):
-            att = getattr(blocks[j], "attention", None) if blocks else None
-            if hasattr(att, "state_shapes"):
-                conv, state = att.state_shapes(cfg)
+            if blocks and _has_state(blocks[j]):
+                conv, state = blocks[j].attention.state_shapes(cfg)
                 self.recurrent.append(j)
                 self.k.append(np.zeros((max_slots, *conv), dtype=np.float32))
                 self.v.append(np.zeros((max_slots, *state), dtype=np.float32))
@@ -106,3 +156,60 @@ class KVCache:
             self.k[j][slot] = conv
             self.v[j][slot] = state
         self.lengths[slot] = snap["length"]
+
+    # -- prefix blocks -------------------------------------------------------------------
+
+    def _tokens(self, a, slot: int, lo: int, hi: int):
+        """The view of tokens ``[lo, hi)`` of ``slot`` in one layer's array."""
+        return a[slot, lo:hi] if self.mla else a[slot, :, lo:hi]
+
+    def save(self, slot: int, start: int, n: int, bid: int) -> None:
+        """Copy tokens ``[start, start + n)`` of ``slot`` into block ``bid`` (replacing it).
+
+        The slot may have been freed in the same control message (its sequence ended
+        after feeding them): freeing forgets its length, not its values."""
+        if not 0 <= start < start + n <= self.max_len:
+            raise RuntimeError(f"prefix block {bid}: tokens [{start}, {start + n}) are "
+                               f"outside the context of {self.max_len}")
+        self._no_states()
+        be = self.backend
+        take = lambda a: np.array(be.to_numpy(self._tokens(a, slot, start, start + n)))  # noqa: E731
+        self.blocks[bid] = KVBlock(n, [take(a) for a in self.k], [take(a) for a in self.v])
+
+    def load(self, slot: int, bids) -> None:
+        """Write blocks ``bids`` one after another into ``slot`` from position 0; the
+        slot then holds their tokens."""
+        self._no_states()
+        be, pos = self.backend, 0
+        for bid in bids:
+            blk = self.blocks[bid]
+            if pos + blk.n > self.max_len:
+                raise RuntimeError(f"prefix blocks overflow the context of {self.max_len}")
+            for arrs, parts in ((self.k, blk.k), (self.v, blk.v)):
+                for a, part in zip(arrs, parts):
+                    if self.mla:
+                        a[slot, pos:pos + blk.n] = be.asarray(part)
+                    else:
+                        a[slot, :, pos:pos + blk.n] = be.asarray(part)
+            pos += blk.n
+        self.lengths[slot] = pos
+
+    def _no_states(self) -> None:
+        if self.recurrent:  # capacity() turns the prefix cache off for such families
+            raise RuntimeError("prefix blocks of layers with recurrent states are not "
+                               "supported yet")
+
+    def apply(self, ops) -> None:
+        """Rank 0's prefix-block instructions (:data:`SAVE`, :data:`LOAD`), in order."""
+        for op in ops:
+            if op[0] == SAVE:
+                self.save(int(op[1]), int(op[2]), int(op[3]), int(op[4]))
+            elif op[0] == LOAD:
+                self.load(int(op[1]), [int(b) for b in op[2:]])
+            else:
+                raise RuntimeError(f"unknown prefix-block instruction {op[0]!r}")
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes held by this rank's prefix blocks."""
+        return sum(b.nbytes for b in self.blocks.values())

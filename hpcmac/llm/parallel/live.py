@@ -37,6 +37,7 @@ class LiveRequest(Request):
     decoder: object = field(default=None, repr=False)  # incremental text, for stops
     text: str = ""
     error: str | None = None  # why it ended, when it ended with "error"
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set at admission)
 
 
 class LiveRequests:
@@ -55,6 +56,9 @@ class LiveRequests:
         self._next = 0
         self.closed = False
         self.error: str | None = None
+        #: the scheduler's :class:`~hpcmac.llm.parallel.prefix.PrefixIndex` (None: no
+        #: prefix cache); read its ``stats()`` or counters from any thread (metrics)
+        self.prefix = None
 
     # -- the HTTP side ------------------------------------------------------------------
     def submit(self, req: LiveRequest) -> int:
@@ -115,6 +119,13 @@ class LiveRequests:
         req = self._live.get(key)
         if req is not None and req.on_logprob is not None:
             req.on_logprob(row)
+
+    def cached(self, key: int, n: int) -> None:
+        """Request ``key`` reuses ``n`` prompt tokens from the prefix cache (before any of
+        its tokens is handed over)."""
+        req = self._live.get(key)
+        if req is not None:
+            req.cached_tokens = n
 
     def stop_check(self, key: int, generated: list[int]) -> bool:
         """Whether a stop string has appeared in the text so far (incremental decoding)."""

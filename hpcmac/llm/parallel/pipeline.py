@@ -20,7 +20,8 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
   then, for ``FWD``, one payload ``float32[5 n + T hidden]``: the meta rows
   ``int32 (n, 5) = (seq, slot, length, position, sample)`` (their bits) and the
   hidden states ``(T, hidden)``; for ``CTRL`` a dict of ``n`` bytes in
-  comm.wire's plain tagged format, never pickle (sequences joining and leaving);
+  comm.wire's plain tagged format, never pickle (sequences joining and leaving, and
+  the prefix cache's block instructions, :mod:`.prefix`);
   ``STOP`` ends the loop; ``PING`` (a header alone) is sent by an idle server
   now and then so that waiting stages know rank 0 is alive. A decoded token
   thus costs one hidden vector plus 20 bytes on a link, and 16 bytes per
@@ -58,9 +59,11 @@ import numpy as np
 
 from hpcmac.comm.base import Group
 from hpcmac.errors import UsageError
+from hpcmac.llm.model.cache import LOAD, SAVE
 from hpcmac.llm.model.sampling import Sampler, SamplingParams
 from hpcmac.llm.parallel.link import Link, Watchdog
 from hpcmac.llm.parallel.plan import StageSpec
+from hpcmac.llm.parallel.prefix import BLOCK, ROOT, PrefixIndex
 from hpcmac.llm.parallel.results import PipelineResult, RankStats, SeqResult
 from hpcmac.llm.parallel.tensor import GATHER, MAXLOC
 
@@ -152,6 +155,9 @@ class _Plan:
     chunk: int
     keep_logits: bool
     isolate: bool = False  # serve: a request's own failure ends that request alone
+    prefix_blocks: int = 0  # prefix-cache blocks (0: no prefix cache), see .prefix
+    prefix_block: int = BLOCK  # tokens per prefix block
+    prefix_bytes: int = 0  # bytes of one block on the rank holding the most (stats)
 
 
 class _StageState:
@@ -178,6 +184,10 @@ class _StageState:
                 self.cache.free(slot)
                 self.used_slots.discard(slot)
             self.samplers.pop(idx, None)
+        kv = ctrl.get("kv", ())
+        if kv:  # after the frees: a slot freed and given to a new sequence gets its blocks
+            self.cache.apply(kv)
+            self.used_slots.update(int(op[1]) for op in kv if op[0] == LOAD)
         if self.spec.last:
             for idx, prompt, params in ctrl.get("add", ()):
                 self.samplers[idx] = _SeqSampler(prompt, params, self.plan.isolate)
@@ -339,7 +349,8 @@ def _ctrl_to_wire(ctrl: dict) -> bytes:
 
     return wire.encode({"add": [(int(i), [int(t) for t in p], asdict(s))
                                 for i, p, s in ctrl["add"]],
-                        "free": [(int(i), int(s)) for i, s in ctrl["free"]]})
+                        "free": [(int(i), int(s)) for i, s in ctrl["free"]],
+                        "kv": [[int(v) for v in op] for op in ctrl.get("kv", ())]})
 
 
 def _ctrl_from_wire(data: bytes, sender: int) -> dict:
@@ -350,7 +361,8 @@ def _ctrl_from_wire(data: bytes, sender: int) -> dict:
     try:
         msg = wire.decode(data)
         return {"add": [(int(i), list(p), SamplingParams(**s)) for i, p, s in msg["add"]],
-                "free": [(int(i), int(s)) for i, s in msg["free"]]}
+                "free": [(int(i), int(s)) for i, s in msg["free"]],
+                "kv": [[int(v) for v in op] for op in msg.get("kv", [])]}
     except (ValueError, TypeError, KeyError) as exc:
         raise RuntimeError(f"malformed pipeline control message from rank {sender}: "
                            f"{exc}") from None
@@ -400,7 +412,8 @@ def _serve(st: _StageState, t_start: float) -> None:
 
 class _Seq:
     __slots__ = ("idx", "req", "tokens", "n_prompt", "fed", "slot", "waiting", "finish",
-                 "t_admit", "t_first", "t_done", "last_mb", "error")
+                 "t_admit", "t_first", "t_done", "last_mb", "error", "chain", "cached",
+                 "pending", "nosave")
 
     def __init__(self, idx: int, req: Request):
         self.idx, self.req = idx, req
@@ -413,6 +426,10 @@ class _Seq:
         self.finish = ""
         self.error: str | None = None  # why, when finish is "error"
         self.t_admit = self.t_first = self.t_done = 0.0
+        self.chain: list[int] = []  # prefix-cache nodes of its whole blocks so far
+        self.cached = 0  # prompt tokens reused from the prefix cache
+        self.pending: tuple | None = None  # the key of the prompt block it computes next
+        self.nosave = False  # its blocks stopped being saved (no room, a block evicted)
 
     @property
     def ready(self) -> bool:
@@ -435,8 +452,14 @@ class _Scheduler:
         self.active: list[_Seq] = []
         self.free_slots = list(range(st.plan.max_slots))[::-1]
         self.inflight: deque = deque()
-        self.ctrl: dict[str, list] = {"add": [], "free": []}
+        self.ctrl: dict[str, list] = {"add": [], "free": [], "kv": []}
         self.on_token, self.stop_check = on_token, stop_check
+        plan = st.plan
+        #: rank 0's prefix-cache index (None: no prefix cache); its counters are stats
+        self.prefix = PrefixIndex(plan.prefix_blocks, plan.prefix_block, plan.prefix_bytes) \
+            if plan.prefix_blocks > 0 else None
+        if source is not None:
+            source.prefix = self.prefix
         self.mb_id = 0
         self.decode_tokens = 0
         self.stopping = False
@@ -487,12 +510,82 @@ class _Scheduler:
     def admit(self) -> None:
         if self.source is not None:
             self.arrivals()
+        waiting = []
         while self.queue and self.free_slots and not self.stopping:
             s = self.queue.popleft()
+            hit = self.lookup(s)
+            if hit is None:  # its next block is being prefilled by another: wait for it
+                waiting.append(s)
+                continue
             s.slot = self.free_slots.pop()
             s.t_admit = self.now()
             self.active.append(s)
             self.ctrl["add"].append((s.idx, list(s.req.prompt), s.req.sampling))
+            if self.prefix is not None:
+                self.reuse(s, hit)
+        self.queue.extendleft(reversed(waiting))
+
+    # -- the prefix cache (rank 0 decides; every rank follows the "kv" instructions) -----
+
+    def lookup(self, s: _Seq) -> list[int] | None:
+        """The cached nodes that ``s``'s prompt starts with, or None when the block after
+        them is a whole prompt block that an admitted sequence is prefilling now (then
+        ``s`` waits a step, and reuses it once it is saved)."""
+        px = self.prefix
+        if px is None:
+            return []
+        prompt, b = s.req.prompt, px.block
+        limit = len(prompt) - 1  # the last prompt token is always computed: its logits
+        hit = px.match(prompt, limit)
+        if (len(hit) + 1) * b <= limit:
+            key = px.key(hit[-1] if hit else ROOT, prompt[len(hit) * b:(len(hit) + 1) * b])
+            if px.pending.get(key, s.idx) != s.idx:
+                return None
+        return hit
+
+    def reuse(self, s: _Seq, hit: list[int]) -> None:
+        """``s`` (just given its slot) starts from the cached blocks ``hit``."""
+        px = self.prefix
+        px.lookups += 1
+        if hit:
+            px.touch(hit)
+            s.chain = list(hit)
+            s.fed = s.cached = len(hit) * px.block
+            px.hits += 1
+            px.tokens_reused += s.cached
+            self.ctrl["kv"].append((LOAD, s.slot, *(px.bid(n) for n in hit)))
+            if self.source is not None:
+                self.source.cached(s.idx, s.cached)
+        self.expect(s)
+
+    def expect(self, s: _Seq) -> None:
+        """Note the prompt block ``s`` computes next (others sharing it wait for it)."""
+        px = self.prefix
+        if px is None:
+            return
+        if s.pending is not None and px.pending.get(s.pending) == s.idx:
+            del px.pending[s.pending]
+        s.pending = None
+        i, b = len(s.chain), px.block
+        if not s.nosave and (i + 1) * b < s.n_prompt:
+            s.pending = px.key(s.chain[-1] if s.chain else ROOT, s.req.prompt[i * b:(i + 1) * b])
+            px.pending.setdefault(s.pending, s.idx)
+
+    def save(self, s: _Seq) -> None:
+        """Store the whole blocks ``s`` has fed since the last time (after issuing them:
+        the instruction follows them down every link)."""
+        px, b = self.prefix, self.prefix.block
+        while not s.nosave and (len(s.chain) + 1) * b <= s.fed:
+            i = len(s.chain)
+            got = px.add(s.chain[-1] if s.chain else ROOT, s.tokens[i * b:(i + 1) * b])
+            if got is None:  # no room, or its previous block was evicted meanwhile
+                s.nosave = True
+                break
+            node, bid = got
+            if bid is not None:
+                self.ctrl["kv"].append((SAVE, s.slot, i * b, b, bid))
+            s.chain.append(node)
+        self.expect(s)
 
     def form(self) -> list[tuple[_Seq, int]]:
         """The next micro-batch: ready sequences, least recently served first.
@@ -513,9 +606,9 @@ class _Scheduler:
         return out
 
     def send_ctrl(self) -> None:
-        if not (self.ctrl["add"] or self.ctrl["free"]):
+        if not (self.ctrl["add"] or self.ctrl["free"] or self.ctrl["kv"]):
             return
-        ctrl, self.ctrl = self.ctrl, {"add": [], "free": []}
+        ctrl, self.ctrl = self.ctrl, {"add": [], "free": [], "kv": []}
         self.st.apply_ctrl(ctrl)
         if self.size > 1:
             payload = np.frombuffer(_ctrl_to_wire(ctrl), dtype=np.uint8).copy()
@@ -537,6 +630,8 @@ class _Scheduler:
             if sample:
                 s.waiting = True
                 sampled.append(s)
+            if self.prefix is not None:
+                self.save(s)
         phase = _phase(meta)
         if phase == "decode":
             self.decode_tokens += len(mb)
@@ -620,6 +715,9 @@ class _Scheduler:
                 self.retire(s, t)
 
     def retire(self, s: _Seq, t: float) -> None:
+        if self.prefix is not None:
+            s.nosave = True
+            self.expect(s)  # what it was prefilling is no longer coming
         s.t_done = t
         self.active.remove(s)
         self.free_slots.append(s.slot)
@@ -719,6 +817,9 @@ def run_pipeline(
     tensor=None,
     ranks: Sequence[int] | None = None,
     source=None,
+    prefix_blocks: int = 0,
+    prefix_bytes: int = 0,
+    prefix_block: int = BLOCK,
 ) -> PipelineResult:
     """Collective: generate ``requests`` through the pipeline of ``group.size`` stages.
 
@@ -747,6 +848,11 @@ def run_pipeline(
     source : serve (rank 0): a :class:`~hpcmac.llm.parallel.live.LiveRequests`
         whose requests join while the pipeline runs, until it is closed;
         ``requests`` is then empty and ``max_batch``/``max_len`` size the cache.
+    prefix_blocks : blocks the prefix cache holds (rank 0; 0: none; see
+        :func:`~hpcmac.llm.parallel.prefix.capacity`): a prompt starting with cached
+        blocks reuses their KV on every rank and prefills only the rest.
+    prefix_bytes : one block's bytes on the rank holding the most (rank 0; stats).
+    prefix_block : tokens per prefix block (rank 0).
 
     Returns the same :class:`PipelineResult` on every rank.
     """
@@ -758,7 +864,8 @@ def run_pipeline(
         plan = _Plan(n_seqs=0, max_slots=max(1, max_batch or 16), max_len=max_len or 4096,
                      micro_batches=max(1, micro_batches or p),
                      chunk=max(1, prefill_chunk or (512 if p == 1 else 64)),
-                     keep_logits=False, isolate=True)
+                     keep_logits=False, isolate=True, prefix_blocks=prefix_blocks,
+                     prefix_bytes=prefix_bytes, prefix_block=prefix_block)
     elif group.rank == 0:
         reqs = list(requests or [])
         if not reqs:
@@ -770,7 +877,8 @@ def run_pipeline(
             max_len=max(max_len or 0, longest),
             micro_batches=max(1, micro_batches or p),
             chunk=max(1, prefill_chunk or default_chunk(sum(len(r.prompt) for r in reqs), p)),
-            keep_logits=keep_logits,
+            keep_logits=keep_logits, prefix_blocks=prefix_blocks, prefix_bytes=prefix_bytes,
+            prefix_block=prefix_block,
         )
     plan = group.bcast_obj(plan, 0)
     if tensor is not None and tensor.size > 1:
@@ -784,6 +892,7 @@ def run_pipeline(
     seq_results = None
     interrupted = False
     decode_tokens = 0
+    prefix = None
     if group.rank == 0:
         sched = _Scheduler(st, requests or [], t_start, on_token, stop_check, source)
         old = None
@@ -801,9 +910,10 @@ def run_pipeline(
         st.stats.wall_s = time.perf_counter() - t_start
         interrupted = sched.stopping
         decode_tokens = sched.decode_tokens
+        prefix = sched.prefix.stats() if sched.prefix is not None else None
         seq_results = [
             SeqResult(s.idx, list(s.req.prompt), s.tokens[s.n_prompt :], s.finish,
-                      s.t_admit, s.t_first, s.t_done)
+                      s.t_admit, s.t_first, s.t_done, cached_tokens=s.cached)
             for s in sched.seqs
         ]
     else:
@@ -816,10 +926,10 @@ def run_pipeline(
         target[phase] = target.get(phase, 0) + nb
     stats = group.allgather_obj(st.stats)
     logits = group.allgather_obj(st.logits if spec.last else None)[p - 1]
-    seq_results, interrupted, decode_tokens = group.bcast_obj(
-        (seq_results, interrupted, decode_tokens), 0)
+    seq_results, interrupted, decode_tokens, prefix = group.bcast_obj(
+        (seq_results, interrupted, decode_tokens, prefix), 0)
     if keep_logits and logits is not None:
         for s in seq_results:
             s.logits = logits.get(s.index, [])
     return PipelineResult(seq_results, stats, max(x.wall_s for x in stats), decode_tokens,
-                          interrupted)
+                          interrupted, prefix=prefix)

@@ -154,6 +154,12 @@ class Placement:
         return RankPlace(r, s, t, self.hosts[r], self.stages[s], self.shards[s][t],
                          self.need[r], self.budgets[r])
 
+    def kv_token_bytes(self, cfg, r: int) -> int:
+        """Bytes one token's KV takes on world rank ``r``: its stage's layers, its KV heads."""
+        s, t = divmod(r, self.tp)
+        return self.stages[s].n_layers * _kv_bytes(cfg, self.shards[s][t] if self.tp > 1
+                                                   else None)
+
     def describe(self, why: bool = False) -> str:
         """The line generate and serve print (rank 0) for several ranks (``why``: a
         pipeline's line says why this layout too, as a tensor layout's always does)."""

@@ -19,6 +19,7 @@ class SeqResult:
     t_first: float
     t_done: float
     logits: list[np.ndarray] | None = None  # (vocab,) float32 per sampled step, if kept
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not prefilled)
 
     @property
     def ttft(self) -> float:
@@ -61,6 +62,7 @@ class PipelineResult:
     decode_tokens: int  # tokens fed during decode (one per sequence per step)
     interrupted: bool = False
     tensor: list[dict] = field(default_factory=list)  # each rank's all-reduce counters
+    prefix: dict | None = None  # the prefix cache's counters (PrefixIndex.stats), if on
 
     @property
     def prompt_tokens(self) -> int:

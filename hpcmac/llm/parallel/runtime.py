@@ -79,6 +79,21 @@ def agree_placement(group: Group, cfg, model: str, cluster: Cluster,
                                       predicted=predicted), ranks="root")
 
 
+def agree_prefix_cache(group: Group, cfg, placement: Placement,
+                       gb: float | None) -> tuple[int, int, str]:
+    """Collective: (blocks, one block's bytes on the rank holding the most, the line
+    saying so) of the prefix cache under ``--prefix-cache-gb gb``
+    (:func:`~.prefix.capacity`), or every rank raises the same UsageError, before any
+    weights load."""
+    from hpcmac.llm.parallel import prefix
+
+    def size():
+        n, line = prefix.capacity(cfg, placement, gb)
+        return n, max(prefix.block_bytes(cfg, placement)), line
+
+    return agree(group, size, ranks="root")
+
+
 # -- one rank, up --------------------------------------------------------------------------
 
 

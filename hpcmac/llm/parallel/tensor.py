@@ -23,7 +23,8 @@ rank and host named):
 * leader -> followers, tag ``TAG_STEP``: ``int32[4] = (kind, n, T, mode)``,
   then for ``FWD`` the meta rows ``int32 (n, 5)`` and the token ids (int64,
   first stage) or hidden states (float32 ``(T, hidden)``); for ``CTRL`` a
-  dict of ``n`` bytes in comm.wire's plain tagged format (never pickle);
+  dict of ``n`` bytes in comm.wire's plain tagged format (never pickle): the slots
+  freed and the prefix cache's block instructions;
   ``STOP`` ends the followers' loop; ``PING`` (a header alone) is an idle
   server's sign of life, so that the followers' watchdogs keep waiting.
   A step whose mode carries ``MASKED`` is followed by the sampled rows' packed
@@ -197,13 +198,15 @@ class TensorGroup:
         self._send_all(bufs)
 
     def send_ctrl(self, ctrl: dict) -> None:
-        """Leader: sequences leaving (their cache slots are freed on every rank)."""
-        if self.size == 1 or not ctrl.get("free"):
+        """Leader: sequences leaving (their cache slots are freed on every rank) and the
+        prefix cache's block instructions (each rank copies its own heads)."""
+        if self.size == 1 or not (ctrl.get("free") or ctrl.get("kv")):
             return
         from hpcmac.comm import wire
 
-        free = [(int(i), int(slot)) for i, slot in ctrl["free"]]
-        payload = np.frombuffer(wire.encode({"free": free}), dtype=np.uint8).copy()
+        free = [(int(i), int(slot)) for i, slot in ctrl.get("free", ())]
+        kv = [[int(v) for v in op] for op in ctrl.get("kv", ())]
+        payload = np.frombuffer(wire.encode({"free": free, "kv": kv}), dtype=np.uint8).copy()
         self._send_all([np.array([CTRL, payload.size, 0, 0], dtype=np.int32), payload])
 
     def send_ping(self) -> None:
@@ -326,11 +329,14 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
 
             data = tg._recv(np.empty(n, dtype=np.uint8), TAG_STEP, 0, "to send a step")
             try:
-                slots = [int(slot) for _, slot in wire.decode(data.tobytes())["free"]]
+                msg = wire.decode(data.tobytes())
+                slots = [int(slot) for _, slot in msg["free"]]
+                kv = [[int(v) for v in op] for op in msg.get("kv", [])]
             except (ValueError, TypeError, KeyError) as exc:
                 raise RuntimeError(f"malformed tensor-group control message: {exc}") from None
             for slot in slots:
                 cache.free(slot)
+            cache.apply(kv)  # after the frees, as the leader does
             continue
         meta = tg._recv(np.empty((n, META), dtype=np.int32), TAG_STEP, 0, "to send a step")
         if first:

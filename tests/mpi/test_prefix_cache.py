@@ -1,0 +1,193 @@
+"""The prefix cache (serve's scheduler, through a live source): output never changes.
+
+A 6-turn chat at token level, each turn's prompt the previous prompt, its answer and
+new "user" tokens, through every layout of the job (one rank; a pipeline; a tensor
+group; tensor x pipeline at 4): the greedy tokens with the cache on, off, and so
+small that it evicts, must be the same; each turn reuses exactly the whole blocks of
+what the previous turn fed. Two requests sharing a "system prompt", submitted
+together: the second waits for the first's blocks and reuses them; both answers are
+the cache-off ones. Blocks of 4 tokens, prompts cut in chunks of 3 (blocks are saved
+across chunk boundaries).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+from hpcmac.testing import parallel_assert, world
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
+
+BLOCK = 4
+N_NEW = 5
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    from hpcmac.llm.model.fixtures import random_checkpoint
+
+    g = world()
+    root = g.bcast_obj(tempfile.mkdtemp(prefix="hpcmac-prefix-") if g.rank == 0 else None, 0)
+    if g.rank == 0:
+        random_checkpoint("llama", f"{root}/llama", seed=11, num_hidden_layers=4,
+                          initializer_range=0.2)
+    g.barrier()
+    yield f"{root}/llama"
+    g.barrier()
+    if g.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def layouts(p: int) -> dict[str, int]:
+    """name -> ranks per tensor group, at ``p`` ranks."""
+    out = {"pipeline" if p > 1 else "one rank": 1}
+    if p > 1:
+        out["tensor 2" + (" x pipeline 2" if p == 4 else "")] = 2
+    return out
+
+
+_RUNTIMES: dict = {}
+
+
+def runtime(path: str, tp: int):
+    """Collective: the job's ranks brought up as ``tp`` x ``size / tp`` (kept per layout)."""
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.parallel import plan as S
+    from hpcmac.llm.parallel.placement import fixed
+    from hpcmac.llm.parallel.runtime import bring_up
+
+    if tp not in _RUNTIMES:
+        g = world()
+        cfg = load_config(path)
+        hosts = g.allgather_obj(__import__("socket").gethostname())
+        pl = fixed(cfg, hosts, tp, S.even_counts(cfg.n_layers, g.size // tp))
+        _RUNTIMES[tp] = bring_up(g, pl, path, cfg)
+    return _RUNTIMES[tp]
+
+
+def serve(rt, turns, blocks: int):
+    """Collective: run ``turns`` (a callable (done so far) -> next request's prompt, or
+    None) one request after another through a live source; (prompt, tokens, cached) of
+    each on every rank, and the prefix cache's counters."""
+    from hpcmac.llm.parallel.live import LiveRequest, LiveRequests
+
+    g = world()
+    source, done = None, []
+    if g.rank == 0:
+        source = LiveRequests(capacity=8, ping_s=0.2)
+
+        def submit(prompt):
+            toks: list[int] = []
+
+            def on_finish(reason, n, prompt=prompt, toks=toks):
+                done.append((prompt, list(toks), req.cached_tokens))
+                nxt = turns(done)
+                if nxt is None:
+                    source.close()
+                else:
+                    submit(nxt)
+
+            req = LiveRequest(prompt=list(prompt), max_tokens=N_NEW, on_token=toks.append,
+                              on_finish=on_finish)
+            source.submit(req)
+
+        submit(turns(done))
+    res = rt.run(None, source=source, max_batch=4, max_len=128, prefill_chunk=3,
+                 on_token=source.token if source else None, prefix_blocks=blocks,
+                 prefix_block=BLOCK)
+    return g.bcast_obj(done, 0), res.prefix
+
+
+def chat(done, chats: int = 1):
+    """The next turn of ``chats`` interleaved chats of 6 turns in all: the last prompt of
+    its chat, its answer, 6 new tokens."""
+    k = len(done)
+    if k == 6:
+        return None
+    rng = np.random.default_rng(k)
+    mine = done[k % chats::chats] if k >= chats else []
+    if not mine:
+        return [int(t) for t in rng.integers(0, VOCAB, 10)]
+    prompt, toks, _ = mine[-1]
+    return prompt + toks + [int(t) for t in rng.integers(0, VOCAB, 6)]
+
+
+def two_chats(done):
+    return chat(done, 2)
+
+
+def test_chat_same_tokens_with_the_cache_on_off_and_evicting(checkpoint):
+    g = world()
+    for name, tp in layouts(g.size).items():
+        rt = runtime(checkpoint, tp)
+        off, _ = serve(rt, chat, 0)
+        on, stats = serve(rt, chat, 64)
+        what = f"np={g.size} {name}"
+        for k in range(6):
+            parallel_assert(on[k][1] == off[k][1], f"{what} turn {k + 1}: on {on[k][1]}, "
+                                                   f"off {off[k][1]}", g)
+        for k in range(1, 6):
+            prompt, (prev, prev_toks, _) = on[k][0], on[k - 1]
+            fed = len(prev) + len(prev_toks) - 1  # the last token sampled is never fed
+            want = min(fed, len(prompt) - 1) // BLOCK * BLOCK
+            parallel_assert(on[k][2] == want, f"{what} turn {k + 1}: cached {on[k][2]}, "
+                                              f"expected {want}", g)
+        parallel_assert(on[0][2] == 0 and all(c == 0 for _, _, c in off), f"{what}", g)
+        parallel_assert(stats["hits"] == 5 and stats["evictions"] == 0, f"{what}: {stats}", g)
+        # two chats taking turns in a cache of 5 blocks: each evicts the other's leaves
+        off2, _ = serve(rt, two_chats, 0)
+        tiny, tiny_stats = serve(rt, two_chats, 5)
+        for k in range(6):
+            parallel_assert(tiny[k][1] == off2[k][1], f"{what} two chats, request {k + 1}: "
+                                                      f"{tiny[k][1]} != {off2[k][1]}", g)
+        parallel_assert(tiny_stats["evictions"] > 0 and tiny_stats["hits"] > 0
+                        and tiny_stats["blocks"] <= 5, f"{what}: {tiny_stats}", g)
+
+
+def together(rt, prompts, blocks: int):
+    """Collective: ``prompts`` submitted at once; (tokens, cached) of each on every rank."""
+    from hpcmac.llm.parallel.live import LiveRequest, LiveRequests
+
+    g = world()
+    source, done = None, {}
+    if g.rank == 0:
+        source = LiveRequests(capacity=8, ping_s=0.2)
+        reqs = []
+        for i, p in enumerate(prompts):
+            toks: list[int] = []
+
+            def on_finish(reason, n, i=i, toks=toks):
+                done[i] = (list(toks), reqs[i].cached_tokens)
+                if len(done) == len(prompts):
+                    source.close()
+
+            reqs.append(LiveRequest(prompt=p, max_tokens=N_NEW, on_token=toks.append,
+                                    on_finish=on_finish))
+        for r in reqs:
+            source.submit(r)
+    rt.run(None, source=source, max_batch=4, max_len=128, prefill_chunk=3,
+           on_token=source.token if source else None, prefix_blocks=blocks,
+           prefix_block=BLOCK)
+    return g.bcast_obj(done, 0)
+
+
+def test_two_requests_sharing_a_system_prompt(checkpoint):
+    g = world()
+    rng = np.random.default_rng(5)
+    system = [int(t) for t in rng.integers(0, VOCAB, 13)]
+    prompts = [system + [int(t) for t in rng.integers(0, VOCAB, n)] for n in (5, 7)]
+    for name, tp in layouts(g.size).items():
+        rt = runtime(checkpoint, tp)
+        off, on = together(rt, prompts, 0), together(rt, prompts, 64)
+        what = f"np={g.size} {name}"
+        for i in range(2):
+            parallel_assert(on[i][0] == off[i][0], f"{what} request {i}: {on[i][0]} != "
+                                                   f"{off[i][0]}", g)
+        # the second waited for the first's blocks: all 3 whole blocks of the 13 shared
+        parallel_assert([on[i][1] for i in range(2)] == [0, 12],
+                        f"{what}: cached {[on[i][1] for i in range(2)]}", g)
