@@ -27,6 +27,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     22: ("IQ2_S", 82, 256), 23: ("IQ4_XS", 136, 256), 24: ("I8", 1, 1), 25: ("I16", 2, 1),
     26: ("I32", 4, 1), 27: ("I64", 8, 1), 28: ("F64", 8, 1), 29: ("IQ1_M", 56, 256),
     30: ("BF16", 2, 1), 34: ("TQ1_0", 54, 256), 35: ("TQ2_0", 66, 256),
+    39: ("MXFP4", 17, 32),
 }
 
 # metadata value types: uint8 int8 uint16 int16 uint32 int32 float32 bool string array

@@ -78,6 +78,33 @@ def test_mxfp4_layout_is_mlxs():
     assert np.array_equal(mxfp4.dequantize(blocks, scales), ref)
 
 
+def test_gguf_mxfp4_is_the_reference_and_mlxs():
+    """GGUF's MXFP4 blocks (ggml type 39) mapped onto mode mxfp4: equal to the gguf
+    package's reference dequantizer (llama.cpp's) and, bit for bit, to MLX's dequantize."""
+    gguf = pytest.importorskip("gguf")
+    from hpcmac.llm.model.gguf_quant import to_quant
+
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (8 * 512 // 32, 17), dtype=np.uint8)
+    raw[:, 0] = rng.integers(110, 140, raw.shape[0])
+    ref = gguf.quants.dequantize(raw.reshape(8, -1), gguf.GGMLQuantizationType.MXFP4)
+    t = to_quant(raw, "MXFP4", (8, 512))
+    assert t.mode == "mxfp4" and t.biases is None and t.scales.dtype == np.uint8
+    # as floats: code 8 is -0 here (E2M1's own sign) where the reference gives +0
+    assert np.array_equal(t.dequantize(), ref.reshape(8, 512))
+    mx = pytest.importorskip("mlx.core")
+    via_mlx = mx.dequantize(mx.array(t.words), mx.array(t.scales), None, group_size=32,
+                            bits=4, mode="mxfp4").astype(mx.float32)
+    assert np.array_equal(np.array(via_mlx), t.dequantize())
+    # our quantizer (fixtures) picks llama.cpp's scale and codes
+    w = rng.standard_normal((4, 64)).astype(np.float32)
+    codes, e = mxfp4.quantize(w)
+    ggml = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4).reshape(-1, 17)
+    assert np.array_equal(ggml[:, 0], e.reshape(-1))
+    back = to_quant(ggml, "MXFP4", (4, 64))
+    assert np.array_equal(back.codes(), codes)
+
+
 @pytest.mark.parametrize("make", [_mxfp4, _fp8], ids=["mxfp4", "fp8"])
 @pytest.mark.parametrize("m", [1, 3, 40])  # 40: past GEMM_ROWS, the dequantized tiles
 def test_numpy_kernel_within_the_bound(make, m):

@@ -25,7 +25,7 @@ PROMPT = [3, 17, 42, 5, 9, 11, 60, 2, 8]
 #: random models (initializer_range 0.3) amplify that through their layers to the
 #: bounds below. The tight check is against transformers running the same rounded
 #: weights (``QUANT_RTOL``), which isolates our loader from the quantization error.
-GGUF_TOL = {"F32": 2e-5, "F16": 2e-2, "Q8_0": 8e-2}
+GGUF_TOL = {"F32": 2e-5, "F16": 2e-2, "Q8_0": 8e-2}  # MXFP4 (2 significant bits): none
 QUANT_RTOL = 2e-5
 
 
@@ -68,15 +68,24 @@ def folders(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "MXFP4"])
 def test_gguf_same_logits(folders, arch, qtype, tmp_path):
+    """The GGUF's logits are transformers' on the same rounded weights (MXFP4: kept 4-bit,
+    every matrix and the embedding; held in at most 1.1x the file, counted by the
+    planner as held)."""
     f = write_gguf(folders[arch], tmp_path / f"m-{qtype}.gguf", qtype)
+    if qtype == "MXFP4":
+        st = load_stage(f, 0, 3)
+        assert set(st.formats) == {"gguf MXFP4"}
+        assert stage_nbytes(f, 0, 3, True, True) == st.nbytes <= 1.1 * f.stat().st_size
     ref = prefill_logits(folders[arch])
     got = prefill_logits(f)
     rounded = hf_logits_rounded(folders[arch], qtype)
     np.testing.assert_allclose(got, rounded, rtol=0, atol=QUANT_RTOL * np.abs(rounded).max())
     err = np.abs(got - ref).max() / np.abs(ref).max()
-    if arch != "qwen3_moe" or qtype == "F32":  # rounding may flip an expert choice: no bound
+    # rounding may flip an expert choice (qwen3_moe), and MXFP4 moves these random models'
+    # logits by as much as they are: no bound against the unrounded model
+    if (arch != "qwen3_moe" or qtype == "F32") and qtype in GGUF_TOL:
         assert err <= GGUF_TOL[qtype], f"{arch} {qtype}: relative logit error {err:.2e}"
     cfg_a, cfg_b = load_config(folders[arch]), load_config(f)
     for field in ("arch", "n_layers", "hidden", "vocab", "n_heads", "n_kv_heads", "head_dim",

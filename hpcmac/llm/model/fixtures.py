@@ -156,7 +156,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
                split_kv_b: bool = False) -> Path:
     """Convert a random Llama/Qwen2/Qwen3/Qwen3-MoE folder to one GGUF file, weights as ``qtype``.
 
-    ``qtype`` is F32, F16 or Q8_0 (norms and biases stay F32, as llama.cpp keeps them).
+    ``qtype`` is F32, F16, Q8_0 or another type the gguf package quantizes (MXFP4, Q4_0,
+    ...; norms and biases stay F32, as llama.cpp keeps them).
     DeepSeek-V3 folders become ``deepseek2`` GGUFs with ``attn_kv_b``, or with the
     newer ``attn_k_b``/``attn_v_b`` split if ``split_kv_b``.
     """

@@ -24,14 +24,17 @@ from hpcmac.llm.model.arch.fields import GGUFMeta, ModelConfig
 
 #: tensor types dequantized here (via gguf.quants)
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                    "Q4_K", "Q5_K", "Q6_K")
+                    "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 
 #: bits of the GGUF types kept quantized (see gguf_quant)
-_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5}
+_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5,
+         "MXFP4": 4}
 #: bytes of scale and bias per 32 weights as the numpy backend holds them: the float16
 #: ``d`` alone for the symmetric types (bias derived), ``d`` and ``m`` for Q4_1/Q5_1,
-#: float32 for the K types (``d * sc`` needs up to 17 significant bits)
-_GROUP_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q5_0": 2, "Q4_1": 4, "Q5_1": 4, "Q4_K": 8, "Q5_K": 8}
+#: float32 for the K types (``d * sc`` needs up to 17 significant bits), MXFP4's E8M0 byte
+#: as a bfloat16 (see quant.float_mode_nbytes)
+_GROUP_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q5_0": 2, "Q4_1": 4, "Q5_1": 4, "Q4_K": 8, "Q5_K": 8,
+                "MXFP4": 2}
 
 #: opened readers by (path, size, mtime): parsing a file's metadata (a tokenizer's
 #: vocabulary and merges are ~150k fields) takes seconds, and one run opens the

@@ -25,6 +25,12 @@ and where the reference adds an offset (``d q + m``, ``d sc q - dmin m``) MLX
 adds the same float32 bias in the same order, one rounding each. For the
 symmetric types (``d (q - 8)``) both sides are exact, so they agree.
 
+MXFP4 (ggml type 39: per 32 weights an E8M0 byte ``e``, then 16 bytes of E2M1 codes
+in Q4_0's nibble order; the reference multiplies twice the E2M1 value by
+2^(e - 128)) is kept in its own mode, not affine: the same codes reordered into
+MLX's nibble order and ``e`` as the scale byte (:class:`QuantTensor` mode
+``mxfp4``: ``FP4_VALUES[q] * 2^(e - 127)``, the same float32 value, exact).
+
 Not mappable exactly: Q6_K, Q2_K and Q3_K scale runs of **16** weights with
 separate 8/4-bit sub-scales, and MLX's smallest group is 32 (two different
 scales cannot share one group). Those tensors are dequantized to float32 at
@@ -38,7 +44,7 @@ import numpy as np
 from hpcmac.llm.model.quant import QuantTensor, pack
 
 #: GGUF types kept quantized (exact); others fall back to float32
-EXACT = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
+EXACT = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "MXFP4")
 _QK_K = 256
 
 
@@ -89,6 +95,12 @@ def to_quant(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> QuantTenso
     """
     if qtype not in EXACT:
         return None
+    if qtype == "MXFP4":
+        b = _blocks(data, 17)
+        words = np.ascontiguousarray(_nibbles_mlx(b[:, 1:]).reshape(*shape[:-1], -1))
+        return QuantTensor(words.view(np.uint32), np.ascontiguousarray(
+            b[:, 0].reshape(*shape[:-1], shape[-1] // 32)), None, 4, 32, "gguf MXFP4",
+            "mxfp4")
     if qtype == "Q8_0":
         b = _blocks(data, 34)
         d = _f16(b[:, :2])
