@@ -12,6 +12,9 @@ number of BLAS / llama.cpp threads:
   weights dequantized to float32, and by llama.cpp on that GGUF, against the
   bandwidth bound of the quantized bytes; and the memory held against the file.
 
+``--contexts 64,4096`` adds single-sequence decode rows after prompts of those lengths
+(the first is the reference): a linear-attention model's state does not grow with them.
+
 ``--ttft`` measures instead the time to first token from a fresh process beside
 llama.cpp's (hpcmac.bench.llm_ttft).
 
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", default="Q8_0,Q4_0",
                     help="GGUF types for the quantized rows, comma-separated ('' = none; "
                          "random model only)")
+    ap.add_argument("--contexts", default="", metavar="N,N",
+                    help="also decode 1 sequence after prompts of these lengths (the first "
+                         "is the reference), e.g. 64,4096")
     ap.add_argument("--json", type=checked_output("--json"), default=None, metavar="FILE")
     ap.add_argument("--ttft", action="store_true",
                     help="time to first token from a fresh process against llama.cpp, same "
@@ -113,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1 or args.steps < 1 or args.batch < 1 or args.rounds < 1:
         raise UsageError("--threads, --steps, --batch and --rounds must be >= 1")
     args.quant = ",".join(quant_types(args.quant))
+    contexts = [c.strip() for c in args.contexts.split(",") if c.strip()]
+    if any(not c.isdigit() or int(c) < 1 for c in contexts):
+        raise UsageError(f"--contexts {args.contexts!r}: expected prompt lengths >= 1, "
+                         "comma-separated (e.g. 64,4096)")
+    contexts = [int(c) for c in contexts]
     from threadpoolctl import threadpool_limits
 
     from hpcmac.llm.model.stage import load_stage
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             r = {"bandwidth": read_bandwidth(),
                  "single": decode_rate(stage, 1, args.steps),
                  "batched": decode_rate(stage, args.batch, args.steps)}
+            for n in contexts:
+                r[f"ctx{n}"] = decode_rate(stage, 1, args.steps, prompt_len=n)
             if gguf_path is not None:
                 with _quiet_stderr():  # llama.cpp logs every load to fd 2
                     r["llamacpp"] = llamacpp_rate(gguf_path, args.threads, args.steps, cfg.vocab)
@@ -177,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rounds:  # ratios within a round: the load of a shared machine shifts between rounds
         r["single_vs_bound"] = r["single"] * per_token / r["bandwidth"]
         r["batched_vs_single"] = r["batched"] / r["single"]
+        for n in contexts:
+            r[f"ctx{n}_vs_ctx{contexts[0]}"] = r[f"ctx{n}"] / r[f"ctx{contexts[0]}"]
         if r.get("llamacpp"):
             r["vs_llamacpp"] = r["single"] / r["llamacpp"]
         for qt in quant:
@@ -199,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
              f"{med['single_vs_bound']:.2f}"),
             (f"decode, {args.batch} sequences", f"{med['batched']:.1f} tok/s",
              f"1 seq {med['single']:.1f} tok/s", f"{med['batched_vs_single']:.2f}")]
+    for n in contexts:
+        rows.append((f"decode after {n} tokens", f"{med[f'ctx{n}']:.1f} tok/s",
+                     f"after {contexts[0]}: {med[f'ctx{contexts[0]}']:.1f} tok/s",
+                     f"{med[f'ctx{n}_vs_ctx{contexts[0]}']:.2f}"))
     if "vs_llamacpp" in med:
         rows.append(("llama.cpp F32, 1 sequence", f"{med['llamacpp']:.1f} tok/s",
                      f"hpcmac {med['single']:.1f} tok/s", f"{med['vs_llamacpp']:.2f}"))

@@ -82,9 +82,9 @@ def write_cases(model_type: str, cases: dict, vocab: int, build=build_checkpoint
             shutil.rmtree(root, ignore_errors=True)
 
 
-def run(path, tp, prompts, n_new=N_NEW, group=None, chunk=3):
+def run(path, tp, prompts, n_new=N_NEW, group=None, chunk=3, **kw):
     """Collective over ``group`` (the world): the prompts together through ``tp`` x
-    ``size/tp`` ranks, prefilled in chunks of ``chunk`` tokens."""
+    ``size/tp`` ranks, prefilled in chunks of ``chunk`` tokens (``kw``: run_pipeline's)."""
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.spec import make_shards
     from hpcmac.llm.model.stage import load_stage
@@ -107,7 +107,7 @@ def run(path, tp, prompts, n_new=N_NEW, group=None, chunk=3):
                        shard=shards[groups.tp_rank], reduce=tg.allreduce if tg else None)
     reqs = [Request(list(p), n_new) for p in prompts] if g.rank == 0 else None
     return run_tensor_pipeline(groups, tg, stage, spec, cfg.hidden, reqs, keep_logits=True,
-                               prefill_chunk=chunk)
+                               prefill_chunk=chunk, **kw)
 
 
 def check_case(label: str, case) -> None:

@@ -11,8 +11,8 @@ oracle is transformers' torch path (``family_util``; rank 0 runs it, each prompt
 16 greedy tokens equal and logits within 1e-4 of the largest, two prompts prefilled
 together in chunks of 3 tokens (each chunk continues the recurrent state) and decoded
 together. Then a 300-token prompt and two others, prefilled in chunks of 100 (across the
-delta rule's 64-token chunks) and decoded together in one batch, give each one's tokens
-alone.
+delta rule's 64-token chunks) and decoded together, in two cache slots (the third prompt
+takes the slot the first frees), give each one's tokens alone.
 """
 
 from __future__ import annotations
@@ -68,12 +68,13 @@ def test_matches_transformers(checkpoints, name):
 
 
 def test_long_prompt_chunked_then_decoded_together(long_case):
-    """Three prompts (300, 300 and 41 tokens) prefilled in chunks of 100 and decoded in one
-    batch, tensor parallel over all ranks: each sequence's tokens as transformers gives for
-    it alone, logits within 1e-4 of the largest."""
+    """Three prompts (300, 300 and 41 tokens) prefilled in chunks of 100 and decoded
+    together in two cache slots (the 41-token one in a slot freed by another), tensor
+    parallel over all ranks: each sequence's tokens as transformers gives for it alone,
+    logits within 1e-4 of the largest."""
     g = world()
     path, prompts, ref = long_case
-    res = run(path, g.size, prompts, chunk=100)
+    res = run(path, g.size, prompts, chunk=100, max_batch=2)
     for i, (toks, logits) in enumerate(ref):
         s = res.seqs[i]
         parallel_assert(s.tokens == toks, f"np={g.size} seq {i}: {s.tokens} != {toks}", g)
@@ -117,10 +118,13 @@ def test_snapshot_restores_a_slot(checkpoints):
         assert np.abs(st.logits(h)[0] - ref[0][1][1]).max() > 1e-2
         with pytest.raises(ValueError, match="cannot rewind"):
             st.forward(st.embed([first]), Batch([1], [1], [2]), cache)
+        cache.free(1)  # a freed slot's states are zero again
+        assert cache.lengths[1] == 0 and not any(
+            np.any(cache.k[j][1]) or np.any(cache.v[j][1]) for j in cache.recurrent)
     g.barrier()
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", ["k2v6-kv1-moe"])
 def test_mlx_backend_matches_numpy(checkpoints, name):
     """The MLX backend (rank 0): the prompts together through the one-rank generator (one
     packed prefill, then batched decode) give transformers' tokens."""
@@ -182,3 +186,13 @@ def test_refused_in_one_line(field, value, says):
     with pytest.raises(UsageError, match=says) as e:
         config_from_hf({**_RAW, field: value}, "m/config.json")
     assert "\n" not in str(e.value) and str(e.value).startswith("m/config.json: ")
+
+
+def test_no_experts_is_dense():
+    """num_experts 0 (transformers: a dense MLP in every layer) with its default experts
+    per token is a dense model, not a refusal."""
+    from hpcmac.llm.model.arch import config_from_hf
+
+    cfg = config_from_hf({**_RAW, "num_experts": 0, "num_experts_per_tok": 10})
+    assert cfg.n_experts == cfg.n_shared_experts == 0
+    assert not any(cfg.is_moe_layer(i) for i in range(cfg.n_layers))

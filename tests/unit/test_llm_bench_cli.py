@@ -32,6 +32,7 @@ def test_unknown_quant_type_is_a_usage_error(value):
 @pytest.mark.parametrize("argv, expect", [
     (["--quant", "Q4_K"], "--quant: 'Q4_K' is not a GGUF type this benchmark can write"),
     (["--steps", "0"], "--threads, --steps, --batch and --rounds must be >= 1"),
+    (["--contexts", "64,4k"], "--contexts '64,4k': expected prompt lengths >= 1"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, argv, expect):
     env = dict(os.environ, PYTHONPATH=str(ROOT))

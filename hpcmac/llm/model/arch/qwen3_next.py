@@ -83,9 +83,11 @@ def hybrid_fields(raw: dict, where: str) -> dict:
 
 def shared_expert_fields(raw: dict, where: str) -> dict:
     """Routed experts and the one gated shared expert (Qwen3-Next, Qwen3.5-MoE)."""
+    moe = hf_moe_fields(raw, where)
     shared = json_int(raw, "shared_expert_intermediate_size", where, 0)
-    return dict(**hf_moe_fields(raw, where), n_shared_experts=1 if shared else 0,
-                shared_intermediate=shared)
+    if not moe["n_experts"]:  # every layer a dense MLP (transformers': num_experts 0)
+        return {**moe, "n_experts_per_tok": 0}
+    return dict(**moe, n_shared_experts=1 if shared else 0, shared_intermediate=shared)
 
 
 def from_hf(raw: dict, where: str) -> ModelConfig:
