@@ -98,8 +98,10 @@ def stop_server(proc) -> None:
             proc.wait(10)
 
 
-def load(url: str, clients: int, requests: list[tuple[str, int]]) -> dict:
-    """Send ``requests`` from ``clients`` concurrent streaming clients; client-side timings."""
+def load(url: str, clients: int, requests: list[tuple[str, int]],
+         extra: dict | None = None) -> dict:
+    """Send ``requests`` from ``clients`` concurrent streaming clients; client-side timings.
+    ``extra``: more fields for every request's body (e.g. a ``response_format``)."""
     import httpx
 
     todo = list(enumerate(requests))
@@ -117,7 +119,7 @@ def load(url: str, clients: int, requests: list[tuple[str, int]]) -> dict:
                 last = None
                 body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n,
                         "temperature": 0, "stream": True,
-                        "stream_options": {"include_usage": True}}
+                        "stream_options": {"include_usage": True}, **(extra or {})}
                 with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
                     for line in r.iter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":

@@ -79,17 +79,23 @@ def default_tokenizer():
     if not _SOURCE:
         raise RuntimeError("constrained decoding: no tokenizer configured on this rank")
     with _LOCK:
-        tok = _SOURCE.get("tok")
-        if tok is None:
-            tok = _SOURCE["tok"] = _SOURCE["load"]()
+        if "tok" not in _SOURCE:
+            _SOURCE["tok"] = _SOURCE["load"]()
+        tok = _SOURCE["tok"]
     if tok is None:
         raise RuntimeError("constrained decoding needs the checkpoint's tokenizer")
     return ll_tokenizer(tok, _SOURCE["n_vocab"], _SOURCE["eos"])
 
 
 def warm() -> None:
-    """Load the configured tokenizer now (the sampling rank, at start), if any."""
-    if _SOURCE:
+    """Load the configured tokenizer now (the sampling rank, at start), if there is one
+    (a checkpoint without one serves token ids, and no grammar is ever accepted)."""
+    if not _SOURCE:
+        return
+    with _LOCK:
+        if "tok" not in _SOURCE:
+            _SOURCE["tok"] = _SOURCE["load"]()
+    if _SOURCE["tok"] is not None:
         default_tokenizer()
 
 
