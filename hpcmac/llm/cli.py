@@ -54,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "listens; see docs/serve.md)")
     add_generate_args(s, prompts=False)
     from hpcmac.llm.server import add_serve_args
+    from hpcmac.llm.survive.args import add_survive_args
 
     add_serve_args(s)
+    add_survive_args(s)
     s.set_defaults(max_tokens=512)
     m = sub.add_parser("models", help="the model families and checkpoint formats read, "
                                       "and the layouts each runs under")
@@ -435,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_models(args)
     require_llm_extra()
+    if args.command == "serve" and args.survive:
+        from hpcmac.llm.survive.supervisor import run_survive
+
+        return run_survive(args, argv[1:])
     if args.command == "serve":
         from hpcmac.llm.server import run_serve
 

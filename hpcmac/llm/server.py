@@ -95,7 +95,10 @@ class _Stream:
 # -- the app -------------------------------------------------------------------------------
 
 def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
-    """The Starlette application (server thread)."""
+    """The Starlette application (server thread). ``source`` is rank 0's
+    :class:`LiveRequests`, or anything with its HTTP side (``submit``, ``cancel``,
+    ``closed``, ``error``, ``load``) and a ``health()``: the survive front's
+    :class:`~hpcmac.llm.survive.front.FrontSource`."""
     from starlette.applications import Starlette
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -134,6 +137,9 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
         return body, parse_request(body, kind, cfg)
 
     async def health(_: Request):
+        if hasattr(source, "health"):  # the survive front: ok, degraded (why), error
+            body, code = source.health()
+            return JSONResponse({**body, "model": cfg.model_id}, status_code=code)
         if alive.is_set() and not source.closed:
             return JSONResponse({"status": "ok", "model": cfg.model_id, "load": source.load})
         return JSONResponse({"status": "error", "error": source.error or "not running"},
@@ -412,31 +418,13 @@ def add_serve_args(s) -> None:
                         "as control tokens (default: as text; chat messages are always text)")
 
 
-def run_serve(args, group=None) -> int:
-    """Collective: load the model like ``generate``, then serve until interrupted (rank 0
-    listens; every rank runs its stage)."""
+def check_serve_args(args) -> None:
+    """serve's own checks (the serve extra, its flags; then generate's), before anything
+    loads: plain ``serve`` on every rank, ``--survive``'s front once."""
     from importlib.util import find_spec
-    from pathlib import Path
 
-    from hpcmac import comm
-    from hpcmac.comm.local import LocalGroup
-    from hpcmac.errors import UsageError, world_size
-    from hpcmac.llm import grammar
-    from hpcmac.llm.args import check_arguments, context_length
-    from hpcmac.llm.model.config import load_config, resolve_model
-    from hpcmac.llm.model.gguf_loader import forget_readers
-    from hpcmac.llm.model.tokenizer import load_tokenizer
-    from hpcmac.llm.parallel.placement import LayoutFlags
-    from hpcmac.llm.parallel.plan import agree
-    from hpcmac.llm.parallel.runtime import (
-        agree_placement,
-        agree_prefix_cache,
-        bring_up,
-        gather_cluster,
-        hostfile_path,
-        read_job_hostfile,
-    )
-    from hpcmac.plan import job as plan_job
+    from hpcmac.errors import UsageError
+    from hpcmac.llm.args import check_arguments
 
     missing = [m for m in ("starlette", "uvicorn") if find_spec(m) is None]
     if missing:
@@ -453,6 +441,48 @@ def run_serve(args, group=None) -> int:
     if not 0 < args.max_body_mb <= 4096:
         raise UsageError(f"--max-body-mb {args.max_body_mb}: expected a size in MiB, "
                          "above 0 and at most 4096")
+
+
+def serve_config(args, cfg, tok, context: int) -> ServeConfig:
+    """What the HTTP side needs, from serve's flags, the model's config and tokenizer."""
+    from pathlib import Path
+
+    from hpcmac.llm.model.config import resolve_model
+
+    eos = tuple(tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids)
+    name = args.model_name or Path(str(resolve_model(args.model))).name
+    return ServeConfig(name, tok, cfg.vocab, context, eos,
+                       default_max_tokens=min(args.max_tokens, context),
+                       max_body=int(args.max_body_mb * 2**20),
+                       special_in_prompts=args.special_tokens_in_prompts)
+
+
+def run_serve(args, group=None) -> int:
+    """Collective: load the model like ``generate``, then serve until interrupted (rank 0
+    listens; every rank runs its stage)."""
+    from importlib.util import find_spec
+
+    from hpcmac import comm
+    from hpcmac.comm.local import LocalGroup
+    from hpcmac.errors import world_size
+    from hpcmac.llm import grammar
+    from hpcmac.llm.args import context_length
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.gguf_loader import forget_readers
+    from hpcmac.llm.model.tokenizer import load_tokenizer
+    from hpcmac.llm.parallel.placement import LayoutFlags
+    from hpcmac.llm.parallel.plan import agree
+    from hpcmac.llm.parallel.runtime import (
+        agree_placement,
+        agree_prefix_cache,
+        bring_up,
+        gather_cluster,
+        hostfile_path,
+        read_job_hostfile,
+    )
+    from hpcmac.plan import job as plan_job
+
+    check_serve_args(args)
     if group is None:
         from hpcmac.launch.hostfile import job_hostfile
 
@@ -466,7 +496,9 @@ def run_serve(args, group=None) -> int:
     def listen_first():  # the port is checked before the model loads; it opens after
         held["sock"] = bind(args.host, args.port)
 
-    agree(group, listen_first, ranks="root")
+    channel = getattr(args, "channel", None)  # under --survive: the front listens
+    if not channel:
+        agree(group, listen_first, ranks="root")
     def tokenizer_first():  # rank 0 only; collective so a failure ends every rank
         held["tok"] = load_tokenizer(args.model)
 
@@ -490,9 +522,12 @@ def run_serve(args, group=None) -> int:
         predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
     blocks, block_bytes, cache_line = agree_prefix_cache(group, cfg, placement,
                                                          args.prefix_cache_gb)
+    t_load = time.perf_counter()
     rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
                   quantize=args.quantize, group_size=args.q_group_size,
                   int8_activations=args.int8_activations, timeout=args.timeout)
+    t_load = time.perf_counter() - t_load
+    weights = group.allgather_obj(int(rt.stage.nbytes)) if channel else None
     forget_readers()  # tokenizer, plan and stage are read: drop the parsed GGUF metadata
     # constrained decoding: the rank that samples (the last stage's leader) reads the
     # tokenizer too, now rather than in the first request that has a grammar
@@ -502,22 +537,28 @@ def run_serve(args, group=None) -> int:
     agree(group, lambda: grammar.warm() if samples and find_spec("llguidance") else None)
     source, http, alive = None, None, threading.Event()
     if group.rank == 0:
-        eos = tuple(tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids)
-        name = args.model_name or Path(str(resolve_model(args.model))).name
-        scfg = ServeConfig(name, tok, cfg.vocab, context, eos,
-                           default_max_tokens=min(args.max_tokens, context),
-                           max_body=int(args.max_body_mb * 2**20),
-                           special_in_prompts=args.special_tokens_in_prompts)
+        scfg = serve_config(args, cfg, tok, context)
+        name = scfg.model_id
         source = LiveRequests(capacity=slots + args.queue)
-        http = HttpThread(build_app(scfg, source, alive), held["sock"])
+        if channel:
+            from hpcmac.llm.survive.worker import ChannelFront
+
+            http = ChannelFront(channel, source, tok, {
+                "placement": placement.describe(why=True) if group.size > 1 else "1 rank",
+                "hosts": list(dict.fromkeys(placement.hosts)), "ranks": group.size,
+                "load_s": t_load, "bytes": sum(weights)})
+        else:
+            http = HttpThread(build_app(scfg, source, alive), held["sock"])
         http.start()
         layout = placement.layout.describe() if group.size > 1 else "1 rank"
         if group.size > 1:
             print(placement.describe(why=True), file=sys.stderr, flush=True)
         print(cache_line, file=sys.stderr, flush=True)
-        print(f"serving {name} on http://{args.host}:{args.port}/v1 ({layout}, "
-              f"{slots} sequences at once, context {context})", file=sys.stderr, flush=True)
-        if not is_loopback(held["sock"]):
+        where = f"the survive front at {channel}" if channel else \
+            f"http://{args.host}:{args.port}/v1"
+        print(f"serving {name} on {where} ({layout}, {slots} sequences at once, context "
+              f"{context})", file=sys.stderr, flush=True)
+        if not channel and not is_loopback(held["sock"]):
             print(f"warning: --host {args.host}: anyone who can reach port {args.port} can "
                   "use this server (serve has no authentication yet)", file=sys.stderr,
                   flush=True)

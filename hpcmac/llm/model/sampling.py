@@ -26,6 +26,7 @@ class SamplingParams:
     seed: int | None = None
     grammar: str | None = None  # constrained decoding: llguidance's grammar (hpcmac.llm.grammar)
     logprobs: int = -1  # -1: off; k >= 0: the chosen token's logprob and the k most likely
+    draws: int = 0  # tokens generated before (a resumed stream: its draws are skipped)
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -38,6 +39,8 @@ class SamplingParams:
             raise UsageError(f"logprobs {self.logprobs}: expected -1 (off) to 20")
         if self.repetition_penalty <= 0:
             raise UsageError(f"--repetition-penalty {self.repetition_penalty}: expected > 0")
+        if self.draws < 0:
+            raise UsageError(f"draws {self.draws}: expected >= 0")
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen, penalty: float) -> np.ndarray:
@@ -69,12 +72,16 @@ def filter_top_k_top_p(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarr
 
 
 class Sampler:
-    """Stateful sampler (its random generator advances with each draw)."""
+    """Stateful sampler: each non-greedy token takes exactly one uniform draw from its
+    generator, so a stream resumed after ``n`` tokens (``draws=n``, the same seed) draws
+    what the uninterrupted stream would have (:mod:`hpcmac.llm.survive`)."""
 
     def __init__(self, params: SamplingParams | None = None):
         self.params = params or SamplingParams()
         self.params.validate()
         self.rng = np.random.default_rng(self.params.seed)
+        if self.params.draws and self.params.temperature != 0.0:
+            self.rng.random(self.params.draws)  # the draws the earlier tokens took
 
     def __call__(self, logits: np.ndarray, seen=(), mask: np.ndarray | None = None) -> int:
         """Next token from one row of logits (vocab,); ``seen``: prompt + generated ids;
@@ -89,6 +96,7 @@ class Sampler:
         if p.temperature == 0.0:
             return int(np.argmax(x))
         x = filter_top_k_top_p(x.astype(np.float64) / p.temperature, p.top_k, p.top_p)
-        probs = np.exp(x - x.max())
-        probs /= probs.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+        cdf = np.cumsum(np.exp(x - x.max()))
+        # inverse CDF of one uniform draw (what Generator.choice(p=...) does)
+        return int(min(np.searchsorted(cdf / cdf[-1], self.rng.random(), side="right"),
+                       cdf.size - 1))

@@ -124,6 +124,8 @@ class _SeqSampler:
                 from hpcmac.llm.grammar import Constraint
 
                 self.constraint = Constraint(params.grammar)
+                for t in prompt[len(prompt) - params.draws:] if params.draws else ():
+                    self.constraint.accept(t)  # resumed (hpcmac.llm.survive): what it streamed
         except Exception as exc:  # one request's parameters: fail it, not the stage
             if not isolate:
                 raise

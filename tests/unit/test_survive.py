@@ -1,0 +1,253 @@
+"""``serve --survive``: the front outside the MPI job, re-placement and resume.
+
+The pure parts (which host the log blames, the survivors' hostfile and
+placement, the resume message, the sampler's resumed draws) without MPI; then
+one real front over a local ``mpirun -np 2`` whose rank 1 is killed mid-stream:
+every concurrent greedy stream (the ``openai`` client) completes with the text
+of the fault-free run, a seeded sampled stream too, /health counts the
+recovery, and SIGTERM to the front leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcmac.errors import UsageError
+from hpcmac.llm.model.sampling import Sampler, SamplingParams
+from hpcmac.llm.parallel.live import LiveRequest
+from hpcmac.llm.parallel.placement import LayoutFlags
+from hpcmac.llm.parallel.plan import HostMemory
+from hpcmac.llm.survive.front import Held, resume_message
+from hpcmac.llm.survive.replace import (
+    candidates,
+    evidence,
+    lost_hosts,
+    replace_on,
+    survivors_hostfile,
+)
+from hpcmac.llm.survive.supervisor import job_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+MESH = ROOT / "hostfiles" / "mesh-4.json"
+HOSTS = [("mac1", "mac1.local"), ("mac2", "mac2.local"), ("mac3", "mac3.local"),
+         ("mac4", "mac4.local")]
+
+
+# -- pure ----------------------------------------------------------------------------------
+
+def test_the_log_names_the_lost_host():
+    killed = ["prterun noticed that process rank 2 with PID 4711 on node mac3.local exited on",
+              "signal 9 (Killed)."]
+    assert lost_hosts(killed, HOSTS) == ["mac3"]
+    # a blackholed host: every peer names it, it names each of them once
+    beat = [f"error: rank {r} (mac{r + 1}.local): no heartbeat from rank 3 (mac4.local) for "
+            "8 s: the link between them or that host is down" for r in range(3)]
+    beat.append("error: rank 3 (mac4.local): no heartbeat from rank 0 (mac1.local) for 8 s")
+    assert lost_hosts(beat, HOSTS) == ["mac4"]
+    assert evidence(beat, "mac4", HOSTS) == [ln.strip() for ln in beat[:3]]
+    watch = ["error: rank 0 on mac1.local waited 5 s for rank 1 on mac2.local to send back "
+             "tokens; it is gone"]
+    assert lost_hosts(watch, HOSTS) == ["mac2"]
+    peer = ["  Local host: mac4", "  Local PID:  25289", "  Peer host:  mac3",
+            "prterun has exited due to process rank 3 with PID 25289 on node mac4 calling"]
+    assert lost_hosts(peer, HOSTS) == ["mac3"]
+    assert lost_hosts(["error: something else on mac9"], HOSTS) == []
+
+
+def test_survivors_hostfile_keeps_the_links_between_survivors():
+    from hpcmac.launch.hostfile import parse
+
+    data = json.loads(MESH.read_text())
+    sub = survivors_hostfile(data, ["mac1", "mac2", "mac4"])
+    hf = parse(sub, "<sub>")  # a valid hostfile: a full mesh of three
+    assert hf.names == ["mac1", "mac2", "mac4"]
+    assert len(hf.links) == 3 and hf.link_between("mac1", "mac3") is None
+    assert len(data["hosts"]) == 4  # the original is untouched
+
+
+def test_candidates_keep_the_tensor_width_then_fall_back_to_a_pipeline():
+    assert candidates(4, LayoutFlags(2, 2)) == [(4, LayoutFlags(2, 2)), (4, LayoutFlags(1, 4))]
+    assert candidates(3, LayoutFlags(2, 2)) == [(2, LayoutFlags(2, 1)), (3, LayoutFlags(1, 3))]
+    assert candidates(3, LayoutFlags()) == [(3, LayoutFlags()), (3, LayoutFlags(1, 3))]
+    assert candidates(1, LayoutFlags(2, 2)) == [(1, LayoutFlags(1, 1))]
+
+
+class _Sizes:
+    """Every layer 1 GiB, the embedding and head 1 GiB each (no checkpoint needed)."""
+
+    def whole(self):
+        return [2**30] * 8, 2**30, 2**30
+
+    def stage(self, start, end, first, last, shard=None):
+        return (end - start + first + last) * 2**30
+
+
+def test_replace_on_the_survivors_or_say_what_is_missing():
+    from hpcmac.llm.model.config import ModelConfig
+
+    cfg = ModelConfig(arch="llama", n_layers=8, hidden=64, vocab=1000, n_heads=64,
+                      n_kv_heads=8, head_dim=8, intermediate=300)
+    hosts = [HostMemory(f"mac{i}", 1, 6.0) for i in (1, 2, 4)]
+    pl, fl, names = replace_on(cfg, _Sizes(), hosts, LayoutFlags(), kv_tokens=0,
+                               sequences=1, avail=0)
+    assert (pl.tp, pl.pp, names) == (1, 3, ["mac1", "mac2", "mac4"])
+    with pytest.raises(UsageError) as e:
+        replace_on(cfg, _Sizes(), hosts[:1], LayoutFlags(), kv_tokens=0, sequences=1,
+                   avail=0, lost=["mac2", "mac4"])
+    msg = str(e.value)
+    assert "does not fit the 1 host(s) left after losing mac2, mac4" in msg
+    assert "mac1" in msg and "GiB" in msg
+
+
+def test_the_resume_message_carries_the_tokens_so_far_and_the_draws():
+    req = LiveRequest(prompt=[5, 6, 7], max_tokens=10,
+                      sampling=SamplingParams(temperature=0.7, seed=9), eos_ids=(2,),
+                      stops=("\n\n",))
+    msg = resume_message(3, Held(req, toks=[11, 12]))
+    assert msg["prompt"] == [5, 6, 7, 11, 12] and msg["prior"] == 2
+    assert msg["max_tokens"] == 8 and msg["sampling"]["draws"] == 2
+    assert msg["sampling"]["seed"] == 9 and msg["stops"] == ["\n\n"] and msg["key"] == 3
+
+
+def test_a_resumed_sampler_draws_what_the_whole_stream_would():
+    logits = np.random.default_rng(1).normal(size=(30, 200)) * 3
+    params = dict(temperature=0.8, top_k=40, top_p=0.9, seed=3)
+    whole = Sampler(SamplingParams(**params))
+    ref = [whole(row) for row in logits]
+    tail = Sampler(SamplingParams(**params, draws=17))
+    assert [tail(row) for row in logits[17:]] == ref[17:]
+    with pytest.raises(UsageError):
+        SamplingParams(draws=-1).validate()
+
+
+class _Conn:
+    """A channel end that records what the front sends."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+def _req(events, **kw):
+    return LiveRequest(prompt=[1, 2], max_tokens=5, eos_ids=(0,),
+                       on_token=lambda t: events.append(("tok", t)),
+                       on_finish=lambda r, n: events.append(("end", r, n)), **kw)
+
+
+def test_the_front_keeps_requests_across_jobs_and_resumes_them():
+    from hpcmac.llm.parallel.live import Full
+    from hpcmac.llm.survive.front import FrontSource
+
+    src, ev = FrontSource(capacity=2), []
+    assert src.health()[1] == 503  # starting: no job yet
+    key = src.submit(_req(ev))  # queued while no job runs
+    assert src.submit(_req(ev, sampling=SamplingParams(seed=5))) == key + 1
+    with pytest.raises(Full):
+        src.submit(_req(ev))
+    a = _Conn()
+    src.attach(a, {"placement": "pipeline: 2 stages", "hosts": ["h1", "h2"], "ranks": 2})
+    src.set_state("ok")
+    assert [m["op"] for m in a.sent] == ["submit", "submit"]
+    seeds = [m["sampling"]["seed"] for m in a.sent]
+    assert seeds[1] == 5 and isinstance(seeds[0], int)  # a seed was chosen: resumable
+    src.on_message({"op": "tok", "key": key, "tok": 7})
+    src.on_message({"op": "tok", "key": key, "tok": 8})
+    src.detach()
+    src.set_state("degraded", "recovering: the job ended; lost h2")
+    body, code = src.health()
+    assert code == 200 and body["status"] == "degraded" and "h2" in body["reason"]
+    src.cancel(key + 1)  # a client leaves while no job runs: it ends now
+    b = _Conn()
+    assert src.attach(b, {}) == 1  # one stream had tokens: resumed
+    (m,) = b.sent
+    assert m["prompt"] == [1, 2, 7, 8] and m["max_tokens"] == 3 and m["prior"] == 2
+    assert m["sampling"]["seed"] == seeds[0]
+    src.on_message({"op": "tok", "key": key, "tok": 0})
+    src.on_message({"op": "end", "key": key, "reason": "eos"})
+    assert ev == [("tok", 7), ("tok", 8), ("end", "cancelled", 0), ("tok", 0), ("end", "eos", 3)]
+    src.submit(_req(ev))
+    src.refuse("the model does not fit the 1 host(s) left")
+    assert ev[-1] == ("end", "error", 0)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        src.submit(_req(ev))
+    body, code = src.health()
+    assert code == 503 and body["status"] == "error" and "does not fit" in body["error"]
+
+
+def test_job_flags_drop_what_the_front_keeps():
+    argv = ["--survive", "--hostfile", "h.json", "--model", "m", "--port=9", "--tp", "2",
+            "--pp", "2", "--agent", "a", "--max-batch", "4", "--survive-heartbeat", "3"]
+    assert job_flags(argv) == ["--model", "m", "--max-batch", "4"]
+
+
+def test_survive_needs_a_hostfile():
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "hpcmac.llm", "serve", "--survive", "--model",
+                        "smollm2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--survive needs --hostfile" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# -- one real front over a local mpirun ------------------------------------------------------
+
+def test_a_killed_rank_pauses_the_streams_and_they_finish_as_without_it(tmp_path):
+    pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from survive_front import PROMPTS, Front, rank_pids
+
+    hostfile = tmp_path / "local.json"
+    hostfile.write_text(json.dumps({"hosts": [{"name": "localhost", "ssh": "localhost",
+                                               "slots": 2}]}))
+    f = Front(str(hostfile), "--max-batch", "4", "--survive-heartbeat", "5")
+    try:
+        prompts, n = PROMPTS[:3], 24
+        ref = f.streams(prompts, n)
+        sampled = dict(temperature=0.9, seed=7)
+        ref_sampled = f.stream(PROMPTS[3], n, **sampled)
+        assert all(isinstance(t, str) and t for t in ref), ref
+        before = rank_pids(f.tag)
+        assert set(before) == {0, 1}
+        killed = []
+
+        def kill(k):
+            if k == 6 and not killed:
+                killed.append(time.monotonic())
+                os.kill(before[1], signal.SIGKILL)
+
+        t0 = time.monotonic()
+        got = f.streams(prompts, n, on_piece=kill)
+        assert killed, "the stream ended before the kill"
+        assert got == ref  # no client error, the fault-free text
+        code, body = f.health()
+        rec = body["recoveries"]
+        assert code == 200 and body["status"] == "ok"
+        assert rec["count"] == 1 and rec["resumed_requests"] >= 1, body
+        last = rec["last"]
+        assert last["reload_s"] > 0 and last["gb"] > 0 and "exit" in last["why"]
+        print(f"recovery: {last['seconds']:.2f} s (reload {last['reload_s']:.2f} s, "
+              f"{last['reload_s_per_gb']:.1f} s/GiB); streams done "
+              f"{time.monotonic() - t0:.1f} s after they began")
+        after = rank_pids(f.tag)
+        assert set(after) == {0, 1} and not set(after.values()) & set(before.values())
+        # a seeded sampled stream keeps its draws across a kill too
+        killed.clear()
+        before = after
+        assert f.stream(PROMPTS[3], n, on_piece=kill, **sampled) == ref_sampled
+        assert f.health()[1]["recoveries"]["count"] == 2
+    finally:
+        took = f.stop()
+    assert took < 5, f"front and ranks took {took:.1f} s to end after SIGTERM"
+    assert not rank_pids(f.tag)
+    assert f.proc.returncode == 0, f.log()[-2000:]
