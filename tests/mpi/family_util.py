@@ -22,9 +22,11 @@ N_NEW = 16
 
 
 def hf_reference(model, prompts, n_new=N_NEW):
-    """transformers' greedy tokens and per-step logits of each prompt alone."""
+    """transformers' greedy tokens and per-step logits of each prompt alone (one torch
+    thread: the models are tiny, and a second thread only spins on a loaded machine)."""
     import torch
 
+    torch.set_num_threads(1)
     out = []
     for prompt in prompts:
         with torch.no_grad():

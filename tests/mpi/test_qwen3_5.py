@@ -108,6 +108,22 @@ def test_matches_transformers(checkpoints, name):
     check_case(f"qwen3_5 {name}", checkpoints[name])
 
 
+def test_mlx_backend_matches_transformers(checkpoints):
+    """The MLX backend (rank 0) on the released MoE folder: the prompts together through the
+    one-rank generator (one packed prefill, then batched decode) give transformers' tokens."""
+    from hpcmac.llm.model.generate import Generator
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.testing import world
+
+    g = world()
+    if g.rank == 0:
+        pytest.importorskip("mlx.core")
+        path, prompts, ref = checkpoints["released-k2v6-moe"]
+        b = Generator(load_stage(path, 0, 4, backend="mlx"), max_len=64, max_slots=2)
+        assert [r.tokens for r in b.generate_batch(prompts, 16)] == [t for t, _ in ref]
+    g.barrier()
+
+
 def test_planner_counts_the_bytes_held(checkpoints):
     """weights.stage_nbytes (the planners' count, from headers) is what a stage holds, whole
     and as each rank's part of tensor 3 (the released layout's renamed tensors)."""

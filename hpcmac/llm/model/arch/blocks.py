@@ -214,9 +214,9 @@ class GatedDeltaNet:
         dk, dv = cfg.linear_k_dim, cfg.linear_v_dim
         C, a = 2 * nk * dk + nv * dv, "linear_attn."
         if self.fused:
-            out = [tensor(i, a + "in_proj_qkvz.weight", "ssm_in_qkvz.weight",
+            out = [tensor(i, a + "in_proj_qkvz.weight", "ssm_in.weight",
                           (C + nv * dv, D), "matrix", "lin_qkvz"),
-                   tensor(i, a + "in_proj_ba.weight", "ssm_in_ba.weight", (2 * nv, D),
+                   tensor(i, a + "in_proj_ba.weight", "ssm_ba.weight", (2 * nv, D),
                           "matrix", "lin_ba")]
         else:
             out = [tensor(i, a + "in_proj_qkv.weight", "attn_qkv.weight", (C, D), "matrix",
