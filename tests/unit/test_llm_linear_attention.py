@@ -1,0 +1,60 @@
+"""Gated DeltaNet's numerics (``hpcmac.llm.model.linear_attention``): the chunked form a
+prompt runs equals the recurrence a decode step runs, token for token, from a given state;
+and a linear-attention family's bad config field is one line and exit 2 before any weight
+is read (the whole models are checked against transformers in tests/mpi/test_qwen3_next.py
+and test_qwen3_5.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hpcmac.lifecycle import run_cli
+from hpcmac.llm.__main__ import main
+from hpcmac.llm.model import linear_attention as la
+
+
+def _inputs(rng, H, n, dk, dv):
+    q = rng.standard_normal((H, n, dk), dtype=np.float32)
+    k = rng.standard_normal((H, n, dk), dtype=np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((H, n, dv), dtype=np.float32)
+    beta = rng.uniform(0.05, 0.95, (H, n)).astype(np.float32)
+    g = -rng.uniform(0.0, 0.5, (H, n)).astype(np.float32)
+    return q, k, v, beta, g
+
+
+@pytest.mark.parametrize("n", [1, 63, 150])
+def test_chunked_equals_the_recurrence(n):
+    """150 tokens cross two 64-token chunk boundaries; the start state is not zero."""
+    rng = np.random.default_rng(n)
+    H, dk, dv = 3, 8, 5
+    q, k, v, beta, g = _inputs(rng, H, n, dk, dv)
+    S0 = 0.3 * rng.standard_normal((H, dk, dv), dtype=np.float32)
+    out, S = la._chunked(S0, q, k, v, beta, g)
+    R, want = S0[None], []
+    for t in range(n):
+        o, R = la._recurrent(R, q[None, :, t], k[None, :, t], v[None, :, t],
+                             beta[None, :, t], g[None, :, t])
+        want.append(o[0])
+    np.testing.assert_allclose(out, np.stack(want, axis=1), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(S, R[0], rtol=0, atol=2e-5)
+    assert np.abs(S - S0).max() > 1e-2  # the tokens moved the state
+
+
+def test_bad_field_is_one_line_exit_2(tmp_path, capsys):
+    cfg = dict(model_type="qwen3_next", vocab_size=96, hidden_size=40, num_hidden_layers=4,
+               num_attention_heads=5, num_key_value_heads=1, head_dim=16,
+               linear_num_key_heads=2, linear_num_value_heads=5, linear_key_head_dim=8,
+               linear_value_head_dim=12)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    try:
+        code = run_cli(main, ["generate", "--model", str(tmp_path), "--prompt-ids", "1,2"])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{tmp_path / 'config.json'}: field 'linear_num_value_heads' = 5" in err[0]
