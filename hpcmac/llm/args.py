@@ -59,6 +59,16 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
                         "with them (a chat's earlier turns, a shared system prompt), in GiB "
                         "per rank at most, least recently used dropped first (default: 1, "
                         "at most half the memory the weights leave; 0: off)")
+    d = g.add_argument_group("speculative decoding (docs/serve.md)")
+    dm = d.add_mutually_exclusive_group()
+    dm.add_argument("--draft-model", default=None, metavar="PATH",
+                    help="a smaller model with the same tokenizer proposes tokens that the "
+                         "model verifies, several in one forward pass (on rank 0)")
+    dm.add_argument("--draft", choices=("ngram",), default=None,
+                    help="ngram: propose what followed the last matching n-gram of the "
+                         "prompt and output (prompt lookup, no model)")
+    d.add_argument("--draft-k", type=int_arg, default=DRAFT_K, metavar="K",
+                   help=f"draft tokens verified per step (default {DRAFT_K})")
     p = g.add_argument_group("several ranks (pipeline and tensor parallel)")
     p.add_argument("--tp", type=int, default=None, metavar="T",
                    help="ranks per tensor-parallel group (default: all ranks for one "
@@ -83,6 +93,12 @@ def add_generate_args(g: argparse.ArgumentParser, prompts: bool = True) -> None:
                    help="seconds a rank waits on a silent peer before ending the job "
                         "(at least 1; 0: no watchdog)")
 
+
+#: draft tokens per speculative step unless ``--draft-k`` says otherwise
+DRAFT_K = 4
+
+#: the most draft tokens a step may verify
+MAX_DRAFT_K = 64
 
 #: the shortest ``--timeout`` (seconds of a silent peer) a run accepts, 0 aside
 MIN_TIMEOUT = 1.0
@@ -135,7 +151,14 @@ def check_arguments(args: argparse.Namespace) -> SamplingParams:
         raise UsageError(f"--timeout {args.timeout:g}: expected 0 (no watchdog) or at least "
                          f"{MIN_TIMEOUT:g} s (one healthy step can take longer than that)")
     check_layout_flags(args.tp, args.pp, args.tp_split)
+    if not 1 <= args.draft_k <= MAX_DRAFT_K:
+        raise UsageError(f"--draft-k {args.draft_k}: expected 1 to {MAX_DRAFT_K}")
     return sampling
+
+
+def draft_of(args: argparse.Namespace) -> str | None:
+    """The drafter the flags ask for: ``--draft-model``'s path, "ngram", or None."""
+    return getattr(args, "draft_model", None) or getattr(args, "draft", None)
 
 
 def _utf8(text: str, where: str) -> None:

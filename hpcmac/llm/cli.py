@@ -23,12 +23,14 @@ from hpcmac.llm.args import (  # noqa: F401 (check_threads, MAX_THREADS, MIN_TIM
     check_arguments,
     check_threads,
     context_length,
+    draft_of,
 )
 from hpcmac.llm.model.sampling import SamplingParams
 from hpcmac.llm.parallel.pipeline import PipelineResult, Request, SeqResult
 from hpcmac.llm.parallel.placement import LayoutFlags, Placement
 from hpcmac.llm.parallel.plan import agree
 from hpcmac.llm.parallel.runtime import (
+    agree_draft,
     agree_placement,
     agree_prefix_cache,
     bring_up,
@@ -179,7 +181,8 @@ def make_requests(prompts: list[Prompt], args, tok, cfg, sampling: SamplingParam
             print(f"note: {which}: {len(ids)} prompt tokens + {p.max_tokens} new tokens exceed "
                   f"the context of {context}: at most {room} new tokens (--max-context)",
                   file=sys.stderr, flush=True)
-        reqs.append(Request(list(ids), min(p.max_tokens, room), params, eos))
+        reqs.append(Request(list(ids), min(p.max_tokens, room), params, eos,
+                            args.draft_k if draft_of(args) else 0))
     return reqs
 
 
@@ -219,6 +222,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     agree(group, lambda: check_threads(args.threads))
     cfg = agree(group, lambda: load_config(args.model))
     context = agree(group, lambda: context_length(args, cfg))
+    agree_draft(group, draft_of(args), args.model, cfg)
     tok, stop = None, None
 
     def requests() -> list[Request]:
@@ -252,7 +256,8 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
                                                          args.prefix_cache_gb)
     rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
                   quantize=args.quantize, group_size=args.q_group_size,
-                  int8_activations=args.int8_activations, timeout=args.timeout)
+                  int8_activations=args.int8_activations, timeout=args.timeout,
+                  draft=draft_of(args))
     forget_readers()  # tokenizer, plan and stage are read: drop the parsed GGUF metadata
     # the transport line once every input is known good (layout, split, weights): a
     # refusal is one line, with no transport line before it
@@ -362,9 +367,14 @@ class _Printer:
 def summary_line(res: PipelineResult) -> str:
     n = len(res.seqs)
     busy = " ".join(f"{st.busy:.0%}" for st in res.stats)
+    spec = ""
+    if res.speculative:
+        sp = res.speculative
+        spec = (f"; speculative: {sp['accepted']} of {sp['drafted']} draft tokens accepted "
+                f"({res.acceptance():.0%}), {sp['draft_s']:.2f} s drafting")
     return (f"{n} sequence{'s' * (n != 1)}, {res.generated} tokens: prefill "
             f"{res.prefill_tok_s():.1f} tok/s, decode {res.decode_tok_s():.1f} tok/s "
-            f"aggregate; stage busy {busy}")
+            f"aggregate; stage busy {busy}{spec}")
 
 
 def result_json(res: PipelineResult, tok, stop, plan: Placement | None) -> dict:
@@ -397,6 +407,8 @@ def result_json(res: PipelineResult, tok, stop, plan: Placement | None) -> dict:
         doc["ranks"] = plan.size
     if res.tensor:
         doc["tensor"] = res.tensor
+    if res.speculative:
+        doc["speculative"] = {**res.speculative, "acceptance": res.acceptance()}
     return doc
 
 

@@ -29,7 +29,7 @@ from hpcmac.llm.model.sampling import SamplingParams
 #: refused by name (400) rather than silently ignored
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
            "seed", "stop", "n", "stream", "stream_options", "user", "logprobs",
-           "repetition_penalty"}
+           "repetition_penalty", "draft_k"}
 FIELDS = {"chat": _COMMON | {"messages", "response_format", "tools", "tool_choice",
                              "parallel_tool_calls", "top_logprobs"},
           "completion": _COMMON | {"prompt", "response_format"}}
@@ -72,6 +72,7 @@ class ServeConfig:
     retry_after_s: int = 1
     max_body: int = 8 * 2**20  # bytes (--max-body-mb)
     special_in_prompts: bool = False  # --special-tokens-in-prompts
+    draft_k: int = 0  # --draft-k with a drafter (speculative decoding), else 0
 
     def __post_init__(self):
         if self.tok is not None:  # build the text-only tokenizer now, not in a request
@@ -321,6 +322,16 @@ def compile_grammar(build, cfg: ServeConfig) -> str:
         return build(grammar.ll_tokenizer(cfg.tok, cfg.vocab, cfg.eos_ids))
     except grammar.GrammarError as exc:
         raise ApiError(400, exc.message, exc.path) from None
+
+
+def draft_k_of(body: dict, cfg: ServeConfig) -> int:
+    """The request's draft tokens per speculative step: hpcmac's own field ``draft_k``
+    (0 turns speculation off for it; at most the server's ``--draft-k``, its default),
+    or ApiError(400) naming the field."""
+    if cfg.draft_k == 0 and body.get("draft_k") not in (None, 0):
+        raise ApiError(400, "'draft_k': this server has no draft (start it with "
+                            "--draft-model or --draft ngram)", "draft_k")
+    return _number(body, "draft_k", int, cfg.draft_k, lo=0, hi=cfg.draft_k)
 
 
 def _too_long(n_tokens: int | None, endpoint: str, cfg: ServeConfig,

@@ -29,7 +29,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hpcmac.llm import logprobs, tools
 from hpcmac.llm.parallel.live import Full, LiveRequest, LiveRequests
-from hpcmac.llm.request import ApiError, ServeConfig, chat_ids, load_body, parse, parse_request
+from hpcmac.llm.request import (
+    ApiError,
+    ServeConfig,
+    chat_ids,
+    draft_k_of,
+    load_body,
+    parse,
+    parse_request,
+)
 
 __all__ = ["ApiError", "ServeConfig", "build_app", "chat_ids", "parse", "run_serve"]
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -170,7 +178,8 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
                                kind="server_error") from None
             st = _Stream(loop, cfg.tok, stops, cfg.eos_ids)
             req = LiveRequest(prompt=ids, max_tokens=max_tokens, sampling=sampling,
-                              eos_ids=cfg.eos_ids, stops=stops, on_token=st.on_token,
+                              eos_ids=cfg.eos_ids, draft_k=draft_k_of(body, cfg),
+                              stops=stops, on_token=st.on_token,
                               on_finish=st.on_finish,
                               on_logprob=st.on_logprob if sampling.logprobs >= 0 else None,
                               decoder=cfg.tok.stream() if stops and cfg.tok else None)
@@ -447,6 +456,7 @@ def serve_config(args, cfg, tok, context: int) -> ServeConfig:
     """What the HTTP side needs, from serve's flags, the model's config and tokenizer."""
     from pathlib import Path
 
+    from hpcmac.llm.args import draft_of
     from hpcmac.llm.model.config import resolve_model
 
     eos = tuple(tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids)
@@ -454,7 +464,8 @@ def serve_config(args, cfg, tok, context: int) -> ServeConfig:
     return ServeConfig(name, tok, cfg.vocab, context, eos,
                        default_max_tokens=min(args.max_tokens, context),
                        max_body=int(args.max_body_mb * 2**20),
-                       special_in_prompts=args.special_tokens_in_prompts)
+                       special_in_prompts=args.special_tokens_in_prompts,
+                       draft_k=args.draft_k if draft_of(args) else 0)
 
 
 def run_serve(args, group=None) -> int:
@@ -466,13 +477,14 @@ def run_serve(args, group=None) -> int:
     from hpcmac.comm.local import LocalGroup
     from hpcmac.errors import world_size
     from hpcmac.llm import grammar
-    from hpcmac.llm.args import context_length
+    from hpcmac.llm.args import context_length, draft_of
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.gguf_loader import forget_readers
     from hpcmac.llm.model.tokenizer import load_tokenizer
     from hpcmac.llm.parallel.placement import LayoutFlags
     from hpcmac.llm.parallel.plan import agree
     from hpcmac.llm.parallel.runtime import (
+        agree_draft,
         agree_placement,
         agree_prefix_cache,
         bring_up,
@@ -490,6 +502,7 @@ def run_serve(args, group=None) -> int:
             if world_size() > 1 or args.transport else LocalGroup()
     cfg = agree(group, lambda: load_config(args.model))
     context = agree(group, lambda: context_length(args, cfg))
+    agree_draft(group, draft_of(args), args.model, cfg)
     slots = args.max_batch or 16
     held = {}
 
@@ -525,7 +538,8 @@ def run_serve(args, group=None) -> int:
     t_load = time.perf_counter()
     rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
                   quantize=args.quantize, group_size=args.q_group_size,
-                  int8_activations=args.int8_activations, timeout=args.timeout)
+                  int8_activations=args.int8_activations, timeout=args.timeout,
+                  draft=draft_of(args))
     t_load = time.perf_counter() - t_load
     weights = group.allgather_obj(int(rt.stage.nbytes)) if channel else None
     forget_readers()  # tokenizer, plan and stage are read: drop the parsed GGUF metadata
@@ -574,4 +588,8 @@ def run_serve(args, group=None) -> int:
             alive.clear()
             source.fail_all("the server stopped")
             http.stop()
+    if group.rank == 0 and res.speculative:
+        sp = res.speculative
+        print(f"speculative decoding: {sp['accepted']} of {sp['drafted']} draft tokens "
+              f"accepted ({res.acceptance():.0%})", file=sys.stderr, flush=True)
     return 130 if res.interrupted else 0

@@ -99,12 +99,15 @@ class Server:
 #: on each (a pipeline of 2, and a tensor group of 2: batching, chunked prefill,
 #: disconnects and the idle ping inside a tensor group)
 LAYOUTS = [(1, ()), (2, ()), (2, ("--tp", "2"))]
+#: the pipeline of 2 also drafts (speculative decoding, the n-gram lookup): its greedy
+#: text must still be generate's without a draft, its concurrent streams each alone's
+DRAFTS = {(2, ()): ("--draft", "ngram")}
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=["np1", "np2", "np2-tp2"])
+@pytest.fixture(scope="module", params=LAYOUTS, ids=["np1", "np2-ngram", "np2-tp2"])
 def server(request):
     np_, flags = request.param
-    s = Server(np_, *flags)
+    s = Server(np_, *flags, *DRAFTS.get((np_, flags), ()))
     s.np, s.layout = np_, flags
     yield s
     s.stop()
@@ -306,6 +309,8 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server):
         (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
         (json.dumps({"prompt": "x", "n": 2}).encode(), 400, "n"),
         (json.dumps({"prompt": "word " * 5000}).encode(), 400, "prompt"),
+        (json.dumps({"prompt": "x", "draft_k": -1 if DRAFTS.get((server.np, server.layout))
+                     else 2}).encode(), 400, "draft_k"),
     ]
     for body, status, param in cases:
         r = httpx.post(u, content=body, headers={"content-type": "application/json"})
@@ -317,6 +322,19 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server):
     r = server.client().completions.create(model=server.model(), prompt="Hello", max_tokens=3,
                                            temperature=0)
     assert r.choices[0].text and r.usage.completion_tokens == 3
+
+
+def test_per_request_draft_k(server, oracle):
+    """``draft_k``, hpcmac's own request field: 0 turns speculation off for a request,
+    1 drafts one token a step; the greedy text is generate's either way."""
+    if not DRAFTS.get((server.np, server.layout)):
+        pytest.skip("this server has no draft")
+    for k in (0, 1):
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "prompt": "The capital of France is", "temperature": 0, "max_tokens": 12,
+            "draft_k": k})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == oracle["completion"]["text"]
 
 
 def test_client_disconnect_frees_its_slot(server):

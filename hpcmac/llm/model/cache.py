@@ -213,3 +213,8 @@ class KVCache:
     def block_nbytes(self) -> int:
         """Bytes held by this rank's prefix blocks."""
         return sum(b.nbytes for b in self.blocks.values())
+    def truncate(self, slot: int, n: int) -> None:
+        """Keep the first ``n`` tokens of ``slot`` (speculative decoding's rejected
+        drafts, written by the step that verified them, are dropped; their keys and
+        values are overwritten by the next tokens)."""
+        self.lengths[slot] = min(int(self.lengths[slot]), int(n))

@@ -86,17 +86,35 @@ class Sampler:
     def __call__(self, logits: np.ndarray, seen=(), mask: np.ndarray | None = None) -> int:
         """Next token from one row of logits (vocab,); ``seen``: prompt + generated ids;
         ``mask``: the packed allowed set of a grammar (hpcmac.llm.grammar), or None."""
-        p = self.params
-        x = np.asarray(logits)
         if mask is not None:
             from hpcmac.llm.grammar import apply_mask
 
-            x = apply_mask(x.copy(), mask)
-        x = apply_repetition_penalty(x, seen, p.repetition_penalty)
-        if p.temperature == 0.0:
-            return int(np.argmax(x))
-        x = filter_top_k_top_p(x.astype(np.float64) / p.temperature, p.top_k, p.top_p)
-        cdf = np.cumsum(np.exp(x - x.max()))
-        # inverse CDF of one uniform draw (what Generator.choice(p=...) does)
+            logits = apply_mask(np.array(logits), mask)
+        probs = self.probs(logits, seen)
+        if probs is None:
+            return self.greedy(logits, seen)
+        return self.draw(probs)
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token from ``probs`` by the inverse CDF of one uniform draw (what
+        ``Generator.choice(p=...)`` does)."""
+        cdf = np.cumsum(probs)
         return int(min(np.searchsorted(cdf / cdf[-1], self.rng.random(), side="right"),
                        cdf.size - 1))
+
+    def greedy(self, logits: np.ndarray, seen=()) -> int:
+        """The most likely token (after the repetition penalty): temperature 0's choice."""
+        return int(np.argmax(apply_repetition_penalty(np.asarray(logits), seen,
+                                                      self.params.repetition_penalty)))
+
+    def probs(self, logits: np.ndarray, seen=()) -> np.ndarray | None:
+        """The distribution :meth:`__call__` draws from (float64, sums to 1), or None
+        at temperature 0 (greedy: :meth:`greedy`)."""
+        p = self.params
+        if p.temperature == 0.0:
+            return None
+        x = apply_repetition_penalty(np.asarray(logits), seen, p.repetition_penalty)
+        x = filter_top_k_top_p(x.astype(np.float64) / p.temperature, p.top_k, p.top_p)
+        probs = np.exp(x - x.max())
+        probs /= probs.sum()
+        return probs

@@ -151,6 +151,7 @@ class Stage:
                 raise ValueError(f"slot {slot}: position {pos} goes back into the "
                                  f"{cache.lengths[slot]} cached tokens; a linear-attention "
                                  "state cannot rewind (restore a snapshot, or start at 0)")
+            cache.truncate(slot, pos)  # a step from an earlier position drops what follows
         cos, sin = cos_sin(self._inv_freq, self._att, batch.token_positions())
         cos, sin = be.asarray(cos[:, None, :]), be.asarray(sin[:, None, :])
         x = be.asarray(h)

@@ -19,20 +19,31 @@ Wire protocol (one ordered channel per link, all through ``hpcmac.comm``):
 * stage r -> r+1, tag ``TAG_FWD``: a header ``int32[4] = (kind, n, T, mb_id)``
   then, for ``FWD``, one payload ``float32[5 n + T hidden]``: the meta rows
   ``int32 (n, 5) = (seq, slot, length, position, sample)`` (their bits) and the
-  hidden states ``(T, hidden)``; for ``CTRL`` a dict of ``n`` bytes in
-  comm.wire's plain tagged format, never pickle (sequences joining and leaving, and
-  the prefix cache's block instructions, :mod:`.prefix`);
+  hidden states ``(T, hidden)``; ``sample`` is 0 (a prompt chunk), 1 (the next
+  token from the last row) or ``1 + k`` (speculative decoding: the last ``k``
+  tokens are drafts, and the last ``1 + k`` rows are scored); for ``CTRL`` a dict of
+  ``n`` bytes in comm.wire's plain tagged format, never pickle (sequences joining
+  and leaving, the prefix cache's block instructions, :mod:`.prefix`, and the next
+  micro-batch's drafts with the draft's distributions, for the last stage's verifier);
   ``STOP`` ends the loop; ``PING`` (a header alone) is sent by an idle server
   now and then so that waiting stages know rank 0 is alive. A decoded token
   thus costs one hidden vector plus 20 bytes on a link, and 16 bytes per
   micro-batch.
-* last stage -> rank 0, tag ``TAG_RET``: ``int32[1 + n_sample] = (mb_id,
-  token...)``, one message per micro-batch, in issue order; a token of
-  ``FAILED`` (-1) says that sequence's sampling failed. When some sampled
-  sequence asked for logprobs (k most likely), tag ``TAG_LOGP`` follows:
-  ``float64[sum(1 + 2 k)]``, per such sequence in order (chosen token's logprob,
-  the k logprobs, their k ids), of the model's own distribution (before grammar,
-  penalty and temperature).
+* last stage -> rank 0, tag ``TAG_RET``: ``int32[1 + sum(sample)] = (mb_id,
+  token...)``, one message per micro-batch, in issue order: ``sample`` slots per
+  sampled sequence, its new tokens then ``NONE`` (-2) (a speculative step emits 1
+  to ``1 + k``: the accepted drafts and the target's own); a token of ``FAILED``
+  (-1) says that sequence's sampling failed. When some sampled sequence asked for
+  logprobs (k most likely), tag ``TAG_LOGP`` follows: ``float64[sum(1 + 2 k)]``,
+  per such sequence in order (chosen token's logprob, the k logprobs, their k ids),
+  of the model's own distribution (before grammar, penalty and temperature).
+
+Speculative decoding (a ``drafter``): rank 0, the first stage's leader, drafts
+before it issues a micro-batch; every rank runs the ``1 + k`` tokens in one forward,
+writing their KV; the next step of that sequence starts at the position after the
+accepted tokens, so every rank's cache drops the rejected ones there
+(``KVCache.truncate``, called by ``Stage.forward``). A sequence under a grammar or
+asking for logprobs gets no drafts.
 
 Serving, one request never ends the job: what depends on a request alone (its sampling
 parameters, its control message, its callbacks, its sampling on the last stage)
@@ -65,7 +76,7 @@ from hpcmac.llm.parallel.link import Link, Watchdog
 from hpcmac.llm.parallel.plan import StageSpec
 from hpcmac.llm.parallel.prefix import BLOCK, ROOT, PrefixIndex
 from hpcmac.llm.parallel.results import PipelineResult, RankStats, SeqResult
-from hpcmac.llm.parallel.tensor import GATHER, MAXLOC
+from hpcmac.llm.parallel.tensor import GATHER, MAXLOC, logit_rows
 
 FWD, CTRL, STOP, PING = 1, 2, 3, 4
 TAG_FWD, TAG_RET, TAG_LOGP = 71, 72, 73
@@ -75,6 +86,8 @@ WIRE = np.int32  # header, meta and returned token ids
 #: a returned "token" meaning: sampling this sequence failed on the last stage (the
 #: sequence ends with finish "error"; the others go on)
 FAILED = -1
+#: a returned slot left empty: a speculative step emitted fewer than 1 + k tokens
+NONE = -2
 
 
 def pack(meta: np.ndarray, h: np.ndarray) -> np.ndarray:
@@ -102,6 +115,7 @@ class Request:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_ids: tuple[int, ...] = ()
+    draft_k: int = 0  # draft tokens verified per step (the run's drafter; 0: none)
 
 
 # -- sampling on the last stage ----------------------------------------------------
@@ -131,6 +145,7 @@ class _SeqSampler:
                 raise
             self.sampler, self.error = None, _one_line(exc)
         self.seen = list(prompt)
+        self.draft: tuple[list[int], np.ndarray | None] = ([], None)  # the next step's
 
     def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> int:
         return self.take(self.sampler(logits, self.seen, mask))
@@ -141,6 +156,19 @@ class _SeqSampler:
             self.constraint.accept(tok)
         self.seen.append(tok)
         return tok
+
+    def speculate(self, rows: np.ndarray, mode: int) -> list[int]:
+        """The tokens a step with this sequence's draft emits (speculative.verify):
+        ``rows``, (k + 1, vocab) logits, or (k + 1,) max-loc ids."""
+        from hpcmac.llm.model import speculative
+
+        draft, q = self.draft
+        self.draft = ([], None)
+        if len(rows) != len(draft) + 1:
+            raise RuntimeError(f"{len(rows)} rows of logits for {len(draft)} draft tokens")
+        out = speculative.verify_greedy(rows, draft) if mode == MAXLOC else \
+            speculative.verify(self.sampler, rows, draft, q, self.seen)
+        return [self.take(t) for t in out]
 
 
 # -- the run ------------------------------------------------------------------------
@@ -195,6 +223,9 @@ class _StageState:
                 self.samplers[idx] = _SeqSampler(prompt, params, self.plan.isolate)
                 if self.plan.keep_logits:
                     self.logits[idx] = []
+            for idx, toks, q in ctrl.get("draft", ()):
+                if idx in self.samplers:
+                    self.samplers[idx].draft = (list(toks), q)
 
     def compute(self, x: np.ndarray, meta: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Run this stage on a micro-batch; on the last stage also sample.
@@ -207,10 +238,11 @@ class _StageState:
         c0 = time.process_time()
         t0 = time.perf_counter()
         idxs = [int(i) for i in meta[meta[:, 4] != 0, 0]]
+        nrows = [int(n) for n in meta[meta[:, 4] != 0, 4]]  # 1 + draft tokens
         mode = self._head_mode(idxs)
         self.logp = np.empty(0)
-        masks = self._masks(idxs) if self.spec.last else None
-        ks = self._logprob_ks(idxs) if self.spec.last else []
+        masks = self._masks(idxs, nrows) if self.spec.last else None
+        ks = self._logprob_ks(idxs, nrows) if self.spec.last else []
         topk = max(ks, default=-1) if mode == MAXLOC else -1
         if self.tensor is not None:  # first: the followers wait for it
             self.tensor.send_step(meta, x, mode, masks if mode == MAXLOC else None, topk)
@@ -222,9 +254,8 @@ class _StageState:
         h = self.stage.forward(h, batch, self.cache)
         toks = None
         if self.spec.last:
-            ends = np.cumsum(lengths) - 1
-            rows = ends[meta[:, 4] != 0]
-            toks = np.empty(len(rows), dtype=np.int64)
+            rows = logit_rows(meta)
+            toks = np.full(len(rows), NONE, dtype=np.int64)
             if len(rows):
                 logits = np.asarray(self.stage.logits(h[rows]), dtype=np.float32)
                 stats = None
@@ -233,11 +264,14 @@ class _StageState:
                                               masks if mode == MAXLOC else None, topk)
                     if topk >= 0:
                         logits, stats = logits
-                for k, idx in enumerate(idxs):
-                    toks[k] = self._draw(idx, logits[k], mode,
-                                         None if masks is None else masks[k])
-                    if mode != MAXLOC and self.plan.keep_logits and toks[k] != FAILED:
-                        self.logits[idx].append(logits[k].copy())
+                off = 0
+                for idx, n in zip(idxs, nrows):
+                    got = self._draw(idx, logits[off : off + n], mode,
+                                     None if masks is None else masks[off])
+                    toks[off : off + len(got)] = got
+                    if mode != MAXLOC and self.plan.keep_logits and got[0] != FAILED:
+                        self.logits[idx].extend(r.copy() for r in logits[off : off + len(got)])
+                    off += n
                 self.logp = _logprob_rows(ks, logits, toks, stats, mode)
         self.stats.busy_s += time.perf_counter() - t0
         self.stats.cpu_s += time.process_time() - c0
@@ -245,52 +279,58 @@ class _StageState:
         return h, toks
 
 
-    def _logprob_ks(self, idxs: list[int]) -> list[int]:
-        """Top logprobs each sampled row asked for (-1: none)."""
+    def _logprob_ks(self, idxs: list[int], nrows: list[int]) -> list[int]:
+        """Top logprobs each sampled row asked for (-1: none; a sequence asking for
+        them never has drafts, so its one row is its token's)."""
         out = []
-        for i in idxs:
+        for i, n in zip(idxs, nrows):
             s = self.samplers.get(i)
-            out.append(s.params.logprobs if s is not None else -1)
+            out += [s.params.logprobs if s is not None else -1] + [-1] * (n - 1)
         return out
 
-    def _masks(self, idxs: list[int]) -> np.ndarray | None:
-        """The packed grammar masks (k, W) int32 of the sampled rows, all bits set for a
+    def _masks(self, idxs: list[int], nrows: list[int]) -> np.ndarray | None:
+        """The packed grammar masks (rows, W) int32 of the sampled rows, all bits set for a
         sequence without a grammar; None when none has one. A grammar that fails here
-        fails its sequence alone (in ``_draw``)."""
+        fails its sequence alone (in ``_draw``). (A sequence with a grammar never has
+        drafts: one row; the rows of the others' drafts are all bits set.)"""
         ss = [self.samplers.get(i) for i in idxs]
         if not any(s is not None and s.constraint is not None for s in ss):
             return None
         from hpcmac.llm.grammar import mask_words
 
-        out = np.full((len(idxs), mask_words(self.stage.config.vocab)), -1, dtype=np.int32)
-        for k, s in enumerate(ss):
+        out = np.full((sum(nrows), mask_words(self.stage.config.vocab)), -1, dtype=np.int32)
+        for row, s in zip(np.cumsum([0, *nrows[:-1]]), ss):
             if s is None or s.constraint is None or s.error is not None:
                 continue
             try:
-                s.constraint.fill(out[k])
+                s.constraint.fill(out[row])
             except Exception as exc:
                 if not self.plan.isolate:
                     raise
                 s.error = _one_line(exc)
         return out
 
-    def _draw(self, idx: int, row: np.ndarray, mode: int, mask: np.ndarray | None = None) -> int:
-        """Sequence ``idx``'s next token from its logits row (or its max-loc id, the mask
-        already applied on every rank), or FAILED when its sampling fails: that sequence
-        ends, the micro-batch goes on."""
+    def _draw(self, idx: int, rows: np.ndarray, mode: int,
+              mask: np.ndarray | None = None) -> list[int]:
+        """Sequence ``idx``'s next token(s) from its logits rows (or max-loc ids, the mask
+        already applied on every rank): one, or with a draft of k tokens 1 to k + 1
+        (speculative.verify); [FAILED] when its sampling fails: that sequence ends, the
+        micro-batch goes on."""
         s = self.samplers.get(idx)
         try:
             if s is None:
                 raise RuntimeError("no sampler (it was never added)")
             if s.error is not None:
                 raise ValueError(s.error)
-            return s.take(int(row)) if mode == MAXLOC else s.sample(row, mask)
+            if len(rows) > 1 or s.draft[0]:
+                return s.speculate(rows, mode)
+            return [s.take(int(rows[0])) if mode == MAXLOC else s.sample(rows[0], mask)]
         except Exception as exc:
             if not self.plan.isolate:
                 raise
             print(f"sequence {idx}: sampling failed on rank {self.group.rank}: "
                   f"{_one_line(exc)}", file=sys.stderr, flush=True)
-            return FAILED
+            return [FAILED]
 
     def _head_mode(self, idxs: list[int]) -> int:
         """MAXLOC when a tensor-parallel head needs only each row's best id: every
@@ -340,7 +380,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _phase(meta: np.ndarray) -> str:
-    return "decode" if bool(np.all(meta[:, 2] == 1)) else "prefill"
+    """Decode: every row one token, or one token and its drafts (all rows scored)."""
+    return "decode" if bool(np.all((meta[:, 2] == 1) | (meta[:, 2] == meta[:, 4]))) \
+        else "prefill"
 
 
 def _ctrl_to_wire(ctrl: dict) -> bytes:
@@ -352,7 +394,9 @@ def _ctrl_to_wire(ctrl: dict) -> bytes:
     return wire.encode({"add": [(int(i), [int(t) for t in p], asdict(s))
                                 for i, p, s in ctrl["add"]],
                         "free": [(int(i), int(s)) for i, s in ctrl["free"]],
-                        "kv": [[int(v) for v in op] for op in ctrl.get("kv", ())]})
+                        "kv": [[int(v) for v in op] for op in ctrl.get("kv", ())],
+                        "draft": [(int(i), [int(t) for t in d], q)
+                                  for i, d, q in ctrl.get("draft", ())]})
 
 
 def _ctrl_from_wire(data: bytes, sender: int) -> dict:
@@ -364,7 +408,8 @@ def _ctrl_from_wire(data: bytes, sender: int) -> dict:
         msg = wire.decode(data)
         return {"add": [(int(i), list(p), SamplingParams(**s)) for i, p, s in msg["add"]],
                 "free": [(int(i), int(s)) for i, s in msg["free"]],
-                "kv": [[int(v) for v in op] for op in msg.get("kv", [])]}
+                "kv": [[int(v) for v in op] for op in msg.get("kv", [])],
+                "draft": [(int(i), list(d), q) for i, d, q in msg.get("draft", [])]}
     except (ValueError, TypeError, KeyError) as exc:
         raise RuntimeError(f"malformed pipeline control message from rank {sender}: "
                            f"{exc}") from None
@@ -443,8 +488,11 @@ class _Scheduler:
 
     def __init__(self, st: _StageState, requests: Sequence[Request], t_start: float,
                  on_token: Callable[[int, int], None] | None,
-                 stop_check: Callable[[int, list[int]], bool] | None, source=None):
+                 stop_check: Callable[[int, list[int]], bool] | None, source=None,
+                 drafter=None):
         self.st, self.t0 = st, t_start
+        self.drafter = drafter  # speculative decoding's drafts (model/speculative.py)
+        self.spec = {"drafted": 0, "accepted": 0, "draft_s": 0.0, "steps": 0}
         self.source = source  # a LiveRequests: requests arrive while running (serve)
         self.seqs = [_Seq(i, r) for i, r in enumerate(requests)]
         for s in self.seqs:
@@ -454,7 +502,7 @@ class _Scheduler:
         self.active: list[_Seq] = []
         self.free_slots = list(range(st.plan.max_slots))[::-1]
         self.inflight: deque = deque()
-        self.ctrl: dict[str, list] = {"add": [], "free": [], "kv": []}
+        self.ctrl: dict[str, list] = {"add": [], "free": [], "kv": [], "draft": []}
         self.on_token, self.stop_check = on_token, stop_check
         plan = st.plan
         #: rank 0's prefix-cache index (None: no prefix cache); its counters are stats
@@ -608,9 +656,9 @@ class _Scheduler:
         return out
 
     def send_ctrl(self) -> None:
-        if not (self.ctrl["add"] or self.ctrl["free"] or self.ctrl["kv"]):
+        if not any(self.ctrl.values()):
             return
-        ctrl, self.ctrl = self.ctrl, {"add": [], "free": [], "kv": []}
+        ctrl, self.ctrl = self.ctrl, {"add": [], "free": [], "kv": [], "draft": []}
         self.st.apply_ctrl(ctrl)
         if self.size > 1:
             payload = np.frombuffer(_ctrl_to_wire(ctrl), dtype=np.uint8).copy()
@@ -618,20 +666,50 @@ class _Scheduler:
             self.st.link.send(hdr, 1, TAG_FWD, "ctrl")
             self.st.link.send(payload, 1, TAG_FWD, "ctrl")
 
+    def drafts(self, mb: list[tuple[_Seq, int]]) -> dict[int, list[int]]:
+        """Draft tokens for the decoding sequences of ``mb`` (speculative decoding), also
+        queued for the last stage in the control message; {} without a drafter."""
+        want = []
+        for s, n in mb:
+            room = min(s.req.draft_k, s.req.max_tokens - (len(s.tokens) - s.n_prompt) - 1,
+                       self.st.plan.max_len - len(s.tokens))
+            # a grammar's mask is known one token ahead only: no drafts under one; nor
+            # with logprobs (one row of them per step)
+            if self.drafter is not None and room > 0 and n == 1 and \
+                    s.req.sampling.grammar is None and s.req.sampling.logprobs < 0 and \
+                    len(s.tokens) > s.n_prompt and s.fed + 1 == len(s.tokens):
+                want.append((s, room))
+        if not want:
+            return {}
+        t0 = time.perf_counter()
+        got = self.drafter.propose([(s.slot, s.tokens, k, s.req.sampling) for s, k in want])
+        self.spec["draft_s"] += time.perf_counter() - t0
+        out = {}
+        for (s, _), (d, q) in zip(want, got):
+            if d:
+                out[s.idx] = d
+                self.ctrl["draft"].append((s.idx, d, q))
+                self.spec["drafted"] += len(d)
+                self.spec["steps"] += 1
+        return out
+
     def issue(self, mb: list[tuple[_Seq, int]]) -> None:
+        drafts = self.drafts(mb)
         self.send_ctrl()
         meta = np.empty((len(mb), META), dtype=WIRE)
         toks = []
         sampled = []
         for k, (s, n) in enumerate(mb):
             sample = s.fed + n == len(s.tokens)
-            meta[k] = (s.idx, s.slot, n, s.fed, int(sample))
+            d = drafts.get(s.idx, [])  # scored after the sequence's last token
+            meta[k] = (s.idx, s.slot, n + len(d), s.fed, (1 + len(d)) * sample)
             toks.extend(s.tokens[s.fed : s.fed + n])
+            toks.extend(d)
             s.fed += n
             s.last_mb = self.mb_id
             if sample:
                 s.waiting = True
-                sampled.append(s)
+                sampled.append((s, len(d)))
             if self.prefix is not None:
                 self.save(s)
         phase = _phase(meta)
@@ -648,9 +726,9 @@ class _Scheduler:
         link = self.st.link
         link.send(hdr, 1, TAG_FWD, phase)
         link.send(pack(meta, h), 1, TAG_FWD, phase)
-        buf = np.empty(1 + len(sampled), dtype=WIRE)
+        buf = np.empty(1 + sum(1 + k for _, k in sampled), dtype=WIRE)
         req = self.st.group.irecv(buf, self.size - 1, TAG_RET)
-        n_lp = sum(1 + 2 * s.req.sampling.logprobs for s in sampled
+        n_lp = sum(1 + 2 * s.req.sampling.logprobs for s, _ in sampled
                    if s.req.sampling.logprobs >= 0)
         lp = None
         if n_lp:  # its logprobs follow the tokens
@@ -677,44 +755,60 @@ class _Scheduler:
         self.receive(sampled, buf[1:], lp[0] if lp is not None else None)
         return True
 
-    def receive(self, sampled: list[_Seq], toks: np.ndarray, logp=None) -> None:
+    def receive(self, sampled: list[tuple[_Seq, int]], toks: np.ndarray, logp=None) -> None:
+        """Each sampled sequence's 1 + k returned slots: its new tokens (a speculative
+        step's accepted drafts, then the target's own), then NONE; and the logprob rows
+        of those that asked (``logp``)."""
         t = self.now()
-        off = 0
-        for s, tok in zip(sampled, toks):
-            tok = int(tok)
+        off = lp_off = 0
+        for s, k in sampled:
+            got = [int(x) for x in toks[off : off + 1 + k] if x != NONE]
+            off += 1 + k
             want = s.req.sampling.logprobs
             if want >= 0 and logp is not None:
-                row = logp[off:off + 1 + 2 * want]
-                off += 1 + 2 * want
-                if tok != FAILED and s.finish != "cancelled" and self.source is not None:
+                row = logp[lp_off:lp_off + 1 + 2 * want]
+                lp_off += 1 + 2 * want
+                if got and got[0] != FAILED and s.finish != "cancelled" and \
+                        self.source is not None:
                     self.source.logprob(s.idx, row)
             s.waiting = False
             if s.finish == "cancelled":  # the client left while this token was on its way
                 self.retire(s, t)
                 continue
-            if tok == FAILED:
+            if not got or got[0] == FAILED:
                 s.finish, s.error = "error", "sampling failed on the last stage"
                 self.retire(s, t)
                 continue
-            s.tokens.append(tok)
-            gen = s.tokens[s.n_prompt :]
-            if len(gen) == 1:
-                s.t_first = t
-            try:
-                if self.on_token is not None:
-                    self.on_token(s.idx, tok)
-                if tok in s.req.eos_ids:
-                    s.finish = "eos"
-                elif self.stop_check is not None and self.stop_check(s.idx, gen):
-                    s.finish = "stop"
-                elif len(gen) >= s.req.max_tokens:
-                    s.finish = "length"
-            except Exception as exc:  # this request's callbacks: it ends, the rest go on
-                if not self.st.plan.isolate:
-                    raise
-                s.finish, s.error = "error", _one_line(exc)
-            if s.finish:
-                self.retire(s, t)
+            # the cache holds the accepted drafts; the rest are overwritten from here on
+            s.fed += len(got) - 1
+            self.spec["accepted"] += len(got) - 1
+            self.decode_tokens += len(got) - 1
+            for tok in got:
+                self.take(s, tok, t)
+                if s.finish:
+                    break
+
+    def take(self, s: _Seq, tok: int, t: float) -> None:
+        """One new token of ``s``: its callbacks, and whether it ends the sequence."""
+        s.tokens.append(tok)
+        gen = s.tokens[s.n_prompt :]
+        if len(gen) == 1:
+            s.t_first = t
+        try:
+            if self.on_token is not None:
+                self.on_token(s.idx, tok)
+            if tok in s.req.eos_ids:
+                s.finish = "eos"
+            elif self.stop_check is not None and self.stop_check(s.idx, gen):
+                s.finish = "stop"
+            elif len(gen) >= s.req.max_tokens:
+                s.finish = "length"
+        except Exception as exc:  # this request's callbacks: it ends, the rest go on
+            if not self.st.plan.isolate:
+                raise
+            s.finish, s.error = "error", _one_line(exc)
+        if s.finish:
+            self.retire(s, t)
 
     def retire(self, s: _Seq, t: float) -> None:
         if self.prefix is not None:
@@ -724,6 +818,8 @@ class _Scheduler:
         self.active.remove(s)
         self.free_slots.append(s.slot)
         self.ctrl["free"].append((s.idx, s.slot))
+        if self.drafter is not None:
+            self.drafter.free(s.slot)
         if self.source is not None:  # serve: the sequence is done; its slot is free now
             self.seqs.remove(s)
             self.source.finish(s.idx, s.finish, len(s.tokens) - s.n_prompt, error=s.error)
@@ -822,6 +918,7 @@ def run_pipeline(
     prefix_blocks: int = 0,
     prefix_bytes: int = 0,
     prefix_block: int = BLOCK,
+    drafter=None,
 ) -> PipelineResult:
     """Collective: generate ``requests`` through the pipeline of ``group.size`` stages.
 
@@ -855,6 +952,10 @@ def run_pipeline(
         blocks reuses their KV on every rank and prefills only the rest.
     prefix_bytes : one block's bytes on the rank holding the most (rank 0; stats).
     prefix_block : tokens per prefix block (rank 0).
+    drafter : speculative decoding (rank 0, the first stage's leader): a
+        :class:`~hpcmac.llm.model.speculative.ModelDrafter` or ``NgramDrafter``
+        proposing each request's ``draft_k`` tokens per step; the last stage
+        verifies them (``result.speculative`` counts drafts and acceptances).
 
     Returns the same :class:`PipelineResult` on every rank.
     """
@@ -895,8 +996,11 @@ def run_pipeline(
     interrupted = False
     decode_tokens = 0
     prefix = None
+    spec_stats = None
     if group.rank == 0:
-        sched = _Scheduler(st, requests or [], t_start, on_token, stop_check, source)
+        if drafter is not None:
+            drafter.start(plan.max_slots, plan.max_len)
+        sched = _Scheduler(st, requests or [], t_start, on_token, stop_check, source, drafter)
         old = None
         from hpcmac.interrupts import deferred
 
@@ -913,6 +1017,7 @@ def run_pipeline(
         interrupted = sched.stopping
         decode_tokens = sched.decode_tokens
         prefix = sched.prefix.stats() if sched.prefix is not None else None
+        spec_stats = sched.spec if drafter is not None else None
         seq_results = [
             SeqResult(s.idx, list(s.req.prompt), s.tokens[s.n_prompt :], s.finish,
                       s.t_admit, s.t_first, s.t_done, cached_tokens=s.cached)
@@ -928,10 +1033,10 @@ def run_pipeline(
         target[phase] = target.get(phase, 0) + nb
     stats = group.allgather_obj(st.stats)
     logits = group.allgather_obj(st.logits if spec.last else None)[p - 1]
-    seq_results, interrupted, decode_tokens, prefix = group.bcast_obj(
-        (seq_results, interrupted, decode_tokens, prefix), 0)
+    seq_results, interrupted, decode_tokens, prefix, spec_stats = group.bcast_obj(
+        (seq_results, interrupted, decode_tokens, prefix, spec_stats), 0)
     if keep_logits and logits is not None:
         for s in seq_results:
             s.logits = logits.get(s.index, [])
     return PipelineResult(seq_results, stats, max(x.wall_s for x in stats), decode_tokens,
-                          interrupted, prefix=prefix)
+                          interrupted, prefix=prefix, speculative=spec_stats)

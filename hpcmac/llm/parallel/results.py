@@ -63,6 +63,14 @@ class PipelineResult:
     interrupted: bool = False
     tensor: list[dict] = field(default_factory=list)  # each rank's all-reduce counters
     prefix: dict | None = None  # the prefix cache's counters (PrefixIndex.stats), if on
+    #: speculative decoding (None without a drafter): draft tokens proposed and
+    #: accepted, steps that had a draft, and rank 0's seconds drafting
+    speculative: dict | None = None
+
+    def acceptance(self) -> float:
+        """Accepted over proposed draft tokens (0 without drafts)."""
+        sp = self.speculative or {}
+        return sp.get("accepted", 0) / sp["drafted"] if sp.get("drafted") else 0.0
 
     @property
     def prompt_tokens(self) -> int:

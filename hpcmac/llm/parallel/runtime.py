@@ -94,6 +94,22 @@ def agree_prefix_cache(group: Group, cfg, placement: Placement,
     return agree(group, size, ranks="root")
 
 
+def agree_draft(group: Group, draft: str | None, model: str, cfg) -> None:
+    """Collective: speculative decoding can run: ``--draft-model``'s vocabulary is
+    ``--model``'s (:func:`~hpcmac.llm.model.speculative.check_draft_model`) and neither
+    model has linear-attention layers, read on rank 0 before any weights load; or the
+    same one-line UsageError on every rank. ``draft``: the draft's path, "ngram" or None."""
+    if draft:
+        from hpcmac.llm.model.speculative import check_draft_model, check_rewinds
+
+        def check():
+            check_rewinds(model, cfg, "--model")
+            if draft != "ngram":
+                check_rewinds(draft, check_draft_model(draft, model, cfg), "--draft-model")
+
+        agree(group, check, ranks="root")
+
+
 # -- one rank, up --------------------------------------------------------------------------
 
 
@@ -107,6 +123,7 @@ class Runtime:
     stage: Any  # the loaded stage (hpcmac.llm.model.stage.Stage) of this rank's shard
     hidden: int  # the model's hidden size
     timeout: float  # the waiting policy: seconds a rank waits on a silent peer
+    drafter: Any = None  # speculative decoding's drafter (world rank 0 only)
 
     @property
     def world(self) -> Group:
@@ -124,18 +141,24 @@ class Runtime:
     def run(self, requests=None, **kw):
         """Collective over the world: generate ``requests`` (world rank 0), or serve a
         live ``source=`` (``kw`` as :func:`~.pipeline.run_pipeline`'s)."""
+        if self.drafter is not None:
+            kw.setdefault("drafter", self.drafter)
         return run_tensor_pipeline(self.groups, self.tensor, self.stage, self.spec, self.hidden,
                                    requests, timeout=self.timeout, **kw)
 
 
 def bring_up(group: Group, placement: Placement, model: str, cfg, *, backend: str = "numpy",
              quantize: int | None = None, group_size: int = 64,
-             int8_activations: bool | None = None, timeout: float = 60.0) -> Runtime:
+             int8_activations: bool | None = None, timeout: float = 60.0,
+             draft: str | None = None) -> Runtime:
     """Collective: this rank's groups, tensor group and stage, from ``placement``.
 
     ``model``, ``cfg``: the checkpoint and its config; ``backend``, ``quantize``,
     ``group_size``, ``int8_activations`` as ``load_stage``'s; ``timeout``: seconds a
-    rank waits on a silent peer before ending the job (0: no watchdog).
+    rank waits on a silent peer before ending the job (0: no watchdog); ``draft``:
+    speculative decoding's drafter, "ngram" or a draft model's path (its vocabulary
+    checked before, :func:`~hpcmac.llm.model.speculative.check_draft_model`),
+    brought up on world rank 0, the first stage's leader, whose scheduler drafts.
 
     A load error on any rank is raised on every rank (:func:`~.plan.agree`).
     """
@@ -159,7 +182,24 @@ def bring_up(group: Group, placement: Placement, model: str, cfg, *, backend: st
         model, spec.start, spec.end, first=spec.first, last=spec.last, backend=backend,
         quantize=quantize, group_size=group_size, shard=shard if tp > 1 else None,
         reduce=tg.allreduce if tg else None, int8_activations=int8_activations))
-    return Runtime(placement, groups, tg, stage, cfg.hidden, timeout)
+    drafter = agree(group, lambda: _drafter(draft, backend) if group.rank == 0 else None)
+    return Runtime(placement, groups, tg, stage, cfg.hidden, timeout, drafter)
+
+
+def _drafter(draft: str | None, backend: str):
+    """The drafter on world rank 0: the draft model whole, as stored (a quantized GGUF
+    kept quantized), or the n-gram lookup."""
+    from hpcmac.llm.model import speculative
+
+    if draft is None:
+        return None
+    if draft == "ngram":
+        return speculative.NgramDrafter()
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.stage import load_stage
+
+    n = load_config(draft).n_layers
+    return speculative.ModelDrafter(load_stage(draft, 0, n, backend=backend))
 
 
 def run_tensor_pipeline(groups: Groups, tg: TensorGroup | None, stage, spec, hidden: int,

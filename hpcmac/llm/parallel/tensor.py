@@ -305,6 +305,15 @@ def _combine_logprobs(parts: list[np.ndarray], best: np.ndarray, topk: int) -> n
     return out
 
 
+def logit_rows(meta: np.ndarray) -> np.ndarray:
+    """The packed rows whose logits a step needs: the last ``sample`` rows of each
+    sequence's tokens (meta column 4: 0 none, 1 its last token, 1 + k with k draft
+    tokens, speculative decoding)."""
+    ends = np.cumsum(meta[:, 2])
+    return np.concatenate([np.arange(e - int(s), e) for e, s in zip(ends, meta[:, 4])]
+                          + [np.empty(0, np.int64)]).astype(np.int64)
+
+
 def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slots: int,
            max_len: int, grace: float) -> None:
     """A follower: run the leader's steps on this rank's shard until ``STOP``.
@@ -346,7 +355,7 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
                          "to send a step")
         masks = None
         if masked:  # one packed row per sampled row, over the whole vocabulary
-            k = int(np.count_nonzero(meta[:, 4]))
+            k = int(meta[:, 4].sum())  # 1 + its drafts per sampled sequence
             masks = tg._recv(np.empty((k, (sum(tg._slices) + 31) // 32), dtype=np.int32),
                              TAG_STEP, 0, "to send a step")
         lengths = [int(v) for v in meta[:, 2]]
@@ -355,7 +364,7 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
         h = stage.embed(x) if first else x
         h = stage.forward(h, batch, cache)
         if last:
-            rows = (np.cumsum(lengths) - 1)[meta[:, 4] != 0]
+            rows = logit_rows(meta)
             if len(rows):
                 tg.head(np.asarray(stage.logits(h[rows]), dtype=np.float32), v0, mode, masks,
                         topk)
