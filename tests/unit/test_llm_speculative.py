@@ -199,7 +199,7 @@ def _with_tokenizer(folder, tokens: list[str]):
     return folder
 
 
-def test_a_draft_with_another_vocabulary_or_a_linear_attention_model_is_one_line(tiny16, tmp_path, capsys):
+def test_another_vocabulary_or_linear_attention_is_one_line(tiny16, tmp_path, capsys):
     import shutil
 
     from hpcmac.lifecycle import run_cli
