@@ -7,10 +7,14 @@ number of BLAS / llama.cpp threads:
 * single-sequence decode tok/s, against the bound ``bandwidth / weight bytes per token``,
 * batched decode of ``--batch`` sequences (aggregate tok/s) against the single rate,
 * llama.cpp (``xllamacpp`` wheel, if installed) on the same weights as an F32 GGUF,
-* quantized rows (``--quant Q8_0,Q4_0``): the same model written as a GGUF of each
-  type, decoded by hpcmac with the codes kept quantized, by hpcmac on the same
+* quantized rows (``--quant Q8_0,Q4_0,MXFP4,FP8``): the same model written as a GGUF of
+  each type, decoded by hpcmac with the codes kept quantized, by hpcmac on the same
   weights dequantized to float32, and by llama.cpp on that GGUF, against the
   bandwidth bound of the quantized bytes; and the memory held against the file.
+  ``FP8`` is no GGUF type: the same weights as a Qwen3 safetensors folder quantized as
+  the FP8 releases are (e4m3, 128 x 128 block scales; Qwen3-FP8's own form, with unit
+  Q/K norms so the layers compute what the Llama's do), no llama.cpp row (llama.cpp has
+  no such type).
 
 ``--contexts 64,4096`` adds single-sequence decode rows after prompts of those lengths
 (the first is the reference): a linear-attention model's state does not grow with them.
@@ -64,8 +68,37 @@ def llamacpp_rate(gguf_path: Path, threads: int, steps: int, vocab: int) -> floa
     return rates[-1]
 
 
-#: the GGUF types the gguf package's writer quantizes (the quantized rows' files)
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+#: the GGUF types the gguf package's writer quantizes (the quantized rows' files), and FP8
+#: (a safetensors folder, see the module docstring)
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "FP8")
+#: the types whose codes the 8-bit-activation kernels take (the others multiply float32)
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+def write_fp8_qwen3(llama: Path, out: Path) -> Path:
+    """The random Llama ``llama`` as an FP8 Qwen3 folder (see the module docstring)."""
+    from safetensors.numpy import load_file, save_file
+
+    from hpcmac.llm.model.fixtures import fp8_checkpoint
+
+    cfg = json.loads((llama / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    tensors = load_file(str(llama / "model.safetensors"))
+    for i in range(cfg["num_hidden_layers"]):
+        for n in ("q_norm", "k_norm"):
+            tensors[f"model.layers.{i}.self_attn.{n}.weight"] = np.ones(head_dim, np.float32)
+    src = out.parent / (out.name + "-src")
+    src.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(src / "model.safetensors"))
+    del tensors
+    (src / "config.json").write_text(json.dumps(
+        {**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+         "head_dim": head_dim, "attention_bias": False}))
+    fp8_checkpoint(src, out)
+    import shutil
+
+    shutil.rmtree(src, ignore_errors=True)
+    return out
 
 
 def quant_types(text: str) -> list[str]:
@@ -94,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--no-llamacpp", action="store_true")
-    ap.add_argument("--quant", default="Q8_0,Q4_0",
+    ap.add_argument("--quant", default="Q8_0,Q4_0,MXFP4,FP8",
                     help="GGUF types for the quantized rows, comma-separated ('' = none; "
                          "random model only)")
     ap.add_argument("--contexts", default="", metavar="N,N",
@@ -156,10 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     for qt in qtypes:
         from hpcmac.llm.model.fixtures import write_gguf
 
-        path = write_gguf(model, work / f"llama-{qt}.gguf", qt)
+        path = write_fp8_qwen3(model, work / "qwen3-fp8") if qt == "FP8" else \
+            write_gguf(model, work / f"llama-{qt}.gguf", qt)
         rss = _load_rss(path, cfg.n_layers, args.backend)
         kept = load_stage(path, 0, cfg.n_layers, True, True, backend=args.backend)
-        quant[qt] = {"path": path, "kept": kept, "file_bytes": path.stat().st_size,
+        file_bytes = path.stat().st_size if path.is_file() else \
+            sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        from hpcmac.llm.model.weights import open_checkpoint
+
+        # read per token: every held byte but the embedding table's (only a row is read)
+        embed = open_checkpoint(path).stored_nbytes("model.embed_tokens.weight")
+        quant[qt] = {"path": path, "kept": kept, "file_bytes": file_bytes,
+                     "per_token": kept.nbytes - (0 if cfg.tie_embeddings else embed),
                      "held_bytes": kept.nbytes, "rss": rss,
                      "float": load_stage(path, 0, cfg.n_layers, True, True,
                                          backend=args.backend, keep_quantized=False)}
@@ -176,12 +217,12 @@ def main(argv: list[str] | None = None) -> int:
                     r["llamacpp"] = llamacpp_rate(gguf_path, args.threads, args.steps, cfg.vocab)
             for qt, q in quant.items():
                 r[f"{qt}_kept"] = decode_rate(q["kept"], 1, args.steps)
-                if args.backend == "numpy":  # the same weights, 8-bit activations
+                if args.backend == "numpy" and qt in INT8_TYPES:  # 8-bit activations
                     q["kept"].backend.int8 = True
                     r[f"{qt}_i8"] = decode_rate(q["kept"], 1, args.steps)
                     q["kept"].backend.int8 = False
                 r[f"{qt}_float"] = decode_rate(q["float"], 1, args.steps)
-                if not args.no_llamacpp:
+                if not args.no_llamacpp and qt != "FP8":
                     with _quiet_stderr():
                         lc = llamacpp_rate(q["path"], args.threads, args.steps, cfg.vocab)
                     if lc:
@@ -225,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("llama.cpp", "not run", "xllamacpp not installed or --model given", ""))
     for qt, q in quant.items():
         held = q["held_bytes"]
-        # per token: every held byte but the embedding table (only a row is read)
-        qbound = med["bandwidth"] / (held * per_token / stage.nbytes)
+        qbound = med["bandwidth"] / q["per_token"]
         rows.append((f"{qt}: memory held", f"{held / 1e6:.0f} MB",
                      f"file {q['file_bytes'] / 1e6:.0f} MB", f"{held / q['file_bytes']:.2f}"))
         rss = q["rss"]

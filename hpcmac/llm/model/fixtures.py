@@ -217,8 +217,13 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
         gname = name if name.startswith("blk.") else gname_of[name]
         block = gguf.GGML_QUANT_SIZES[gtype][0]
         if t.ndim >= 2 and qtype != "F32" and t.shape[-1] % block == 0:
-            data = gguf.quants.quantize(t, gtype)
-            w.add_tensor(gname, data, raw_dtype=gtype)
+            # a few rows at a time: MXFP4's reference quantizer compares every weight with
+            # all 16 values at once (64 bytes a weight)
+            rows = t.reshape(-1, t.shape[-1])
+            step = max(1, (16 << 20) // (64 * t.shape[-1]))
+            data = np.concatenate([gguf.quants.quantize(rows[i:i + step], gtype)
+                                   for i in range(0, rows.shape[0], step)])
+            w.add_tensor(gname, data.reshape(*t.shape[:-1], -1), raw_dtype=gtype)
         else:
             w.add_tensor(gname, t.astype(np.float32))
     w.write_header_to_file()
