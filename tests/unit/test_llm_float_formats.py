@@ -144,3 +144,34 @@ def test_mlx_backend_within_the_bound(make):
     assert np.all(np.abs(y - exact) <= bound)
     assert np.array_equal(be.rows(qw, np.array([0, 5, 69])), w[[0, 5, 69]])
     assert qw.nbytes == mlx_held_nbytes(t)
+
+
+def test_compressed_tensors_int4_reads_as_affine_exactly(tmp_path):
+    """compressed-tensors pack-quantized INT4 (Kimi K2 Thinking): word j of a row holds
+    codes q + 8 of inputs 8j .. 8j+7 at bits 4i (its pack_to_int32); read as MLX affine,
+    ``s * (q + 8) - 8 s`` is ``s * q`` exactly, held in the file's bytes (bias derived)."""
+    pytest.importorskip("torch")
+    from safetensors.numpy import load_file
+    from safetensors.torch import load_file as load_torch
+
+    from hpcmac.llm.model.fixtures import int4_checkpoint, random_checkpoint
+    from hpcmac.llm.model.weights import open_checkpoint
+
+    src = random_checkpoint("qwen3_moe", tmp_path / "src", hidden_size=64,
+                            moe_intermediate_size=32, num_hidden_layers=1, head_dim=16)
+    int4_checkpoint(src, tmp_path / "q", tmp_path / "f")
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    stored = load_torch(str(tmp_path / "q" / "model.safetensors"))
+    words = stored[name + "_packed"].numpy().view(np.uint32)  # (64, 32 / 8)
+    codes = np.stack([(words >> np.uint32(4 * i)) & np.uint32(15) for i in range(8)], -1)
+    q = codes.reshape(64, 32).astype(np.int32) - 8
+    ck = open_checkpoint(tmp_path / "q")
+    t = ck.get_weight(name)
+    assert t.mode == "affine" and t.bits == 4 and t.group == 32 and ck.shape(name) == (64, 32)
+    s = t.scales
+    assert np.array_equal(t.dequantize(), q * s.repeat(32, axis=1))
+    want = load_file(str(tmp_path / "f" / "model.safetensors"))[name]
+    assert np.array_equal(t.dequantize(), want)
+    nq = NQWeight(t)
+    assert nq.biases.size == 0 and nq.nbytes == ck.stored_nbytes(name) == \
+        words.nbytes + 2 * stored[name[:-len("weight")] + "weight_scale"].numel()

@@ -65,9 +65,12 @@ def test_command_json():
     (dict(DSV3, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
                                      "weight_block_size": [128, 64]}),
      "quantization_config.weight_block_size \\[128, 64\\]: expected \\[b, b\\]"),
+    (dict(DSV3, quantization_config={"quant_method": "compressed-tensors",
+                                     "format": "pack-quantized"}),
+     "quant_method 'compressed-tensors' is not supported for deepseek_v3"),
     (dict(DSV3, model_type="kimi_k2",
           quantization_config={"quant_method": "compressed-tensors", "format": "pack-quantized"}),
-     "quant_method 'compressed-tensors' is not supported for kimi_k2"),
+     "quantization_config.config_groups: expected an object"),
     (dict(DSV3, quantization={"group_size": 32, "bits": 4, "mode": "nvfp4"}),
      "quantization: quantization mode 'nvfp4' is not supported"),
     (dict(DSV3, quantization={"group_size": 64, "bits": 4, "mode": "mxfp4"}),
@@ -91,6 +94,9 @@ def test_quantizations_read_pass():
                head_dim=12, num_local_experts=6, num_experts_per_tok=4, sliding_window=8,
                quantization_config={"quant_method": "mxfp4"})
     config_from_hf(gpt)
+    from hpcmac.llm.model.fixtures import int4_config
+
+    config_from_hf(dict(DSV3, model_type="kimi_k2", quantization_config=int4_config()))
     for fam in ("deepseek_v3", "kimi_k2"):  # their releases' own quantization_config
         config_from_hf(dict(DSV3, model_type=fam, quantization_config={
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

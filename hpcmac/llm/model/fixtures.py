@@ -97,6 +97,40 @@ def is_fp8_linear(name: str, shape) -> bool:
                                               ".w3.weight")) and "lm_head" not in name
 
 
+def _release_copy(folder, out, float_out, convert, qcfg: dict) -> Path:
+    """A copy of float ``folder`` with each tensor as ``convert(name, float32 array)``
+    stores it (a dict of stored tensors and the dequantized float32, or None: as it was),
+    ``qcfg`` as config.json's quantization_config, and in ``float_out`` (if given) the
+    dequantized float32 model under the same config without it."""
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.numpy import save_file as save_np
+    from safetensors.torch import save_file
+
+    folder, out = Path(folder), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors, floats = {}, {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            got = convert(name, t)
+            if got is None:
+                tensors[name] = torch.from_numpy(np.ascontiguousarray(t))
+                floats[name] = t
+            else:
+                tensors.update(got[0])
+                floats[name] = got[1]
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg},
+                                                indent=1))
+    if float_out is not None:
+        float_out = Path(float_out)
+        float_out.mkdir(parents=True, exist_ok=True)
+        save_np(floats, str(float_out / "model.safetensors"), metadata={"format": "pt"})
+        (float_out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
 def fp8_checkpoint(folder: str | Path, out: str | Path, float_out: str | Path | None = None
                    ) -> Path:
     """A copy of a random float ``folder`` quantized as DeepSeek's FP8 release is: each
@@ -106,35 +140,61 @@ def fp8_checkpoint(folder: str | Path, out: str | Path, float_out: str | Path | 
     :data:`FP8_CONFIG` in config.json. ``float_out``: also the dequantized float32 model
     (the same config without quantization; the oracle's weights)."""
     import torch
-    from safetensors.numpy import load_file
-    from safetensors.numpy import save_file as save_np
-    from safetensors.torch import save_file
 
     from hpcmac.llm.model import fp8
 
-    folder, out = Path(folder), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((folder / "config.json").read_text())
-    tensors, floats = {}, {}
-    for f in sorted(folder.glob("*.safetensors")):
-        for name, t in load_file(f).items():
-            if is_fp8_linear(name, t.shape):
-                codes, sinv = fp8.quantize(t.astype(np.float32))
-                tensors[name] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
-                tensors[name + "_scale_inv"] = torch.from_numpy(sinv)
-                floats[name] = fp8.dequantize(codes, sinv)
-            else:
-                tensors[name] = torch.from_numpy(np.ascontiguousarray(t))
-                floats[name] = t
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8_CONFIG},
-                                                indent=1))
-    if float_out is not None:
-        float_out = Path(float_out)
-        float_out.mkdir(parents=True, exist_ok=True)
-        save_np(floats, str(float_out / "model.safetensors"), metadata={"format": "pt"})
-        (float_out / "config.json").write_text(json.dumps(cfg, indent=1))
-    return out
+    def convert(name, t):
+        if not is_fp8_linear(name, t.shape):
+            return None
+        codes, sinv = fp8.quantize(t.astype(np.float32))
+        return ({name: torch.from_numpy(codes).view(torch.float8_e4m3fn),
+                 name + "_scale_inv": torch.from_numpy(sinv)}, fp8.dequantize(codes, sinv))
+
+    return _release_copy(folder, out, float_out, convert, FP8_CONFIG)
+
+
+def int4_config(group: int = 32) -> dict:
+    """config.json's quantization_config of Kimi K2 Thinking (compressed-tensors INT4)."""
+    weights = {"actorder": None, "block_structure": None, "dynamic": False,
+               "group_size": group, "num_bits": 4, "observer": "minmax",
+               "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "int"}
+    return {"config_groups": {"group_0": {"input_activations": None,
+                                          "output_activations": None,
+                                          "targets": ["Linear"], "weights": weights}},
+            "format": "pack-quantized", "ignore": ["lm_head", "re:.*self_attn.*",
+                                                   "re:.*shared_experts.*",
+                                                   "re:.*mlp\\.(gate|up|down)_proj.*"],
+            "kv_cache_scheme": None, "quant_method": "compressed-tensors",
+            "quantization_status": "compressed"}
+
+
+def int4_checkpoint(folder: str | Path, out: str | Path, float_out: str | Path | None = None,
+                    group: int = 32) -> Path:
+    """A copy of a random float ``folder`` quantized as Kimi K2 Thinking is: the routed
+    experts' projections as compressed-tensors ``pack-quantized`` INT4 (``weight_packed``
+    int32, eight codes ``q + 8`` a word, little-endian; ``weight_scale`` bfloat16 per
+    ``group`` inputs, ``amax / 7.5`` as its min-max observer, ``q = clamp(round(w / s),
+    -8, 7)``; ``weight_shape``), the rest as it was; :func:`int4_config` in config.json.
+    ``float_out``: also the dequantized float32 model ``s * q`` (the oracle's weights)."""
+    import torch
+
+    from hpcmac.llm.model.quant import pack
+
+    def convert(name, t):
+        if ".experts." not in name or not is_fp8_linear(name, t.shape):
+            return None
+        g = t.astype(np.float32).reshape(t.shape[0], -1, group)
+        s = torch.from_numpy(np.abs(g).max(axis=-1) / np.float32(7.5)).to(torch.bfloat16)
+        s32 = s.float().numpy()
+        q = np.clip(np.rint(g / np.where(s32 > 0, s32, 1)[..., None]), -8, 7).astype(np.int8)
+        base = name[:-len("weight")]
+        return ({base + "weight_packed": torch.from_numpy(
+                    pack((q.reshape(t.shape) + 8).astype(np.uint8), 4).view(np.int32)),
+                 base + "weight_scale": s,
+                 base + "weight_shape": torch.tensor(list(t.shape), dtype=torch.int64)},
+                (q * s32[..., None]).reshape(t.shape))
+
+    return _release_copy(folder, out, float_out, convert, int4_config(group))
 
 
 def hf_model(folder: str | Path):

@@ -196,8 +196,8 @@ class _IR:
         def c(k):
             return ir.Constant(vt, [k] * 16)
 
-        if _HAS_F16:
-            h = b.or_(b.shl(b.and_(w, c(0x7F)), c(7)), b.shl(b.and_(w, c(0x80)), c(8)))
+        if _HAS_F16:  # (w + (w & 0x80)) << 7: the sign carries from bit 14 into bit 15
+            h = b.shl(b.add(w, b.and_(w, c(0x80))), c(7))
             return b.fpext(b.bitcast(h, _vec(ir.HalfType(), 16)), _vec(_F32, 16))
         f = b.or_(b.shl(b.and_(w, c(0x7F)), c(20)), b.shl(b.and_(w, c(0x80)), c(24)))
         return b.fmul(b.bitcast(f, _vec(_F32, 16)),

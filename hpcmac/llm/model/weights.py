@@ -137,6 +137,10 @@ class SafetensorsCheckpoint:
         self._mxfp4 = {n[:-len("_blocks")]: (n, n[:-len("_blocks")] + "_scales")
                        for n in self._file_of
                        if n.endswith("_blocks") and n[:-len("blocks")] + "scales" in self._file_of}
+        #: compressed-tensors' packed integer weights (Kimi K2 Thinking): X.weight ->
+        #: X.weight_packed (with X.weight_scale)
+        self._packed = {n[:-len("_packed")]: n for n in self._file_of
+                        if n.endswith(".weight_packed")}
 
     def _header(self, f: Path) -> tuple[int, dict]:
         """(data start offset, tensor table) of one file; checks it is complete."""
@@ -183,10 +187,11 @@ class SafetensorsCheckpoint:
         return self._qcfg
 
     def is_quantized(self, name: str) -> bool:
-        """Whether ``name`` (a ``.weight``) is stored quantized: MLX's (it has ``.scales``)
-        or FP8 (it has ``.weight_scale_inv``)."""
+        """Whether ``name`` (a ``.weight``) is stored quantized: MLX's (it has ``.scales``),
+        FP8 (it has ``.weight_scale_inv``) or compressed-tensors' (``.weight_packed``)."""
         return name.endswith(".weight") and (
-            self.has(name[:-len("weight")] + "scales") or self.is_fp8(name))
+            self.has(name[:-len("weight")] + "scales") or self.is_fp8(name) or
+            name in self._packed)
 
     def is_fp8(self, name: str) -> bool:
         """Whether ``name`` is an FP8 weight with block scales (``.weight_scale_inv``)."""
@@ -209,6 +214,11 @@ class SafetensorsCheckpoint:
         """(mode, bits, group) of a quantized ``name`` (see :meth:`quant_params`)."""
         if self.is_fp8(name):
             return "fp8", 8, self.fp8_block()
+        if name in self._packed:  # symmetric integers: affine, bias -2^(bits-1) scale
+            from hpcmac.llm.model.arch import compressed_format
+
+            return ("affine", *compressed_format(
+                self._quant_config(), f"{self.path / 'config.json'}: quantization_config"))
         base = name[:-len(".weight")]
         q = self._quant_config()
         if not q:
@@ -226,8 +236,8 @@ class SafetensorsCheckpoint:
     def _raw(self, name: str) -> np.ndarray:
         """A tensor's bytes as stored, memory-mapped (no copy), in its own dtype."""
         f, start, info = self._info(name)
-        dtype = dict(_ST_DTYPES, U32=np.uint32, U8=np.uint8, F8_E4M3=np.uint8).get(
-            info["dtype"])
+        dtype = dict(_ST_DTYPES, U32=np.uint32, U8=np.uint8, F8_E4M3=np.uint8,
+                     I32=np.uint32).get(info["dtype"])  # I32: compressed-tensors' packed words
         if dtype is None:
             raise UsageError(f"{f}: tensor {name} has dtype {info['dtype']}; "
                              f"expected one of {', '.join(_ST_DTYPES)} (or U32 codes)")
@@ -273,10 +283,27 @@ class SafetensorsCheckpoint:
             return fp8.dequantize(codes, sinv, block)
         return fp8.from_blocks(np.array(codes), sinv, block, f"fp8 e4m3 b{block}")
 
+    def _packed_int(self, name: str) -> QuantTensor:
+        """A compressed-tensors pack-quantized weight as MLX affine, exactly: its words are
+        MLX's (codes ``q + 2^(bits-1)`` little-endian in 32-bit words), ``w = s * q`` is
+        ``s * code + (-2^(bits-1) s)``, every product and sum exact (a 16-bit scale)."""
+        _, bits, group = self.quant_format(name)
+        words = self._raw(self._packed[name])
+        scales = self._float(name + "_scale")
+        want = (*words.shape[:-1], words.shape[-1] * 32 // bits // group)
+        if tuple(scales.shape) != want:
+            raise UsageError(f"{self.path}: tensor {name}_scale has shape {list(scales.shape)};"
+                             f" expected {list(want)} for {bits}-bit codes in groups of {group}")
+        return QuantTensor(np.ascontiguousarray(words), scales,
+                           scales * np.float32(-(1 << (bits - 1))), bits, group,
+                           f"compressed-tensors int{bits} g{group}")
+
     def _quant(self, name: str) -> QuantTensor:
         base = name[:-len("weight")]
         if self.is_fp8(name):
             return self._fp8(name)
+        if name in self._packed:
+            return self._packed_int(name)
         mode, bits, group = self.quant_format(name)
         words = self._raw(name)
         if words.dtype != np.uint32:
@@ -312,7 +339,7 @@ class SafetensorsCheckpoint:
         return list(self._file_of)
 
     def has(self, name: str) -> bool:
-        return name in self._file_of or name in self._mxfp4
+        return name in self._file_of or name in self._mxfp4 or name in self._packed
 
     # -- MXFP4 (gpt-oss's experts) -------------------------------------------------
     def get_weight_t(self, name: str) -> QuantTensor | None:
@@ -360,7 +387,7 @@ class SafetensorsCheckpoint:
 
             *lead, out, inp = logical_shape(tuple(self._info(self._mxfp4[name][0])[2]["shape"]))
             return (*lead, inp, out)
-        shape = tuple(self._info(name)[2]["shape"])
+        shape = tuple(self._info(self._packed.get(name, name))[2]["shape"])
         if self.is_quantized(name) and not self.is_fp8(name):  # (..., out, in), not words
             bits, _ = self.quant_params(name)
             shape = (*shape[:-1], shape[-1] * 32 // bits)
@@ -384,8 +411,9 @@ class SafetensorsCheckpoint:
                 return float_mode_nbytes(self.numel(name), mode)
             base = name[:-len("weight")]
             size = {"F32": 4, "F16": 2, "BF16": 2}
+            parts = ("weight_scale",) if name in self._packed else ("scales", "biases")
             per_group = sum(size.get(self._info(base + p)[2]["dtype"], 4)
-                            for p in ("scales", "biases") if self.has(base + p))
+                            for p in parts if self.has(base + p))
             return held_nbytes(self.numel(name), *self.quant_params(name), per_group)
         return 4 * self.numel(name)
 
@@ -451,8 +479,9 @@ class SafetensorsCheckpoint:
             return sum(self.stored_nbytes(n) for n in names)
         prefix = f"model.layers.{layer}.{module}.experts"
         for leaves in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
-            if all(self.has(f"{prefix}.0.{w}.weight") and self.is_fp8(f"{prefix}.0.{w}.weight")
-                   for w in leaves):  # an FP8 release's experts, one tensor each
+            if all(self.has(f"{prefix}.0.{w}.weight") and
+                   (self.is_fp8(f"{prefix}.0.{w}.weight") or f"{prefix}.0.{w}.weight" in
+                    self._packed) for w in leaves):  # a release's experts, one tensor each
                 total, e = 0, 0
                 while self.has(f"{prefix}.{e}.{leaves[0]}.weight"):
                     total += sum(self.stored_nbytes(f"{prefix}.{e}.{w}.weight")

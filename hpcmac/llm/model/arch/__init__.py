@@ -83,8 +83,8 @@ def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
 _NOT_READ = {
     "fp8": "FP8 e4m3 with block scales is read for the families with FP8 releases "
            "(DeepSeek V3.x, Kimi K2, GLM-4.x, MiniMax M2, Qwen3)",
-    "compressed-tensors": "compressed-tensors packs (Kimi K2 Thinking's INT4) are not read "
-                          "yet: use a BF16 copy, an MLX-quantized folder or a GGUF",
+    "compressed-tensors": "compressed-tensors pack-quantized INT4 is read for the Kimi K2 "
+                          "line (K2 Thinking, K2.5)",
 }
 
 
@@ -113,6 +113,8 @@ def check_quantization(raw: dict, fam: Family, where: str) -> None:
                                    "checkpoint")
             if method == "fp8":
                 check_fp8(q, f"{where}: {key}")
+            elif method == "compressed-tensors":
+                compressed_format(q, f"{where}: {key}")
         elif "bits" in q or "group_size" in q or "mode" in q:  # MLX's own
             check_format(f"{where}: {key}", q.get("bits"), q.get("group_size"),
                          q.get("mode", "affine"))
@@ -130,6 +132,45 @@ def check_fp8(q: dict, where: str) -> None:
         raise UsageError(f"{where}.weight_block_size {b!r}: expected [b, b] with b a "
                          "multiple of 32 ([128, 128] in the releases; per-tensor FP8 is "
                          "not read)")
+
+
+def compressed_format(q: dict, where: str) -> tuple[int, int]:
+    """(bits, group_size) of a compressed-tensors ``pack-quantized`` config whose weights
+    are what Kimi K2 Thinking ships: symmetric integers of 4 (or 8) bits, one scale per
+    group of 32, 64 or 128 inputs, no activation quantization; one line otherwise."""
+    from hpcmac.llm.model.quant import GROUPS
+
+    if q.get("format") != "pack-quantized":
+        raise UsageError(f"{where}.format {q.get('format')!r} is not supported; expected "
+                         "'pack-quantized'")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise UsageError(f"{where}.config_groups: expected an object of quantization groups")
+    found = set()
+    for name, grp in groups.items():
+        at = f"{where}.config_groups.{name}"
+        w = grp.get("weights") if isinstance(grp, dict) else None
+        if not isinstance(w, dict):
+            raise UsageError(f"{at}.weights: expected an object")
+        want = {"type": "int", "symmetric": True, "strategy": "group"}
+        for k, v in want.items():
+            if w.get(k) != v:
+                raise UsageError(f"{at}.weights.{k} {w.get(k)!r} is not supported; expected "
+                                 f"{v!r}")
+        if w.get("num_bits") not in (4, 8) or w.get("group_size") not in GROUPS or \
+                w.get("actorder") not in (None, False):
+            raise UsageError(f"{at}.weights: num_bits {w.get('num_bits')!r}, group_size "
+                             f"{w.get('group_size')!r}, actorder {w.get('actorder')!r}: "
+                             f"expected 4 or 8 bits, groups of {', '.join(map(str, GROUPS))}, "
+                             "no actorder")
+        if grp.get("input_activations") is not None:
+            raise UsageError(f"{at}.input_activations: quantized activations are not "
+                             "supported (weights only)")
+        found.add((w["num_bits"], w["group_size"]))
+    if len(found) != 1:
+        raise UsageError(f"{where}.config_groups: groups of different formats {sorted(found)} "
+                         "are not supported")
+    return found.pop()
 
 
 def config_from_gguf(meta: GGUFMeta) -> ModelConfig:

@@ -43,6 +43,9 @@ def _default_gguf_meta(w, cfg: ModelConfig) -> None:
 #: GLM-4.x-FP8, MiniMax M2, Qwen3-FP8): e4m3 weights with block scales, read by
 #: :mod:`hpcmac.llm.model.fp8`
 FP8 = {"fp8": "e4m3 with 128 x 128 block scales, kept 8-bit"}
+#: the ``quant_methods`` entry of the families with compressed-tensors INT4 releases (Kimi
+#: K2 Thinking, K2.5): symmetric pack-quantized integers, read as MLX affine exactly
+INT4 = {"compressed-tensors": "pack-quantized INT4 with group scales, kept 4-bit"}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 architecture and tensors under Moonshot's own ``model_type``, which its ``config.json``
 sets so that engines can tell it from DeepSeek-V3. Everything is DeepSeek-V3's
 (:mod:`.deepseek_v3`); a K2 GGUF is a ``deepseek2`` file. The released weights are FP8
-(K2-Instruct) or INT4 (K2-Thinking), formats not yet read: float checkpoints only.
+(K2-Instruct: e4m3 with block scales) or INT4 (K2-Thinking: compressed-tensors
+pack-quantized experts), both kept in their precision.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hpcmac.llm.model.arch import deepseek_v3
+from hpcmac.llm.model.arch.base import FP8, INT4
 
 FAMILY = replace(deepseek_v3.FAMILY, model_type="kimi_k2", gguf_arch=None, from_gguf=None,
+                 quant_methods={**FP8, **INT4},
                  summary="Kimi K2 (K2-Instruct, K2-Thinking, K2.6 text): DeepSeek-V3's "
                          "layers under Moonshot's own model_type")

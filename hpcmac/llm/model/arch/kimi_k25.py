@@ -6,8 +6,8 @@ by its canonical names). The vision tower and projector are not loaded: prompts 
 
 ``tie_word_embeddings`` is the top level's when given, else the text model's. Refused in
 one line naming the field: a ``text_config`` that is not an object or of another
-``model_type``. The checkpoints as released are INT4 (compressed-tensors, a format of its
-own, not yet read): this module runs float checkpoints of the architecture. Their
+``model_type``. The checkpoints as released are INT4 (compressed-tensors pack-quantized
+experts), kept 4-bit by the loader, as are float checkpoints of the architecture. Their
 tiktoken-style tokenizer is read by :mod:`hpcmac.llm.model.tokenizer`. No GGUF form yet.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from hpcmac.errors import UsageError
 from hpcmac.llm.model.arch import deepseek_v3
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import INT4, Family
 from hpcmac.llm.model.arch.fields import ModelConfig
 
 _TEXT_TYPES = ("deepseek_v3", "kimi_k2")
@@ -43,6 +43,7 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    quant_methods=INT4,
     summary=("Kimi K2.5's text part: DeepSeek-V3's layers from the nested `text_config`, tensors "
              "under `language_model.` (vision tower not loaded); tiktoken-style tokenizer"),
     model_type="kimi_k25", gguf_arch=None, from_hf=from_hf, from_gguf=None,
