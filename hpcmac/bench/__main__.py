@@ -15,6 +15,7 @@ BENCHES = {
     "llm_pipeline": "pipeline decode at 1/2/4 ranks: TTFT, prefill, decode, bytes per link, busy",
     "llm_parallel": "tensor vs pipeline at 2 ranks vs 1, quiet and loaded; all-reduce costs",
     "serve": "a live serve at 1/4/16 clients: tok/s, TTFT, ITL vs generate --batch",
+    "spec": "speculative decoding (draft model, n-grams) vs plain decode and llama.cpp's",
 }
 
 

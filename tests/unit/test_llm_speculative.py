@@ -231,3 +231,24 @@ def test_another_vocabulary_or_linear_attention_is_one_line(tiny16, tmp_path, ca
     linear = random_checkpoint("qwen3_next", tmp_path / "q3n")  # Gated DeltaNet layers
     capsys.readouterr()
     refused("ngram", linear, "whose state cannot rewind", "--draft")
+
+
+def test_dequantized_gguf_is_the_float_form(tmp_path):
+    """hpcmac.bench.spec's target: a Q8_0 GGUF copied with float32 tensors loads to the
+    same weights as the quantized file dequantized at load (same logits)."""
+    pytest.importorskip("transformers")
+    from hpcmac.llm.model.fixtures import dequantized_gguf, random_checkpoint, write_gguf
+    from hpcmac.llm.model.stage import Batch, load_stage
+
+    folder = random_checkpoint("llama", tmp_path / "m", num_hidden_layers=2, hidden_size=64,
+                               intermediate_size=96, num_attention_heads=4,
+                               num_key_value_heads=2)
+    q8 = write_gguf(folder, tmp_path / "q8.gguf", "Q8_0")
+    f32 = dequantized_gguf(q8, tmp_path / "f32.gguf")
+    a, b = load_stage(q8, 0, 2, keep_quantized=False), load_stage(f32, 0, 2)
+    assert b.formats == {} and a.nbytes == b.nbytes
+    out = []
+    for st in (a, b):
+        h = st.forward(st.embed([1, 5, 9, 2]), Batch([0], [4], [0]), st.new_cache(1, 8))
+        out.append(st.logits(h))
+    np.testing.assert_array_equal(out[0], out[1])

@@ -349,3 +349,29 @@ def stage_greedy(stage, prompt: list[int], n: int) -> list[int]:
         x = stage.forward(stage.embed(out[-1:]), Batch([0], [1], [pos]), cache)
         out.append(int(stage.logits(x).argmax()))
     return out
+
+
+def dequantized_gguf(src: str | Path, out: str | Path) -> Path:
+    """A copy of the GGUF file ``src`` whose quantized tensors are float32 (every
+    metadata key kept, ``general.file_type`` set to all-F32): a float target beside its
+    quantized draft, for hpcmac and llama.cpp alike (hpcmac.bench.spec)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    arch = str(r.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(str(out), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        val = 0 if name == "general.file_type" else f.contents()
+        w.add_key_value(name, val, vtype, sub_type=sub)
+    for t in r.tensors:
+        a = gguf.quants.dequantize(t.data, t.tensor_type)
+        w.add_tensor(t.name, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)
