@@ -175,6 +175,12 @@ def test_the_front_keeps_requests_across_jobs_and_resumes_them():
     src.on_message({"op": "tok", "key": key, "tok": 0})
     src.on_message({"op": "end", "key": key, "reason": "eos"})
     assert ev == [("tok", 7), ("tok", 8), ("end", "cancelled", 0), ("tok", 0), ("end", "eos", 3)]
+    # a stream whose EOS came back but not its end, when the job was lost: ended, not resumed
+    k2 = src.submit(_req(ev))
+    src.on_message({"op": "tok", "key": k2, "tok": 0})
+    src.detach()
+    c = _Conn()
+    assert src.attach(c, {}) == 0 and c.sent == [] and ev[-1] == ("end", "eos", 1)
     src.submit(_req(ev))
     src.refuse("the model does not fit the 1 host(s) left")
     assert ev[-1] == ("end", "error", 0)
@@ -235,7 +241,10 @@ def test_a_killed_rank_pauses_the_streams_and_they_finish_as_without_it(tmp_path
         assert code == 200 and body["status"] == "ok"
         assert rec["count"] == 1 and rec["resumed_requests"] >= 1, body
         last = rec["last"]
-        assert last["reload_s"] > 0 and last["gb"] > 0 and "exit" in last["why"]
+        assert last["reload_s"] > 0 and last["gb"] > 0
+        # whichever came first: mpirun's exit, or rank 0 failing on the dead peer's socket
+        assert last["why"].startswith("the job ended (exit ") or \
+            last["why"] == "rank 0 closed the channel", last
         print(f"recovery: {last['seconds']:.2f} s (reload {last['reload_s']:.2f} s, "
               f"{last['reload_s_per_gb']:.1f} s/GiB); streams done "
               f"{time.monotonic() - t0:.1f} s after they began")

@@ -42,6 +42,15 @@ def resume_message(key: int, h: Held) -> dict:
             "eos": list(req.eos_ids), "stops": list(req.stops), "prior": n}
 
 
+def _ended(h: Held) -> str:
+    """Why ``h`` is over without its job's ``end`` (cancelled, eos, length), or ''."""
+    if h.cancelled:
+        return "cancelled"
+    if h.toks and h.toks[-1] in h.req.eos_ids:
+        return "eos"
+    return "length" if len(h.toks) >= h.req.max_tokens else ""
+
+
 class FrontSource:
     """Requests held by the front (thread-safe; see the module doc).
 
@@ -125,12 +134,14 @@ class FrontSource:
         """A job is up: every held request goes to it (resumed); how many."""
         with self._lock:
             self._conn, self.info = conn, info
-            gone = [(k, h) for k, h in self._held.items() if h.cancelled]
-            for k, _ in gone:
+            # ended before the job could say so: the client left, or the last token was
+            # its EOS or its last allowed one
+            gone = [(k, h, _ended(h)) for k, h in self._held.items() if _ended(h)]
+            for k, _, _ in gone:
                 del self._held[k]
             held = list(self._held.items())
-        for _, h in gone:
-            self._end(h, "cancelled", None)
+        for _, h, reason in gone:
+            self._end(h, reason, None)
         for key, h in held:
             if h.toks:
                 h.resumed += 1
