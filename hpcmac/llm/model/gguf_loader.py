@@ -276,17 +276,21 @@ class GGUFCheckpoint:
     def experts_nbytes(self, layer: int, module: str = "mlp") -> int | None:
         """Bytes of one layer's routed experts as held (None: not all kept quantized;
         ``module``: a safetensors name, unused)."""
+        held = [self.experts_held(layer, w, module) for w in ("gate", "up", "down")]
+        return None if None in held else sum(h[0] for h in held)
+
+    def experts_held(self, layer: int, which: str, module: str = "mlp"
+                     ) -> tuple[int, int] | None:
+        """(bytes as held, group 32) of one layer's routed ``which`` experts when of a type
+        kept quantized; None otherwise."""
         from hpcmac.llm.model.gguf_quant import EXACT
         from hpcmac.llm.model.quant import held_nbytes
 
-        total = 0
-        for which in ("gate", "up", "down"):
-            t = self._tensors.get(f"blk.{layer}.ffn_{which}_exps.weight")
-            if t is None or t.type_name not in EXACT:
-                return None
-            total += held_nbytes(int(np.prod(t.shape)), _BITS[t.type_name], 32,
-                                 _GROUP_BYTES[t.type_name])
-        return total
+        t = self._tensors.get(f"blk.{layer}.ffn_{which}_exps.weight")
+        if t is None or t.type_name not in EXACT:
+            return None
+        return held_nbytes(int(np.prod(t.shape)), _BITS[t.type_name], 32,
+                           _GROUP_BYTES[t.type_name]), 32
 
     def _keep(self, t, shape: tuple[int, ...]):
         """A tensor as kept in memory: a QuantTensor for the exact types, else float32."""

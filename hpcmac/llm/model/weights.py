@@ -472,22 +472,28 @@ class SafetensorsCheckpoint:
             release_mapped(m)
 
     def experts_nbytes(self, layer: int, module: str = "mlp") -> int | None:
-        """Bytes of one layer's routed experts as held, when mlx-lm stored them quantized."""
-        names = [f"model.layers.{layer}.{module}.switch_mlp.{w}_proj.weight"
-                 for w in ("gate", "up", "down")]
-        if all(self.has(n) and self.is_quantized(n) for n in names):
-            return sum(self.stored_nbytes(n) for n in names)
+        """Bytes of one layer's routed experts as held, when stored quantized (None: not
+        all three projections are)."""
+        held = [self.experts_held(layer, w, module) for w in ("gate", "up", "down")]
+        return None if None in held else sum(h[0] for h in held)
+
+    def experts_held(self, layer: int, which: str, module: str = "mlp"
+                     ) -> tuple[int, int] | None:
+        """(bytes as held, group) of one layer's routed ``which`` projection (gate, up,
+        down) when stored quantized: mlx-lm's stacked ``switch_mlp``, or a release's
+        experts one tensor each (FP8, compressed-tensors); None otherwise."""
+        switch = f"model.layers.{layer}.{module}.switch_mlp.{which}_proj.weight"
+        if self.has(switch) and self.is_quantized(switch):
+            return self.stored_nbytes(switch), self.quant_params(switch)[1]
         prefix = f"model.layers.{layer}.{module}.experts"
-        for leaves in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
-            if all(self.has(f"{prefix}.0.{w}.weight") and
-                   (self.is_fp8(f"{prefix}.0.{w}.weight") or f"{prefix}.0.{w}.weight" in
-                    self._packed) for w in leaves):  # a release's experts, one tensor each
+        for leaf in (f"{which}_proj", {"gate": "w1", "up": "w3", "down": "w2"}[which]):
+            first = f"{prefix}.0.{leaf}.weight"
+            if self.has(first) and (self.is_fp8(first) or first in self._packed):
                 total, e = 0, 0
-                while self.has(f"{prefix}.{e}.{leaves[0]}.weight"):
-                    total += sum(self.stored_nbytes(f"{prefix}.{e}.{w}.weight")
-                                 for w in leaves)
+                while self.has(f"{prefix}.{e}.{leaf}.weight"):
+                    total += self.stored_nbytes(f"{prefix}.{e}.{leaf}.weight")
                     e += 1
-                return total
+                return total, self.quant_params(first)[1]
         return None
 
 
@@ -528,17 +534,21 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
     cfg = ckpt.config()
     shard = shard or spec.full_shard(cfg)
     stored = getattr(ckpt, "stored_nbytes", None)
-    held = getattr(ckpt, "experts_nbytes", None)
+    held = getattr(ckpt, "experts_held", None)
     total = 0
     for t in arch.stage_tensors(cfg, start, end, first, last):
         shape = spec.local_shape(t, cfg, shard)
         numel = int(np.prod(shape, dtype=np.int64))
         frac = numel / max(1, int(np.prod(t.shape, dtype=np.int64)))
         if spec.is_expert_stack(t):
-            kept = held(int(t.name.split(".")[2]), t.name.split(".")[3]) \
-                if held is not None else None
-            if kept is not None:  # the three stacks together (counted once), each cut alike
-                total += int(kept * frac) if t.name.endswith(".gate") else 0
+            parts = t.name.split(".")
+            kept = held(int(parts[2]), parts[-1], parts[3]) if held is not None else None
+            if kept is not None:  # kept quantized unless cut off its groups
+                nbytes, group = kept
+                if spec.cut_on_groups(t, cfg, shard, group, len(t.shape) - 1):
+                    total += nbytes * numel // int(np.prod(t.shape, dtype=np.int64))
+                else:
+                    total += 4 * numel
                 continue
         else:
             found = tuple(ckpt.shape(t.name))
