@@ -333,7 +333,22 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
     async def bad_method(request: Request, exc):
         return err(ApiError(405, f"{request.method} is not allowed on {request.url.path}"))
 
-    return Starlette(routes=[
+    async def readmit(request: Request):  # the survive front: a lost host back in
+        import ipaddress
+
+        client = request.client.host if request.client else ""
+        try:
+            local = ipaddress.ip_address(client).is_loopback
+        except ValueError:
+            local = False
+        if not local:  # no API key yet: this machine only
+            return err(ApiError(403, "/admin answers this machine's clients only"))
+        body, code = source.readmit(request.path_params["host"])
+        return JSONResponse(body, status_code=code)
+
+    admin = [Route("/admin/hosts/{host}/readmit", readmit, methods=["POST"])] \
+        if hasattr(source, "readmit") else []
+    return Starlette(routes=[*admin,
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),

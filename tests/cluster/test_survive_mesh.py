@@ -9,9 +9,12 @@ fits on two hosts but not on one), eight concurrent greedy streaming clients
 2. blackhole mac2 (iptables DROP) mid-stream: the job's heartbeat ends it, the
    front re-places on mac1 + mac4 -- two of four hosts lost, still serving the
    fault-free text;
-3. kill mac4's ranks: the model no longer fits on mac1 alone: /health and new
-   requests get 503 naming what is missing, no hang, no rank left on any host;
-4. SIGTERM: the front ends, nothing is left in any namespace.
+3. heal both and ``POST /admin/hosts/HOST/readmit`` them mid-stream: the 4-host
+   placement again, every stream with the fault-free text;
+4. blackhole the hosts in use one by one until the model no longer fits mac1
+   alone: /health and new requests get 503 naming what is missing, no hang, no
+   rank left on any host;
+5. SIGTERM: the front ends, nothing is left in any namespace.
 
 The clients run in mac1's network namespace (``setns`` on the test's thread,
 inherited by the client threads), where the front listens on 127.0.0.1.
@@ -29,6 +32,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 from netns import AGENT
 
@@ -138,9 +142,29 @@ def test_lose_hosts_one_by_one_and_keep_serving(mesh, tmp_path):
             for r, (what, pause) in zip(body["recoveries"]["seconds"], pauses.items()):
                 print(f"{what}: recovered in {r:.1f} s; the first stream paused {pause:.1f} s")
             print("recoveries:", json.dumps(body["recoveries"]), "lost:", lost)
+            # re-admission: the lost hosts healed and asked back mid-stream: the 4-host
+            # placement again, every stream going on
+            mesh.heal()
+            assert httpx.post(f.url + "/admin/hosts/nosuch/readmit").status_code == 404
+
+            def readmit():
+                for h in lost:
+                    r = httpx.post(f.url + f"/admin/hosts/{h}/readmit", timeout=10)
+                    assert r.status_code == 202, r.text
+
+            pauses["readmit " + ", ".join(lost)] = during(readmit)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 60:
+                body = f.health()[1]
+                if body["recoveries"]["count"] == 3 and body["status"] == "ok":
+                    break
+                time.sleep(0.3)
+            assert body["status"] == "ok" and len(body["hosts"]) == 4, body
+            print(f"readmitted {lost}: {body['recoveries']['seconds'][-1]:.1f} s; "
+                  f"{body['placement']}")
             # the hosts in use but the front's, blackholed one by one until the model no
             # longer fits what is left (mac1 alone)
-            for _ in range(3):
+            for _ in range(4):
                 used = [h for h in names[1:] if mesh.hostname[h] in body["hosts"]]
                 count = body["recoveries"]["count"]
                 t0 = time.monotonic()

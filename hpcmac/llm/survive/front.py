@@ -71,6 +71,7 @@ class FrontSource:
         self.recoveries: list[dict] = []  # one per recovery: what was lost, its seconds
         self.resumed = 0  # requests resubmitted to a new job, all recoveries together
         self._t_attach: float | None = None  # a recovery's first token is not back yet
+        self.on_readmit = None  # the supervisor's: host -> (body, status)
 
     # -- the HTTP side (build_app) --------------------------------------------------------
     def submit(self, req: LiveRequest) -> int:
@@ -182,6 +183,13 @@ class FrontSource:
                 h = self._held.pop(int(msg["key"]), None)
             if h is not None:
                 self._end(h, str(msg["reason"]), msg.get("error"))
+
+    def readmit(self, host: str) -> tuple[dict, int]:
+        """``POST /admin/hosts/HOST/readmit``: handed to the supervisor (``on_readmit``),
+        which checks the host with doctor and re-places onto the larger set."""
+        if self.on_readmit is None:
+            return {"error": {"message": "no supervisor"}}, 503
+        return self.on_readmit(host)
 
     def set_state(self, state: str, reason: str = "") -> None:
         with self._lock:

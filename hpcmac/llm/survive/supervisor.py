@@ -121,10 +121,37 @@ class Supervisor:
         self.token = secrets.token_hex(16)
         self.lost: list[str] = []
         self.evidence: list[str] = []  # the job's lines that named the last lost host
+        self.readmits: list[str] = []  # hosts asked back (POST /admin/hosts/HOST/readmit)
+        self._rlock = threading.Lock()
+        self.all_hosts = list(self.hosts)  # the hostfile's, in its order
         self.work = tempfile.mkdtemp(prefix="hpcmac-survive-")
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.2)
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def request_readmit(self, host: str) -> tuple[dict, int]:
+        """The HTTP thread: queue ``host`` for re-admission (the watch loop checks it)."""
+        if host not in self.ssh:
+            return {"error": {"message": f"no host {host!r} in {self.args.hostfile}"}}, 404
+        if host not in self.lost:
+            return {"error": {"message": f"host {host!r} is not lost"}}, 409
+        with self._rlock:
+            if host not in self.readmits:
+                self.readmits.append(host)
+        return {"status": "accepted", "host": host,
+                "note": "doctor checks it; /health says when it is back"}, 202
+
+    def _readmittable(self) -> list[str]:
+        """The asked-back hosts doctor finds good now (the others are told in the log)."""
+        with self._rlock:
+            asked, self.readmits = list(self.readmits), []
+        names = [h.name for h in self.hosts] + asked
+        bad = set(self._doctor(names))
+        for h in asked:
+            if h in bad:
+                print(f"serve --survive: {h} not readmitted: launch doctor fails it",
+                      file=sys.stderr, flush=True)
+        return [h for h in asked if h not in bad]
 
     # -- one job ----------------------------------------------------------------------------
     def _place(self):
@@ -208,6 +235,10 @@ class Supervisor:
         threading.Thread(target=read, name="hpcmac-survive-read", daemon=True).start()
         limit = self.args.survive_heartbeat
         while not self.stop.is_set():
+            if self.readmits:
+                back = self._readmittable()
+                if back:
+                    return f"readmitting {', '.join(back)}", time.monotonic()
             rc = job.proc.poll()
             if rc is not None:
                 return f"the job ended (exit {rc})", last[0]
@@ -280,7 +311,15 @@ class Supervisor:
             t_detect = time.monotonic()
             self.source.detach()
             conn.close()
-            lost = self._lose(job, why, names)
+            if why.startswith("readmitting "):  # a planned relaunch on the larger set
+                back = why.split(" ", 1)[1].split(", ")
+                self.lost = [h for h in self.lost if h not in back]
+                self.hosts = [h for h in self.all_hosts if h.name not in self.lost]
+                self.source.set_state("degraded", f"recovering: {why}")
+                job.end(grace=1.0)
+                lost = []
+            else:
+                lost = self._lose(job, why, names)
             # detect_s: from the job's last frame (a beat every 0.5 s, or a token) to here
             recovering = {"why": why, "lost": lost, "evidence": self.evidence,
                           "t_detect": t_detect,
@@ -375,6 +414,7 @@ def run_survive(args, argv: list[str]) -> int:
     name = scfg.model_id
     source = FrontSource(capacity=slots + args.queue)
     sup = Supervisor(args, argv, source, cfg, context, slots)
+    source.on_readmit = sup.request_readmit
     alive = threading.Event()
     http = HttpThread(build_app(scfg, source, alive), sock)
     http.start()
