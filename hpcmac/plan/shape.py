@@ -129,6 +129,16 @@ def _hf_bits(raw: dict) -> tuple[float, str]:
             return float(q["bits"]) + 8.0 / gs, f"quantization mxfp4, groups of {gs}"
         # affine groups: a 16-bit scale and a 16-bit bias per group (MLX)
         return float(q["bits"]) + 32.0 / gs, f"quantization {q['bits']} bits, groups of {gs}"
+    if isinstance(q, dict) and q.get("quant_method") == "compressed-tensors":
+        # pack-quantized integers, held as MLX affine (a 16-bit scale and bias per group);
+        # the Kimi releases quantize the routed experts, nearly all the weights
+        groups = q.get("config_groups") or {}
+        w = next(iter(groups.values()), {}).get("weights", {}) if groups else {}
+        bits, gs = int(w.get("num_bits", 4)), int(w.get("group_size", 32))
+        return bits + 32.0 / gs, f"compressed-tensors int{bits}, groups of {gs}"
+    if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
+        # gpt-oss: the experts (nearly all the weights) MXFP4, an E8M0 byte per 32
+        return 4.25, "mxfp4 experts"
     if isinstance(q, dict) and q.get("quant_method") == "fp8":
         # e4m3 codes, held with a float32 scale per row and block of inputs
         b = (q.get("weight_block_size") or [128])[0]

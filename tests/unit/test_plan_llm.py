@@ -329,3 +329,18 @@ def test_bits_as_stored_in_config(tmp_path):
     assert load_shape(f).bits == 32
     # a config.json given directly works as well as its folder
     assert load_shape(str(Path(f) / "config.json")).params() == load_shape(f).params()
+
+
+@pytest.mark.parametrize("q, bits, says", [
+    ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, 8.25, "fp8"),
+    ({"quant_method": "mxfp4"}, 4.25, "mxfp4"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "group_size": 32}}}}, 5.0, "int4"),
+])
+def test_release_formats_count_their_held_bits(q, bits, says):
+    """hpcmac.plan's bits per weight for the formats kept as released (the MLX backend's
+    holding: codes and their scales, and for integers a 16-bit bias)."""
+    from hpcmac.plan.shape import _hf_bits
+
+    got, why = _hf_bits({"quantization_config": q})
+    assert got == bits and says in why
