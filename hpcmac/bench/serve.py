@@ -13,13 +13,13 @@ Ratios: serve at 16 clients over generate --batch, and p95 ITL at 16
 clients over p95 ITL at 1 client.
 
 ``--chat``: the prefix cache instead. One client holds a 6-turn chat (a long
-system prompt, six questions, each answer fed back) with a server whose prefix
-cache is on, then with one whose cache is off (``--prefix-cache-gb 0``), sending
-the same messages; per turn, the time to the first streamed token and
-``cached_tokens``. With llama.cpp's Python wheel (``xllamacpp``), the same
-messages go to its ``Server`` (``cache_prompt`` on, one slot, as many threads as
-ranks, the same GGUF), the time to its first streamed token measured the same way.
-Ratios: the last turn's TTFT, cache on over off, and hpcmac over llama.cpp.
+system prompt, six questions, each answer of the cache-on server fed back) with
+two servers at once, one BLAS thread a rank, the prefix cache on and off
+(``--prefix-cache-gb 0``), and, with llama.cpp's Python wheel (``xllamacpp``),
+its ``Server`` (``cache_prompt`` on, one slot, as many threads as ranks, the same
+GGUF), each turn's same messages sent to the three one after another; per turn
+the time to the first streamed token and ``cached_tokens``. Ratios: cache on over
+off, and hpcmac over llama.cpp.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ CHAT_QUESTIONS = ["How do I start the server on all four machines?",
                   "How much memory does the cache need?", "What if one machine fails?",
                   "Summarise your advice in one sentence."]
 
-#: the llama.cpp side of --chat: one Server, the turns' messages in order, streamed
+#: the llama.cpp side of --chat: one Server; a turn's messages per stdin line, its TTFT
+#: (the first streamed content) per stdout line
 _LLAMACPP_CHAT = r"""
 import json, sys, time
 import xllamacpp as xlc
@@ -179,8 +180,9 @@ p.n_ctx = 4096
 p.n_parallel = 1
 p.cpuparams.n_threads = p.cpuparams_batch.n_threads = int(sys.argv[2])
 server = xlc.Server(p)
-out = []
-for msgs, n in json.load(open(sys.argv[3])):
+print("@@ready", flush=True)
+for line in sys.stdin:
+    msgs, n = json.loads(line)
     t0, first = time.perf_counter(), []
     def chunk(ch):
         ch = ch if isinstance(ch, dict) else json.loads(ch)
@@ -189,84 +191,104 @@ for msgs, n in json.load(open(sys.argv[3])):
                 first.append(time.perf_counter() - t0)
     server.handle_chat_completions({"messages": msgs, "max_tokens": n, "temperature": 0,
                                     "stream": True, "cache_prompt": True}, chunk)
-    out.append({"ttft_s": first[0] if first else float("nan")})
-print("@@" + json.dumps(out))
+    print("@@" + json.dumps(first[0] if first else None), flush=True)
 """
 
 
-def chat_turns(url: str, max_tokens: int, turns: list | None = None) -> list[dict]:
-    """One streaming client through the chat (``turns``: the messages of each turn, to
-    send again as they are; else the answers are fed back): per turn, TTFT, cached and
-    prompt tokens, the messages sent and the answer."""
+def chat_turn(url: str, sent: list[dict], max_tokens: int) -> dict:
+    """One streamed chat request: TTFT (to the first content), usage, the answer."""
     import httpx
 
-    msgs = [{"role": "system", "content": CHAT_SYSTEM}]
-    rows = []
-    with httpx.Client(timeout=600) as c:
-        for k in range(len(turns) if turns else len(CHAT_QUESTIONS)):
-            sent = turns[k] if turns else msgs + [{"role": "user",
-                                                   "content": CHAT_QUESTIONS[k]}]
-            body = {"messages": sent, "max_tokens": max_tokens, "temperature": 0,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            t0, first, text, usage = time.perf_counter(), None, [], {}
-            with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ch = json.loads(line[6:])
-                    usage = ch.get("usage") or usage
-                    piece = ch["choices"][0].get("delta", {}).get("content") \
-                        if ch.get("choices") else None
-                    if piece:
-                        first = first if first is not None else time.perf_counter() - t0
-                        text.append(piece)
-            rows.append({"turn": k + 1, "ttft_s": first, "messages": sent,
-                         "prompt_tokens": usage.get("prompt_tokens"),
-                         "cached_tokens": usage.get("prompt_tokens_details", {}).get(
-                             "cached_tokens"), "answer": "".join(text)})
-            msgs = sent + [{"role": "assistant", "content": "".join(text)}]
-    return rows
+    body = {"messages": sent, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0, first, text, usage = time.perf_counter(), None, [], {}
+    with httpx.Client(timeout=600) as c, \
+            c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])
+            usage = ch.get("usage") or usage
+            piece = ch["choices"][0].get("delta", {}).get("content") \
+                if ch.get("choices") else None
+            if piece:
+                first = first if first is not None else time.perf_counter() - t0
+                text.append(piece)
+    return {"ttft_s": first, "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens"),
+            "answer": "".join(text)}
 
 
-def llama_chat(model: str, threads: int, turns: list, max_tokens: int) -> list[dict] | None:
-    """llama.cpp's Server on the same turns (None without ``xllamacpp`` or a GGUF)."""
-    from importlib.util import find_spec
+class _Llama:
+    """llama.cpp's Server in a process of its own (None from :meth:`start` without
+    ``xllamacpp`` or a GGUF model)."""
 
-    from hpcmac.llm.model.config import is_gguf, resolve_model
+    @classmethod
+    def start(cls, model: str, threads: int):
+        from importlib.util import find_spec
 
-    path = resolve_model(model)
-    if find_spec("xllamacpp") is None or not is_gguf(path):
-        return None
-    with tempfile.TemporaryDirectory() as d:
-        f = Path(d) / "turns.json"
-        f.write_text(json.dumps([[t, max_tokens] for t in turns]))
-        r = subprocess.run([sys.executable, "-c", _LLAMACPP_CHAT, str(path), str(threads),
-                            str(f)], capture_output=True, text=True, timeout=1800)
-    if r.returncode != 0 or "@@" not in r.stdout:
-        raise UsageError(f"llama.cpp's chat failed: {r.stderr.strip()[-300:]}")
-    return json.loads(r.stdout.rsplit("@@", 1)[1])
+        from hpcmac.llm.model.config import is_gguf, resolve_model
+
+        path = resolve_model(model)
+        if find_spec("xllamacpp") is None or not is_gguf(path):
+            return None
+        self = cls()
+        self.proc = subprocess.Popen([sys.executable, "-c", _LLAMACPP_CHAT, str(path),
+                                      str(threads)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        self._read()
+        return self
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return line[2:].strip()
+        raise UsageError(f"llama.cpp's server exited {self.proc.wait()}")
+
+    def ttft(self, sent: list[dict], max_tokens: int) -> float | None:
+        self.proc.stdin.write(json.dumps([sent, max_tokens]) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read())
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def run_chat(args) -> int:
-    """``--chat``: the 6-turn chat, prefix cache on and off, and llama.cpp (see the module)."""
+    """``--chat``: the 6-turn chat with the prefix cache on, off, and llama.cpp, the three
+    asked one after another at each turn (so that a busy machine's drift hits them alike)."""
     rows = []
     for np_ in args.ranks:
-        got = {}
-        for label, extra in (("on", []), ("off", ["--prefix-cache-gb", "0"])):
-            proc, url = start_server(np_, args.model, 1, extra)
-            try:
-                chat_turns(url, 2, [[{"role": "user", "content": "Hi"}]])  # warm-up
-                got[label] = chat_turns(url, args.max_tokens,
-                                        [t["messages"] for t in got["on"]] if got else None)
-            finally:
+        # one BLAS thread a rank: llama.cpp gets as many threads as there are ranks
+        servers = [start_server(np_, args.model, 1, ["--threads", "1", *extra])
+                   for extra in ([], ["--prefix-cache-gb", "0"])]
+        llama = _Llama.start(args.model, np_)
+        try:
+            for _, url in servers:  # warm-up
+                chat_turn(url, [{"role": "user", "content": "Hi"}], 2)
+            if llama is not None:
+                llama.ttft([{"role": "user", "content": "Hi"}], 2)
+            msgs = [{"role": "system", "content": CHAT_SYSTEM}]
+            for k, q in enumerate(CHAT_QUESTIONS):
+                sent = msgs + [{"role": "user", "content": q}]
+                on, off = (chat_turn(url, sent, args.max_tokens) for _, url in servers)
+                lt = llama.ttft(sent, args.max_tokens) if llama is not None else None
+                rows.append({"ranks": np_, "turn": k + 1, "prompt_tokens": on["prompt_tokens"],
+                             "cached_tokens": on["cached_tokens"], "ttft_on_s": on["ttft_s"],
+                             "ttft_off_s": off["ttft_s"],
+                             "same_answer": on["answer"] == off["answer"], "llama_ttft_s": lt})
+                msgs = sent + [{"role": "assistant", "content": on["answer"]}]
+        finally:
+            for proc, _ in servers:
                 stop_server(proc)
-        llama = llama_chat(args.model, np_, [t["messages"] for t in got["on"]],
-                           args.max_tokens)
-        for k, (on, off) in enumerate(zip(got["on"], got["off"])):
-            rows.append({"ranks": np_, "turn": k + 1, "prompt_tokens": on["prompt_tokens"],
-                         "cached_tokens": on["cached_tokens"], "ttft_on_s": on["ttft_s"],
-                         "ttft_off_s": off["ttft_s"], "same_answer": on["answer"] == off["answer"],
-                         "llama_ttft_s": llama[k]["ttft_s"] if llama else None})
+            if llama is not None:
+                llama.stop()
     print(f"hpcmac.bench.serve --chat: {args.model}, a 6-turn chat, answers of "
           f"{args.max_tokens} tokens, greedy; TTFT client side; llama.cpp: cache_prompt on")
     print(f"{'ranks':>5} {'turn':>4} {'prompt':>6} {'cached':>6} {'TTFT on':>8} {'off':>8} "
