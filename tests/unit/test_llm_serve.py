@@ -447,6 +447,10 @@ def test_bad_flags_and_busy_port_are_one_line():
     r = serve("--model", "smollm2", "--port", str(_free_port()), "--tp", "2")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--tp 2: 1 rank do not split into tensor groups of 2" in r.stderr
+    # a prefix cache larger than the memory the weights leave: before any weight loads
+    r = serve("--model", "smollm2", "--port", str(_free_port()), "--prefix-cache-gb", "100000")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--prefix-cache-gb 100000: " in r.stderr and "left after the weights" in r.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
