@@ -19,16 +19,17 @@ with ``Retry-After``.
 
 from __future__ import annotations
 
-import asyncio
 import json
+import os
 import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from hpcmac.llm import logprobs, tools
-from hpcmac.llm.parallel.live import Full, LiveRequest, LiveRequests
+from hpcmac.llm.generation import Gateway
+from hpcmac.llm.ops import Ops
+from hpcmac.llm.parallel.live import LiveRequests
 from hpcmac.llm.request import (
     ApiError,
     ServeConfig,
@@ -40,105 +41,29 @@ from hpcmac.llm.request import (
 )
 
 __all__ = ["ApiError", "ServeConfig", "build_app", "chat_ids", "parse", "run_serve"]
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-
-
-# -- one request's stream ------------------------------------------------------------------
-
-class _Stream:
-    """Tokens of one request, handed from the scheduler thread to the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, tok, stops: tuple[str, ...],
-                 eos: tuple[int, ...]):
-        self.loop, self.tok, self.stops, self.eos = loop, tok, stops, set(eos)
-        self.q: asyncio.Queue = asyncio.Queue()
-        self.decoder = tok.stream() if tok is not None else None
-        self.text = ""  # everything decoded so far (without EOS)
-        self.sent = 0  # characters already handed to the client
-        self.ids: list[int] = []
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.lps: list = []  # (token, logprob row) of each kept token, when asked
-        self.lp_sent = 0  # of them, already streamed
-        self._lp = None  # the row of the token on its way
-
-    def on_logprob(self, row) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, ("lp", row))
-
-    # scheduler thread
-    def on_token(self, tok: int) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, ("tok", tok))
-
-    def on_finish(self, reason: str, n: int) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, ("end", reason))
-
-    # event loop
-    def add(self, tok: int) -> None:
-        row, self._lp = self._lp, None
-        if tok in self.eos:
-            return
-        if row is not None:
-            self.lps.append((tok, row))
-        self.ids.append(tok)
-        if self.decoder is not None:
-            self.text += self.decoder.push(tok)
-
-    def visible(self, final: bool) -> str:
-        """Text the client may see now: cut at a stop string; while running, hold back
-        what could still become the start of one."""
-        text = self.text
-        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
-        if cut >= 0:
-            text = text[:cut]
-        elif not final and self.hold:
-            text = text[:max(self.sent, len(text) - self.hold)]
-        return text
-
-    def delta(self, final: bool) -> str:
-        text = self.visible(final)
-        out = text[self.sent:]
-        self.sent = max(self.sent, len(text))
-        return out
 
 
 # -- the app -------------------------------------------------------------------------------
 
-def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
+def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event,
+              ops: Ops | None = None):
     """The Starlette application (server thread). ``source`` is rank 0's
     :class:`LiveRequests`, or anything with its HTTP side (``submit``, ``cancel``,
     ``closed``, ``error``, ``load``) and a ``health()``: the survive front's
-    :class:`~hpcmac.llm.survive.front.FrontSource`."""
+    :class:`~hpcmac.llm.survive.front.FrontSource`. ``ops``: the key, CORS, the
+    metrics, the cluster's placement (:mod:`hpcmac.llm.ops`)."""
     from starlette.applications import Starlette
-    from starlette.requests import ClientDisconnect, Request
+    from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    # JSON parsing, checks and tokenizing run here, off the event loop (a large body
-    # never stalls the streams); two at once, the rest wait their turn
-    parser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hpcmac-parse")
+    from hpcmac.llm import api_anthropic, api_responses
+
+    ops = ops or Ops()
+    gw = Gateway(cfg, source, ops.new_metrics(cfg, source))
 
     def err(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    def too_big() -> ApiError:
-        return ApiError(413, f"the body is over this server's {cfg.max_body} bytes "
-                             "(--max-body-mb)", headers={"Connection": "close"})
-
-    async def read_body(request: Request) -> bytes | None:
-        """The body, at most ``cfg.max_body`` bytes (413 as soon as it is known to be
-        more: from Content-Length, or counting a chunked body), None if the client left."""
-        length = request.headers.get("content-length", "")
-        if length.isascii() and length.isdigit() and int(length) > cfg.max_body:
-            raise too_big()
-        chunks, n = [], 0
-        try:
-            async for piece in request.stream():
-                n += len(piece)
-                if n > cfg.max_body:
-                    raise too_big()
-                chunks.append(piece)
-        except ClientDisconnect:  # a client going away is normal: nothing to log
-            return None
-        return b"".join(chunks)
 
     def decode(raw: bytes, kind: str):
         body = load_body(raw)
@@ -159,47 +84,19 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
 
     async def endpoint(request: Request, kind: str):
         try:
-            raw = await read_body(request)
+            raw = await gw.read_body(request)
             if raw is None:
                 return Response(status_code=400)  # nobody reads it
-            loop = asyncio.get_running_loop()
-            try:
-                body, p = await loop.run_in_executor(parser, decode, raw, kind)
-                ids, max_tokens, sampling, stops, stream = \
-                    p.ids, p.max_tokens, p.sampling, p.stops, p.stream
-                # chat whose answer has tool calls or reasoning to split off
-                reader = p.reader() if kind == "chat" and (p.tools or p.reasoning) else None
-            except ApiError:
-                raise
-            except Exception as exc:  # a defect of ours: one line, not a traceback
-                print(f"serve: request failed: {type(exc).__name__}: {exc}"[:300],
-                      file=sys.stderr, flush=True)
-                raise ApiError(500, "internal error while reading the request",
-                               kind="server_error") from None
-            st = _Stream(loop, cfg.tok, stops, cfg.eos_ids)
-            req = LiveRequest(prompt=ids, max_tokens=max_tokens, sampling=sampling,
-                              eos_ids=cfg.eos_ids, draft_k=draft_k_of(body, cfg),
-                              stops=stops, on_token=st.on_token,
-                              on_finish=st.on_finish,
-                              on_logprob=st.on_logprob if sampling.logprobs >= 0 else None,
-                              decoder=cfg.tok.stream() if stops and cfg.tok else None)
-            try:
-                key = source.submit(req)
-            except Full:
-                raise ApiError(429, "the server is at capacity; retry later",
-                               kind="rate_limit_error",
-                               headers={"Retry-After": str(cfg.retry_after_s)}) from None
-            except RuntimeError as exc:
-                raise ApiError(503, str(exc), kind="server_error") from None
+            body, p = await gw.parse(decode, raw, kind)
+            # chat whose answer has tool calls or reasoning to split off
+            reader = p.reader() if kind == "chat" and (p.tools or p.reasoning) else None
+            run = gw.start(p.ids, p.max_tokens, p.sampling, p.stops,
+                           draft_k=draft_k_of(body, cfg))
         except ApiError as e:
             return err(e)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(st.ids),  # noqa: E731
-                         "total_tokens": len(ids) + len(st.ids),
-                         "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
-
-        want_lp = sampling.logprobs >= 0
+        want_lp = p.sampling.logprobs >= 0
 
         def lp_of(items) -> dict | None:
             if not want_lp:
@@ -208,8 +105,7 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
                 logprobs.completion(cfg.tok, items)
 
         def new_lps():  # streaming: the logprobs of the tokens since the last chunk
-            items = st.lps[st.lp_sent:]
-            st.lp_sent = len(st.lps)
+            items = run.new_lps()
             return lp_of(items) if items else None
 
         def chunk(text: str | None, finish: str | None, first: bool = False,
@@ -228,27 +124,7 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
             return {"id": rid, "object": obj, "created": created, "model": cfg.model_id,
                     "choices": [choice]}
 
-        async def events():
-            """(kind, value) until the end; cancels the request if the client leaves."""
-            done = False
-            try:
-                while True:
-                    what, value = await st.q.get()
-                    if what == "lp":
-                        st._lp = value
-                        continue
-                    if what == "tok":
-                        st.add(value)
-                        yield "tok", None
-                    else:
-                        done = True
-                        yield "end", value
-                        return
-            finally:
-                if not done:
-                    source.cancel(key)
-
-        if stream:
+        if p.stream:
             include_usage = isinstance(body.get("stream_options"), dict) and \
                 bool(body["stream_options"].get("include_usage"))
 
@@ -261,18 +137,15 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
 
             async def sse():
                 yield f"data: {json.dumps(chunk('', None, first=True))}\n\n"
-                async for what, reason in events():
+                async for what in run.events():
                     if what == "tok":
-                        for c in pieces(st.delta(final=False)):
+                        for c in pieces(run.delta(final=False)):
                             yield f"data: {json.dumps(c)}\n\n"
                         continue
-                    if reason in ("error", "cancelled"):
-                        e = ApiError(500, req.error or source.error or "generation failed",
-                                     kind="server_error")
-                        yield f"data: {json.dumps(e.body())}\n\n"
+                    if run.failed:
+                        yield f"data: {json.dumps(run.error().body())}\n\n"
                         return
-                    piece = st.delta(final=True)
-                    finish = _finish(reason, st)
+                    piece, finish = run.delta(final=True), run.finish_reason()
                     if sp is not None:
                         for c in pieces(piece):
                             yield f"data: {json.dumps(c)}\n\n"
@@ -282,44 +155,32 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
                         piece, finish = "", "tool_calls" if called else finish
                     last = chunk(piece, finish)
                     if include_usage:
-                        last["usage"] = usage()
+                        last["usage"] = run.usage()
                     yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        async def watch():  # a client that leaves before the whole answer is cancelled
-            while not await request.is_disconnected():
-                await asyncio.sleep(1.0)
-            source.cancel(key)
-
-        watcher = asyncio.create_task(watch())
-        reason = "cancelled"
-        try:
-            async for what, value in events():
-                if what == "end":
-                    reason = value
-        finally:
-            watcher.cancel()
-        if reason in ("error", "cancelled"):
-            return err(ApiError(500, req.error or source.error or "generation failed",
-                                kind="server_error"))
-        text = st.visible(final=True)
+        await run.whole(request)
+        if run.failed:
+            return err(run.error())
+        text = run.visible(final=True)
         if kind == "chat":
-            message, finish = {"role": "assistant", "content": text}, _finish(reason, st)
+            message, finish = {"role": "assistant", "content": text}, run.finish_reason()
             if reader:
                 answer = tools.parse(text, **reader)
                 message = answer.message()
                 finish = "tool_calls" if answer.tool_calls else finish
-            choice = {"index": 0, "message": message, "logprobs": lp_of(st.lps),
+            choice = {"index": 0, "message": message, "logprobs": lp_of(run.lps),
                       "finish_reason": finish}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp_of(st.lps),
-                      "finish_reason": _finish(reason, st)}
+            choice = {"index": 0, "text": text, "logprobs": lp_of(run.lps),
+                      "finish_reason": run.finish_reason()}
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created,
-                             "model": cfg.model_id, "choices": [choice], "usage": usage()})
+                             "model": cfg.model_id, "choices": [choice],
+                             "usage": run.usage()})
 
     async def chat(request: Request):
         return await endpoint(request, "chat")
@@ -353,13 +214,8 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event):
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-    ], exception_handlers={404: not_found, 405: bad_method})
-
-
-def _finish(reason: str, st: _Stream) -> str:
-    if st.stops and any(s in st.text for s in st.stops):
-        return "stop"
-    return FINISH.get(reason, "stop")
+        *api_anthropic.routes(gw), *api_responses.routes(gw), *ops.routes(gw),
+    ], exception_handlers={404: not_found, 405: bad_method}, middleware=ops.middleware())
 
 
 # -- the server thread ----------------------------------------------------------------------
@@ -440,6 +296,13 @@ def add_serve_args(s) -> None:
     g.add_argument("--special-tokens-in-prompts", action="store_true",
                    help="read special-token strings (<|im_start|>) in /v1/completions prompts "
                         "as control tokens (default: as text; chat messages are always text)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY, or x-api-key: KEY) on "
+                        "every route but /health and the page (default: $HPCMAC_API_KEY; "
+                        "none: open)")
+    g.add_argument("--cors", default=None, metavar="ORIGINS",
+                   help="comma-separated origins browsers may call from (* for any; "
+                        "default: none)")
 
 
 def check_serve_args(args) -> None:
@@ -450,7 +313,8 @@ def check_serve_args(args) -> None:
     from hpcmac.errors import UsageError
     from hpcmac.llm.args import check_arguments
 
-    missing = [m for m in ("starlette", "uvicorn") if find_spec(m) is None]
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client")
+               if find_spec(m) is None]
     if missing:
         raise UsageError(f"serve needs the serve extra ({', '.join(missing)} not installed): "
                          "pip install 'hpcmac[serve]'")
@@ -465,6 +329,33 @@ def check_serve_args(args) -> None:
     if not 0 < args.max_body_mb <= 4096:
         raise UsageError(f"--max-body-mb {args.max_body_mb}: expected a size in MiB, "
                          "above 0 and at most 4096")
+    api_key_of(args)
+    cors_of(args)
+
+
+def api_key_of(args) -> str | None:
+    """``--api-key``, else ``HPCMAC_API_KEY``, else None (open); UsageError for a bad one."""
+    from hpcmac.errors import UsageError
+
+    key = args.api_key if getattr(args, "api_key", None) is not None else \
+        os.environ.get("HPCMAC_API_KEY") or None
+    if key is not None and (not key.strip() or not key.isascii()
+                            or any(c.isspace() for c in key)):
+        raise UsageError("--api-key / HPCMAC_API_KEY: expected a non-empty key of printable "
+                         "ASCII without spaces")
+    return key
+
+
+def cors_of(args) -> tuple[str, ...]:
+    """``--cors``'s origins; UsageError when given empty."""
+    from hpcmac.errors import UsageError
+
+    given = getattr(args, "cors", None)
+    cors = tuple(o.strip() for o in (given or "").split(",") if o.strip())
+    if given is not None and not cors:
+        raise UsageError(f"--cors {given!r}: expected comma-separated origins "
+                         "(https://host:port) or *")
+    return cors
 
 
 def serve_config(args, cfg, tok, context: int) -> ServeConfig:
@@ -496,6 +387,7 @@ def run_serve(args, group=None) -> int:
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.gguf_loader import forget_readers
     from hpcmac.llm.model.tokenizer import load_tokenizer
+    from hpcmac.llm.parallel.busy import BusyBoard
     from hpcmac.llm.parallel.placement import LayoutFlags
     from hpcmac.llm.parallel.plan import agree
     from hpcmac.llm.parallel.runtime import (
@@ -565,6 +457,7 @@ def run_serve(args, group=None) -> int:
     samples = rt.groups.stage == rt.groups.pp - 1 and rt.groups.tp_rank == 0
     agree(group, lambda: grammar.warm() if samples and find_spec("llguidance") else None)
     source, http, alive = None, None, threading.Event()
+    busy = BusyBoard(group.size)  # every rank: each one's busy time reaches rank 0's
     if group.rank == 0:
         scfg = serve_config(args, cfg, tok, context)
         name = scfg.model_id
@@ -577,7 +470,10 @@ def run_serve(args, group=None) -> int:
                 "hosts": list(dict.fromkeys(placement.hosts)), "ranks": group.size,
                 "load_s": t_load, "bytes": sum(weights)})
         else:
-            http = HttpThread(build_app(scfg, source, alive), held["sock"])
+            ops = Ops(api_key=api_key_of(args), cors=cors_of(args), placement=placement,
+                      hosts=cluster.hosts, transport=cluster.transport, slots=slots,
+                      busy=busy)
+            http = HttpThread(build_app(scfg, source, alive, ops), held["sock"])
         http.start()
         layout = placement.layout.describe() if group.size > 1 else "1 rank"
         if group.size > 1:
@@ -587,9 +483,9 @@ def run_serve(args, group=None) -> int:
             f"http://{args.host}:{args.port}/v1"
         print(f"serving {name} on {where} ({layout}, {slots} sequences at once, context "
               f"{context})", file=sys.stderr, flush=True)
-        if not channel and not is_loopback(held["sock"]):
+        if not channel and not is_loopback(held["sock"]) and api_key_of(args) is None:
             print(f"warning: --host {args.host}: anyone who can reach port {args.port} can "
-                  "use this server (serve has no authentication yet)", file=sys.stderr,
+                  "use this server (no authentication: give it --api-key)", file=sys.stderr,
                   flush=True)
         alive.set()  # /health says ok once the lines above are out
     try:
@@ -597,7 +493,7 @@ def run_serve(args, group=None) -> int:
                      max_batch=slots, prefill_chunk=args.prefill_chunk or 64, max_len=context,
                      on_token=source.token if source else None,
                      stop_check=source.stop_check if source else None,
-                     prefix_blocks=blocks, prefix_bytes=block_bytes)
+                     prefix_blocks=blocks, prefix_bytes=block_bytes, busy=busy)
     finally:
         if group.rank == 0:
             alive.clear()

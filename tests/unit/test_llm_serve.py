@@ -38,7 +38,10 @@ def _free_port() -> int:
 class Server:
     """A ``serve`` job under mpirun; ``stop()`` ends it and checks nothing is left."""
 
-    def __init__(self, np_: int, *flags: str, wait: float = 240.0):
+    def __init__(self, np_: int, *flags: str, wait: float = 240.0, key: str | None = None):
+        self.key = key  # given: the server runs with --api-key KEY
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        flags = (*flags, "--api-key", key) if key else flags
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tag = f"HPCMAC_TEST_SERVE={self.port}".encode()
@@ -69,15 +72,15 @@ class Server:
         raise AssertionError("server did not come up")
 
     def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                             timeout=300)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.key or "none",
+                             max_retries=0, timeout=300)
 
     def log(self) -> str:
         """The server's stderr so far."""
         return "".join(list(self.lines))
 
     def model(self) -> str:
-        return httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+        return httpx.get(self.url + "/v1/models", headers=self.headers).json()["data"][0]["id"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -12,6 +12,7 @@ and one condition variable; the callbacks a request brings (``on_token``,
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ class LiveRequest(Request):
     text: str = ""
     error: str | None = None  # why it ended, when it ended with "error"
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set at admission)
+    slot: int = -1  # its cache slot once the scheduler admitted it (-1: waiting)
+    generated: int = 0  # tokens handed back so far
+    t_submit: float = 0.0  # time.monotonic() when it was submitted
 
 
 class LiveRequests:
@@ -70,6 +74,7 @@ class LiveRequests:
             if len(self._live) >= self.capacity:
                 raise Full
             req.key = self._next
+            req.t_submit = time.monotonic()
             self._next += 1
             self._live[req.key] = req
             self._new.append(req)
@@ -95,6 +100,26 @@ class LiveRequests:
         with self._lock:
             return len(self._live)
 
+    def counts(self) -> tuple[int, int, int]:
+        """(waiting for a slot, running, tokens they hold in the KV cache)."""
+        with self._lock:
+            reqs = list(self._live.values())
+        running = [r for r in reqs if r.slot >= 0]
+        return (len(reqs) - len(running), len(running),
+                sum(len(r.prompt) + r.generated for r in running))
+
+    def snapshot(self) -> list[dict]:
+        """Each open request: its key, slot, prompt tokens, tokens generated, state
+        (``waiting`` for a slot, ``prefill`` until its first token, then ``decode``) and
+        age in seconds; as of the last step (the scheduler updates them between steps)."""
+        with self._lock:
+            reqs = sorted(self._live.values(), key=lambda r: r.key)
+        now = time.monotonic()
+        return [{"id": r.key, "slot": r.slot, "prompt_tokens": len(r.prompt),
+                 "generated": r.generated, "max_tokens": r.max_tokens,
+                 "state": "waiting" if r.slot < 0 else "prefill" if not r.generated
+                 else "decode", "age_s": round(now - r.t_submit, 3)} for r in reqs]
+
     # -- the scheduler side (rank 0's main thread) ---------------------------------------
     def take(self, wait: float = 0.0) -> list[LiveRequest]:
         """New requests; waits up to ``wait`` s when there are none (and nothing to cancel)."""
@@ -110,10 +135,18 @@ class LiveRequests:
             out, self._cancel = self._cancel, set()
             return out
 
+    def admitted(self, key: int, slot: int) -> None:
+        """The scheduler gave request ``key`` cache slot ``slot``."""
+        req = self._live.get(key)
+        if req is not None:
+            req.slot = slot
+
     def token(self, key: int, tok: int) -> None:
         req = self._live.get(key)
-        if req is not None and req.on_token is not None:
-            req.on_token(tok)  # raising ends this request alone (the scheduler catches)
+        if req is not None:
+            req.generated += 1
+            if req.on_token is not None:
+                req.on_token(tok)  # raising ends this request alone (the scheduler catches)
 
     def logprob(self, key: int, row) -> None:
         req = self._live.get(key)

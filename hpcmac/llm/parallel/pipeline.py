@@ -415,11 +415,14 @@ def _ctrl_from_wire(data: bytes, sender: int) -> dict:
                            f"{exc}") from None
 
 
-def _serve(st: _StageState, t_start: float) -> None:
+def _serve(st: _StageState, t_start: float,
+           on_step: Callable[[float, float], None] | None = None) -> None:
     """Ranks > 0: receive from the previous stage until STOP."""
     prev = st.group.rank - 1
     link = st.link
     while True:
+        if on_step is not None:
+            on_step(st.stats.busy_s, st.stats.cpu_s)
         hdr = link.recv(np.empty(HDR, dtype=WIRE), prev, TAG_FWD)
         kind, n, T, mb_id = (int(v) for v in hdr)
         if kind == STOP:
@@ -514,6 +517,7 @@ class _Scheduler:
         self.decode_tokens = 0
         self.stopping = False
         self.size = st.group.size
+        self.on_step: Callable[[float, float], None] | None = None  # busy reports
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -570,6 +574,8 @@ class _Scheduler:
             s.slot = self.free_slots.pop()
             s.t_admit = self.now()
             self.active.append(s)
+            if self.source is not None:
+                self.source.admitted(s.idx, s.slot)
             self.ctrl["add"].append((s.idx, list(s.req.prompt), s.req.sampling))
             if self.prefix is not None:
                 self.reuse(s, hit)
@@ -851,6 +857,8 @@ class _Scheduler:
                 while self.collect(block=True):
                     pass
                 break
+            if self.on_step is not None:
+                self.on_step(self.st.stats.busy_s, self.st.stats.cpu_s)
             self.admit()
             while self.collect(block=False):
                 pass
@@ -919,6 +927,7 @@ def run_pipeline(
     prefix_bytes: int = 0,
     prefix_block: int = BLOCK,
     drafter=None,
+    on_step: Callable[[float, float], None] | None = None,
 ) -> PipelineResult:
     """Collective: generate ``requests`` through the pipeline of ``group.size`` stages.
 
@@ -956,6 +965,8 @@ def run_pipeline(
         :class:`~hpcmac.llm.model.speculative.ModelDrafter` or ``NgramDrafter``
         proposing each request's ``draft_k`` tokens per step; the last stage
         verifies them (``result.speculative`` counts drafts and acceptances).
+    on_step : called between steps with this rank's busy and CPU seconds so far
+        (local; serve's busy reports, :mod:`~hpcmac.llm.parallel.busy`).
 
     Returns the same :class:`PipelineResult` on every rank.
     """
@@ -1001,6 +1012,7 @@ def run_pipeline(
         if drafter is not None:
             drafter.start(plan.max_slots, plan.max_len)
         sched = _Scheduler(st, requests or [], t_start, on_token, stop_check, source, drafter)
+        sched.on_step = on_step
         old = None
         from hpcmac.interrupts import deferred
 
@@ -1024,7 +1036,7 @@ def run_pipeline(
             for s in sched.seqs
         ]
     else:
-        _serve(st, t_start)
+        _serve(st, t_start, on_step)
     if tensor is not None:
         tensor.send_stop()
     for (dest, phase), nb in st.link.bytes.items():

@@ -214,25 +214,37 @@ def run_tensor_pipeline(groups: Groups, tg: TensorGroup | None, stage, spec, hid
     themselves (``requests`` on world rank 0; ``kw`` as there); the followers
     :func:`~hpcmac.llm.parallel.tensor.follow`. Returns the same ``PipelineResult``
     on every rank, with each tensor rank's all-reduce counters in ``result.tensor``.
+    ``busy=`` (a :class:`~.busy.BusyBoard` on every rank, serve): each rank's busy time
+    reaches rank 0's board while it runs (:mod:`.busy`).
     """
+    import time
+
+    from hpcmac.llm.parallel.busy import BusyCollector, BusyReporter, channel
     from hpcmac.llm.parallel.pipeline import run_pipeline
 
     tp, pp = groups.tp, groups.pp
     res = None
+    busy = channel(groups.world, kw.pop("busy", None), time.perf_counter())
     if groups.pipe is not None:
         hosts = [groups.hosts[s * tp] for s in range(pp)]
         res = run_pipeline(groups.pipe, stage, spec, hidden, requests, timeout=timeout,
                            hosts=hosts, tensor=tg if tp > 1 else None,
-                           ranks=[s * tp for s in range(pp)], **kw)
+                           ranks=[s * tp for s in range(pp)], on_step=busy, **kw)
     else:
         max_slots, max_len = tg.group.bcast_obj(None, 0)
         follow(tg, stage, spec.first, spec.last, hidden, max_slots, max_len,
-               grace=1.0 + pp)
+               grace=1.0 + pp, on_step=busy)
+    if isinstance(busy, BusyReporter):
+        busy.final()
     if tp > 1:
         res = tg.group.bcast_obj(res, 0)
         stats = groups.world.allgather_obj(
             {"rank": groups.world.rank, "stage": groups.stage, "tp_rank": groups.tp_rank,
              **tg.stats.__dict__})
         res.tensor = stats
+    if isinstance(busy, BusyReporter):
+        busy.close()
+    elif isinstance(busy, BusyCollector):
+        busy.drain()
     return res
 

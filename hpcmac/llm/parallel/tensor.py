@@ -315,16 +315,21 @@ def logit_rows(meta: np.ndarray) -> np.ndarray:
 
 
 def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slots: int,
-           max_len: int, grace: float) -> None:
+           max_len: int, grace: float, on_step=None) -> None:
     """A follower: run the leader's steps on this rank's shard until ``STOP``.
 
     ``grace``: extra seconds a step may be late (a leader waits on the pipeline too).
+    ``on_step``: called between steps with the busy and CPU seconds of its steps so far
+    (serve's busy reports, :mod:`~hpcmac.llm.parallel.busy`).
     """
     from hpcmac.llm.model.stage import Batch
 
     cache = stage.new_cache(max_slots, max_len)
     v0 = stage.vocab[0]
+    busy_s = cpu_s = 0.0
     while True:
+        if on_step is not None:
+            on_step(busy_s, cpu_s)
         hdr = tg._recv(np.empty(4, dtype=np.int32), TAG_STEP, 0, "to send a step", grace,
                        wd=tg.wd_step)
         kind, n, T, mode = (int(v) for v in hdr)
@@ -358,6 +363,7 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
             k = int(meta[:, 4].sum())  # 1 + its drafts per sampled sequence
             masks = tg._recv(np.empty((k, (sum(tg._slices) + 31) // 32), dtype=np.int32),
                              TAG_STEP, 0, "to send a step")
+        t0, c0 = time.perf_counter(), time.process_time()
         lengths = [int(v) for v in meta[:, 2]]
         batch = Batch(slots=[int(v) for v in meta[:, 1]], lengths=lengths,
                       positions=[int(v) for v in meta[:, 3]])
@@ -368,4 +374,6 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
             if len(rows):
                 tg.head(np.asarray(stage.logits(h[rows]), dtype=np.float32), v0, mode, masks,
                         topk)
+        busy_s += time.perf_counter() - t0
+        cpu_s += time.process_time() - c0
 

@@ -395,7 +395,16 @@ def run_survive(args, argv: list[str]) -> int:
     from hpcmac.llm.args import context_length
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.tokenizer import load_tokenizer
-    from hpcmac.llm.server import HttpThread, bind, build_app, check_serve_args, serve_config
+    from hpcmac.llm.ops import Ops
+    from hpcmac.llm.server import (
+        HttpThread,
+        api_key_of,
+        bind,
+        build_app,
+        check_serve_args,
+        cors_of,
+        serve_config,
+    )
     from hpcmac.llm.survive.front import FrontSource
 
     if world_size() > 1:
@@ -416,7 +425,9 @@ def run_survive(args, argv: list[str]) -> int:
     sup = Supervisor(args, argv, source, cfg, context, slots)
     source.on_readmit = sup.request_readmit
     alive = threading.Event()
-    http = HttpThread(build_app(scfg, source, alive), sock)
+    http = HttpThread(build_app(scfg, source, alive, Ops(api_key=api_key_of(args),
+                                                         cors=cors_of(args), slots=slots)),
+                      sock)
     http.start()
     alive.set()
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (survive front; the job "

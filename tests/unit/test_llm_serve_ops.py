@@ -1,0 +1,291 @@
+"""serve for operators and other clients: the API key, /metrics, /v1/slots, Anthropic
+Messages, OpenAI Responses, and the live page in headless Chromium.
+
+One keyed server per layout (np 1, and np 2 ``--tp 2``), shared by the module. Oracles:
+the official ``anthropic`` and ``openai`` clients; the chat endpoint's greedy text for
+the same messages (every API shape runs the same generation); ``prometheus_client``'s
+own parser for /metrics, whose counters must move by exactly what was sent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_llm_serve import QUESTION, ROOT, Server
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+anthropic = pytest.importorskip("anthropic")
+parser = pytest.importorskip("prometheus_client.parser")
+
+KEY = "test-key-7f3a"
+MESSAGES = [{"role": "user", "content": QUESTION}]
+#: sampling fields the anthropic client no longer has as arguments (2.x) go in extra_body
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module", params=[(1, ()), (2, ("--tp", "2"))], ids=["np1", "np2-tp2"])
+def keyed(request):
+    np_, flags = request.param
+    s = Server(np_, *flags, key=KEY)
+    s.np = np_
+    yield s
+    s.stop()
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    """/metrics through prometheus_client's parser: (sample name, sorted labels) -> value."""
+    r = httpx.get(server.url + "/metrics", headers=server.headers)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for fam in parser.text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    k = (name, tuple(sorted(labels.items())))
+    return after.get(k, 0.0) - before.get(k, 0.0)
+
+
+def greedy_chat(server, max_tokens: int = 12):
+    return server.client().chat.completions.create(
+        model=server.model(), messages=MESSAGES, temperature=0, max_tokens=max_tokens)
+
+
+def test_wrong_key_is_401_and_no_work_is_done(keyed):
+    before = scrape(keyed)
+    body = {"messages": MESSAGES, "max_tokens": 4}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"},
+                    {"Authorization": KEY}):
+        r = httpx.post(keyed.url + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+    bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="x", messages=MESSAGES, max_tokens=4)
+    a = anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        a.messages.create(model="x", max_tokens=4, messages=MESSAGES)
+    for path in ("/v1/models", "/metrics", "/v1/slots", "/v1/cluster"):
+        assert httpx.get(keyed.url + path).status_code == 401, path
+    # open without the key: health and the page (it asks for the key itself)
+    assert httpx.get(keyed.url + "/health").json()["status"] == "ok"
+    assert httpx.get(keyed.url + "/").status_code == 200
+    after = scrape(keyed)
+    assert delta(after, before, "hpcmac_requests_total", endpoint="/v1/chat/completions",
+                 status="401") == 5
+    assert delta(after, before, "hpcmac_requests_total", endpoint="/v1/messages",
+                 status="401") == 1
+    for name in ("hpcmac_prompt_tokens_total", "hpcmac_completion_tokens_total",
+                 "hpcmac_time_to_first_token_seconds_count"):
+        assert delta(after, before, name) == 0, name  # nothing reached the scheduler
+    # the right key, either header
+    for headers in (keyed.headers, {"x-api-key": KEY}):
+        assert httpx.get(keyed.url + "/v1/models", headers=headers).status_code == 200
+
+
+def test_metrics_move_by_exactly_the_requests_sent(keyed):
+    before = scrape(keyed)
+    c = keyed.client()
+    usages = [greedy_chat(keyed, 6).usage for _ in range(2)]
+    r = c.completions.create(model=keyed.model(), prompt="Hello", max_tokens=3, temperature=0)
+    usages.append(r.usage)
+    a = anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0)
+    m = a.messages.create(model=keyed.model(), max_tokens=5, messages=MESSAGES,
+                          extra_body=GREEDY)
+    bad = httpx.post(keyed.url + "/v1/chat/completions", headers=keyed.headers,
+                     json={"messages": MESSAGES, "max_tokens": 0})
+    assert bad.status_code == 400
+    after = scrape(keyed)
+    assert delta(after, before, "hpcmac_requests_total", endpoint="/v1/chat/completions",
+                 status="200") == 2
+    assert delta(after, before, "hpcmac_requests_total", endpoint="/v1/chat/completions",
+                 status="400") == 1
+    assert delta(after, before, "hpcmac_requests_total", endpoint="/v1/completions",
+                 status="200") == 1
+    assert delta(after, before, "hpcmac_requests_total", endpoint="/v1/messages",
+                 status="200") == 1
+    assert delta(after, before, "hpcmac_prompt_tokens_total") == \
+        sum(u.prompt_tokens for u in usages) + m.usage.input_tokens
+    assert delta(after, before, "hpcmac_completion_tokens_total") == \
+        sum(u.completion_tokens for u in usages) + m.usage.output_tokens
+    assert delta(after, before, "hpcmac_time_to_first_token_seconds_count") == 4
+    assert delta(after, before, "hpcmac_inter_token_latency_seconds_count") == \
+        sum(u.completion_tokens - 1 for u in usages) + m.usage.output_tokens - 1
+    assert after[("hpcmac_slots", ())] == 16
+    assert after[("hpcmac_running_sequences", ())] == 0
+    # the placement as labels: one series per rank, its host, layers and heads
+    info = {dict(k[1])["rank"]: dict(k[1]) for k in after if k[0] == "hpcmac_rank_info"}
+    assert sorted(info) == [str(r) for r in range(keyed.np)]
+    assert info["0"]["layers"] == "0-30" and info["0"]["layout"] == f"tp{keyed.np}xpp1"
+    assert sum(int(i["heads"]) for i in info.values()) == 9  # SmolLM2's heads, split
+    # every rank's busy time reaches rank 0 (reports at most once a second)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 15:
+        busy = {dict(k[1])["rank"]: v for k, v in scrape(keyed).items()
+                if k[0] == "hpcmac_rank_busy_seconds"}
+        if len(busy) == keyed.np and all(v > 0 for v in busy.values()):
+            break
+        time.sleep(0.5)
+    assert len(busy) == keyed.np and all(v > 0 for v in busy.values()), busy
+    j = httpx.get(keyed.url + "/metrics.json", headers=keyed.headers).json()
+    assert j["completion_tokens"] == after[("hpcmac_completion_tokens_total", ())]
+    assert len(j["history"]) == 600 and sum(n for _, n in j["history"]) >= 18
+
+
+def test_slots_show_the_running_sequence(keyed):
+    n_prompt = keyed.client().completions.create(
+        model=keyed.model(), prompt="Once upon a time", max_tokens=1).usage.prompt_tokens
+    with httpx.stream("POST", keyed.url + "/v1/completions", headers=keyed.headers,
+                      json={"prompt": "Once upon a time", "max_tokens": 400, "stream": True,
+                            "temperature": 0}, timeout=120) as r:
+        lines = r.iter_lines()  # held: a closed iterator would close the stream
+        got = 0
+        while got < 3:
+            got += next(lines).startswith("data:")
+        slots = httpx.get(keyed.url + "/v1/slots", headers=keyed.headers).json()
+    assert slots["slots"] == 16 and len(slots["data"]) == 1, slots
+    s = slots["data"][0]
+    assert s["state"] == "decode" and s["generated"] >= 2 and s["slot"] >= 0
+    assert s["prompt_tokens"] == n_prompt and s["max_tokens"] == 400
+
+
+def test_anthropic_message_and_stream_equal_chat(keyed):
+    want = greedy_chat(keyed, 12)
+    a = anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0)
+    m = a.messages.create(model=keyed.model(), max_tokens=12, messages=MESSAGES,
+                          extra_body=GREEDY)
+    assert m.type == "message" and m.role == "assistant"
+    assert m.content[0].type == "text" and m.content[0].text == want.choices[0].message.content
+    assert m.usage.input_tokens == want.usage.prompt_tokens
+    assert m.usage.output_tokens == want.usage.completion_tokens
+    assert m.stop_reason == ("max_tokens" if want.choices[0].finish_reason == "length"
+                             else "end_turn")
+    with a.messages.stream(model=keyed.model(), max_tokens=12, messages=MESSAGES,
+                           extra_body=GREEDY) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(pieces) > 1 and "".join(pieces) == m.content[0].text
+    assert final.stop_reason == m.stop_reason
+    assert final.usage.output_tokens == m.usage.output_tokens
+    # a system prompt and a stop sequence taken from the greedy answer
+    text = m.content[0].text
+    stop = text.split()[2]
+    s = a.messages.create(model=keyed.model(), max_tokens=12, messages=MESSAGES,
+                          stop_sequences=[stop], extra_body=GREEDY)
+    assert s.stop_reason == "stop_sequence" and s.stop_sequence == stop
+    assert s.content[0].text == text[:text.index(stop)]
+    sysm = a.messages.create(model=keyed.model(), max_tokens=4, extra_body=GREEDY,
+                             system="Answer in French.", messages=MESSAGES)
+    ref = keyed.client().chat.completions.create(
+        model=keyed.model(), temperature=0, max_tokens=4,
+        messages=[{"role": "system", "content": "Answer in French."}, *MESSAGES])
+    assert sysm.usage.input_tokens == ref.usage.prompt_tokens != m.usage.input_tokens
+    assert sysm.content[0].text == ref.choices[0].message.content
+    # an image block: 400 naming the block
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model=keyed.model(), max_tokens=4, messages=[{
+            "role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": "iVBORw0KGgo="}}]}])
+    assert "messages[0].content[1]" in str(e.value) and "'image'" in str(e.value)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model=keyed.model(), max_tokens=4, messages=MESSAGES,
+                          extra_body={"temperature": 1.5})
+    assert "temperature" in str(e.value)
+
+
+def test_responses_text_and_stream_equal_chat(keyed):
+    want = greedy_chat(keyed, 5).choices[0].message.content  # cut: the answer is longer
+    c = keyed.client()
+    r = c.responses.create(model=keyed.model(), input=QUESTION, max_output_tokens=5,
+                           temperature=0)
+    assert r.output_text == want and r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 5
+    events = list(c.responses.create(model=keyed.model(), input=MESSAGES,
+                                     max_output_tokens=5, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == want == events[-1].response.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=keyed.model(), input=QUESTION, store=True)
+    assert "store" in str(e.value)
+
+
+def _chromium():
+    """(chromium binary, chromedriver), or skip saying what is missing."""
+    pytest.importorskip("selenium", reason="selenium not installed (the test extra)")
+    found = [shutil.which(n) for n in ("chromium", "chromedriver")]
+    if not all(found):
+        pytest.skip("chromium / chromium-driver not installed (tools/system-deps installs "
+                    "them as root with apt-get)")
+    return found
+
+
+def test_page_renders_the_cluster_and_streams_a_chat(keyed):
+    """The page in headless Chromium: the hosts and ranks of the job, its links, the
+    placement and live figures, and a chat answer streamed through the same API (greedy:
+    the same text as the openai client's). A screenshot is saved under out/."""
+    binary, driver_path = _chromium()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    want = greedy_chat(keyed, 16).choices[0].message.content
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--window-size=1280,900"):
+        opts.add_argument(a)
+    d = webdriver.Chrome(options=opts, service=Service(driver_path))
+    try:
+        wait = WebDriverWait(d, 60)
+        d.get(keyed.url + "/")
+        wait.until(lambda d: d.find_element(By.ID, "key-box").is_displayed())
+        d.find_element(By.ID, "key").send_keys(KEY)
+        d.find_element(By.ID, "key-save").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#hosts .rank")) == keyed.np)
+        hosts = d.find_elements(By.CSS_SELECTOR, "#hosts .host")
+        assert [h.get_attribute("data-host") for h in hosts] == [os.uname().nodename]
+        placed = d.find_elements(By.CSS_SELECTOR, "#placement tr.placed")
+        assert len(placed) == keyed.np
+        links = [tr.text for tr in d.find_elements(By.CSS_SELECTOR, "#links tr.link")]
+        if keyed.np == 2:
+            assert links == ["rank 0 → rank 1 tensor shared memory (shmsum) + mpi, same host"]
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#busy tr.busy-rank"))
+                   == keyed.np)
+        temp = d.find_element(By.ID, "chat-temp")
+        temp.clear()
+        temp.send_keys("0")
+        mx = d.find_element(By.ID, "chat-max")
+        mx.clear()
+        mx.send_keys("16")
+        d.find_element(By.ID, "chat-input").send_keys(QUESTION)
+        d.find_element(By.ID, "chat-send").click()
+        wait.until(lambda d: d.find_elements(
+            By.CSS_SELECTOR, "#chat-log .msg.assistant[data-done='1'], #chat-log .msg.error"))
+        answer = d.find_element(By.CSS_SELECTOR, "#chat-log .msg.assistant")
+        assert answer.get_attribute("textContent") == want
+        wait.until(lambda d: d.find_element(By.ID, "tok-s").text not in ("-", ""))
+        out = ROOT / "out"
+        out.mkdir(exist_ok=True)
+        shot = Path(out / f"serve-page-np{keyed.np}.png")
+        d.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+        print(f"screenshot: {shot}")
+    finally:
+        d.quit()
