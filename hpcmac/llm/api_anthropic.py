@@ -2,14 +2,19 @@
 
 A request is checked for what is Anthropic's own (the block types, ``system``,
 ``stop_sequences``, ``temperature`` in [0, 1], the required ``max_tokens``), then
-turned into the chat request :func:`hpcmac.llm.request.parse` checks for
-everything else (lengths, the context, sampling bounds), so one set of rules
-holds for both APIs. Text blocks only: an image, a document or a tool block is a
-400 naming the block (tool use is not implemented yet). Errors are Anthropic's
+turned into the chat request :func:`hpcmac.llm.request.parse_request` checks for
+everything else (lengths, the context, sampling bounds, tools), so one set of
+rules holds for both APIs. Blocks: ``text``, an assistant's ``tool_use`` and a
+user's ``tool_result``; any other (an image, a document) is a 400 naming the
+block. ``tools`` (``name``, ``description``, ``input_schema``) and
+``tool_choice`` (``auto``, ``any``, ``tool``, ``none``) become OpenAI's, so
+calls are rendered, parsed and (``any``, ``tool``) enforced by
+:mod:`hpcmac.llm.tools`; a call comes back as a ``tool_use`` block with
+``stop_reason: tool_use``. Errors are Anthropic's
 ``{"type": "error", "error": {"type", "message"}}``; a stream is Anthropic's
-event sequence (``message_start``, ``content_block_start``, ``ping``,
-``content_block_delta``..., ``content_block_stop``, ``message_delta``,
-``message_stop``).
+event sequence (``message_start``, then per block ``content_block_start``,
+``content_block_delta`` (``text_delta``, ``input_json_delta``)...,
+``content_block_stop``, then ``message_delta``, ``message_stop``).
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ from __future__ import annotations
 import json
 import uuid
 
-from hpcmac.llm.request import _STOP_CHARS, ApiError, load_body, parse
+from hpcmac.llm import tools
+from hpcmac.llm.generation import listed
+from hpcmac.llm.request import _STOP_CHARS, ApiError, load_body, parse_request
 
 #: fields honoured; others Anthropic defines are refused by name
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
-          "temperature", "top_p", "top_k", "metadata"}
+          "temperature", "top_p", "top_k", "metadata", "tools", "tool_choice"}
 #: why a known field is refused
-REFUSED = {"tools": "tool use is not supported yet", "tool_choice": "tool use is not "
-           "supported yet", "thinking": "extended thinking is not supported"}
+REFUSED = {"thinking": "extended thinking is not supported"}
 #: error types by HTTP status (Anthropic's names)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -38,28 +44,99 @@ def error_body(e: ApiError) -> dict:
                                        "message": e.message}}
 
 
-def _text(content, where: str) -> str:
-    """A message's (or ``system``'s) text: a string, or a list of text blocks."""
+def _blocks(content, where: str, allowed: tuple[str, ...] = ("text",)) -> list[dict]:
+    """A message's (or ``system``'s) blocks: a string is one text block; each block's
+    type must be one of ``allowed``."""
     if isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise ApiError(400, f"{where} must be a string or a list of content blocks",
                        where.split("[")[0].split(".")[0])
-    parts = []
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             raise ApiError(400, f"{at} must be a content block with a 'type'", "messages")
         kind = block["type"]
-        if kind != "text":
-            why = "tool use is not supported yet" if kind.startswith("tool_") else \
-                "only text blocks are supported"
+        if kind not in allowed:
+            why = f"here: {', '.join(allowed)}" if kind.startswith("tool_") else \
+                "text and tool blocks only"
             raise ApiError(400, f"{at}: a '{kind[:40]}' block is not supported ({why})",
                            "messages")
-        if not isinstance(block.get("text"), str):
+        if kind == "text" and not isinstance(block.get("text"), str):
             raise ApiError(400, f"{at}.text must be a string", "messages")
-        parts.append(block["text"])
-    return "".join(parts)
+        if kind == "tool_use" and not (isinstance(block.get("id"), str) and
+                                       isinstance(block.get("name"), str) and
+                                       isinstance(block.get("input", {}), dict)):
+            raise ApiError(400, f"{at}: a tool_use block needs 'id', 'name' and an "
+                                "object 'input'", "messages")
+        if kind == "tool_result" and not isinstance(block.get("tool_use_id"), str):
+            raise ApiError(400, f"{at}: a tool_result block needs 'tool_use_id'", "messages")
+    return content
+
+
+def _text(blocks: list[dict]) -> str:
+    return "".join(b["text"] for b in blocks if b["type"] == "text")
+
+
+def _message(i: int, m: dict) -> list[dict]:
+    """messages[i] as chat messages: an assistant's tool_use blocks become its
+    ``tool_calls``; a user's tool_result blocks become ``tool`` messages before its text."""
+    where = f"messages[{i}].content"
+    if m["role"] == "assistant":
+        blocks = _blocks(m.get("content"), where, ("text", "tool_use"))
+        out = {"role": "assistant", "content": _text(blocks)}
+        calls = [{"id": b["id"], "type": "function", "function": {
+            "name": b["name"], "arguments": json.dumps(b.get("input", {}))}}
+            for b in blocks if b["type"] == "tool_use"]
+        if calls:
+            out["tool_calls"] = calls
+        return [out]
+    blocks = _blocks(m.get("content"), where, ("text", "tool_result"))
+    out = []
+    for j, b in enumerate(blocks):
+        if b["type"] == "tool_result":
+            body = b.get("content", "")
+            text = body if isinstance(body, str) else \
+                _text(_blocks(body, f"{where}[{j}].content"))
+            out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+    text = _text(blocks)
+    if text or not out:
+        out.append({"role": "user", "content": text})
+    return out
+
+
+def _function(i: int, t) -> dict:
+    """tools[i], a client tool, as an OpenAI function tool."""
+    if not isinstance(t, dict) or t.get("type", "custom") != "custom":
+        raise ApiError(400, f"tools[{i}]: only client tools ({{name, description, "
+                            "input_schema}}) are supported", "tools")
+    fn = {"name": t.get("name"), "parameters": t.get("input_schema", {"type": "object"})}
+    if t.get("description") is not None:
+        fn["description"] = t["description"]
+    return {"type": "function", "function": fn}
+
+
+def _tools(body: dict) -> dict:
+    """``tools`` and ``tool_choice`` as OpenAI's (what :func:`hpcmac.llm.tools.check`
+    reads)."""
+    listed_tools = listed(body, "tools")
+    if listed_tools is None:
+        return {}
+    out: dict = {"tools": [_function(i, t) for i, t in enumerate(listed_tools)]}
+    tc = body.get("tool_choice")
+    if tc is not None:
+        kind = tc.get("type") if isinstance(tc, dict) else None
+        if kind == "tool":
+            out["tool_choice"] = {"type": "function", "function": {"name": tc.get("name")}}
+        elif kind in ("auto", "any", "none"):
+            out["tool_choice"] = {"any": "required"}.get(kind, kind)
+        else:
+            raise ApiError(400, "'tool_choice' must be {\"type\": \"auto\" | \"any\" | "
+                                "\"none\"} or {\"type\": \"tool\", \"name\": ...}",
+                           "tool_choice")
+        if tc.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    return out
 
 
 def to_chat(body) -> tuple[dict, tuple[str, ...]]:
@@ -86,13 +163,12 @@ def to_chat(body) -> tuple[dict, tuple[str, ...]]:
         raise ApiError(400, "'messages' must be a non-empty list", "messages")
     chat = []
     if body.get("system") is not None:
-        chat.append({"role": "system", "content": _text(body["system"], "system")})
+        chat.append({"role": "system", "content": _text(_blocks(body["system"], "system"))})
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise ApiError(400, f"messages[{i}] must be an object with 'role' user or "
                                 "assistant", "messages")
-        chat.append({"role": m["role"], "content": _text(m.get("content"),
-                                                          f"messages[{i}].content")})
+        chat += _message(i, m)
     stops = body.get("stop_sequences")
     if stops is not None and not (isinstance(stops, list) and len(stops) <= _STOPS
                                   and all(isinstance(s, str) and len(s) <= _STOP_CHARS
@@ -100,7 +176,7 @@ def to_chat(body) -> tuple[dict, tuple[str, ...]]:
         raise ApiError(400, f"'stop_sequences' must be a list of at most {_STOPS} strings "
                             f"of at most {_STOP_CHARS} characters", "stop_sequences")
     out = {"messages": chat, "max_tokens": body["max_tokens"],
-           "stream": body.get("stream", False)}
+           "stream": body.get("stream", False), **_tools(body)}
     for k in ("model", "temperature", "top_p", "top_k"):
         if body.get(k) is not None:
             out[k] = body[k]
@@ -109,16 +185,31 @@ def to_chat(body) -> tuple[dict, tuple[str, ...]]:
 
 def _parse(raw: bytes, cfg):
     chat, stops = to_chat(load_body(raw))
-    ids, max_tokens, sampling, _, stream = parse(chat, "chat", cfg)
-    return ids, max_tokens, sampling, stops, stream
+    p = parse_request(chat, "chat", cfg)
+    p.stops = stops
+    return p
 
 
-def stop_of(run) -> tuple[str, str | None]:
+def stop_of(run, called: bool = False) -> tuple[str, str | None]:
     """(Anthropic's stop_reason, the stop sequence met or None)."""
     hits = [(run.text.find(s), s) for s in run.stops if s in run.text]
     if hits:
         return "stop_sequence", min(hits)[1]
+    if called:
+        return "tool_use", None
     return ("max_tokens" if run.reason == "length" else "end_turn"), None
+
+
+def tool_block(call: dict) -> dict:
+    """An OpenAI tool call as a tool_use block."""
+    fn = call["function"]
+    try:
+        args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) \
+            else fn["arguments"]
+    except ValueError:
+        args = {}
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+            "name": fn["name"], "input": args if isinstance(args, dict) else {}}
 
 
 def routes(gw) -> list:
@@ -135,10 +226,13 @@ def routes(gw) -> list:
             raw = await gw.read_body(request)
             if raw is None:
                 return Response(status_code=400)
-            ids, max_tokens, sampling, stops, stream = await gw.parse(_parse, raw, cfg)
-            run = gw.start(ids, max_tokens, sampling, stops)
+            p = await gw.parse(_parse, raw, cfg)
+            run = gw.start(p.ids, p.max_tokens, p.sampling, p.stops)
         except ApiError as e:
             return err(e)
+        ids = p.ids
+        # an answer with tool calls (or reasoning) to split off
+        reader = p.reader() if p.tools or p.reasoning else None
         mid = "msg_" + uuid.uuid4().hex[:24]
 
         def message(content: list, reason, seq, out_tokens: int) -> dict:
@@ -146,25 +240,58 @@ def routes(gw) -> list:
                     "content": content, "stop_reason": reason, "stop_sequence": seq,
                     "usage": {"input_tokens": len(ids), "output_tokens": out_tokens}}
 
-        if stream:
+        if p.stream:
             def event(kind: str, data: dict) -> str:
                 return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
+            sp = tools.StreamParser(**reader) if reader else None
+
+            def texts(piece: str) -> list[str]:
+                if sp is None:
+                    return [piece] if piece else []
+                return [d["content"] for d in sp.feed(piece) if d.get("content")]
+
+            opened = []  # the text block (index 0), once its first text is known
+
+            def text_delta(piece: str):
+                if not opened:
+                    opened.append(True)
+                    yield event("content_block_start", {"index": 0, "content_block": {
+                        "type": "text", "text": ""}})
+                if piece:
+                    yield event("content_block_delta", {"index": 0, "delta": {
+                        "type": "text_delta", "text": piece}})
+
             async def sse():
                 yield event("message_start", {"message": message([], None, None, 0)})
-                yield event("content_block_start", {"index": 0, "content_block": {
-                    "type": "text", "text": ""}})
                 yield event("ping", {})
                 async for what in run.events():
-                    piece = run.delta(final=what == "end")
-                    if piece:
-                        yield event("content_block_delta", {"index": 0, "delta": {
-                            "type": "text_delta", "text": piece}})
+                    for piece in texts(run.delta(final=what == "end")):
+                        for e in text_delta(piece):
+                            yield e
                 if run.failed:
                     yield event("error", {"error": error_body(run.error())["error"]})
                     return
-                reason, seq = stop_of(run)
-                yield event("content_block_stop", {"index": 0})
+                calls = []
+                if sp is not None:
+                    rest, _ = sp.close()
+                    for d in rest:
+                        for e in text_delta(d["content"]) if d.get("content") else ():
+                            yield e
+                        calls += d.get("tool_calls", [])
+                if not opened and not calls:  # an empty answer is one empty text block
+                    for e in text_delta(""):
+                        yield e
+                if opened:
+                    yield event("content_block_stop", {"index": 0})
+                for i, call in enumerate(calls, start=len(opened)):
+                    b = tool_block(call)
+                    yield event("content_block_start", {"index": i, "content_block": dict(
+                        b, input={})})
+                    yield event("content_block_delta", {"index": i, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(b["input"])}})
+                    yield event("content_block_stop", {"index": i})
+                reason, seq = stop_of(run, bool(calls))
                 yield event("message_delta", {"delta": {"stop_reason": reason,
                                                         "stop_sequence": seq},
                                               "usage": {"output_tokens": len(run.ids)}})
@@ -175,8 +302,13 @@ def routes(gw) -> list:
         await run.whole(request)
         if run.failed:
             return err(run.error())
-        reason, seq = stop_of(run)
-        return JSONResponse(message([{"type": "text", "text": run.visible(final=True)}],
-                                    reason, seq, len(run.ids)))
+        text, calls = run.visible(final=True), []
+        if reader:
+            answer = tools.parse(text, **reader)
+            text, calls = answer.content, answer.tool_calls or []
+        content = ([{"type": "text", "text": text}] if text or not calls else []) + \
+            [tool_block(c) for c in calls]
+        reason, seq = stop_of(run, bool(calls))
+        return JSONResponse(message(content, reason, seq, len(run.ids)))
 
     return [Route("/v1/messages", messages, methods=["POST"])]

@@ -1,16 +1,21 @@
 """OpenAI's Responses API, ``POST /v1/responses``: text in, text out, and its event stream.
 
 ``input`` (a string, or a list of messages whose content is a string or
-``input_text``/``output_text`` parts) and ``instructions`` (a system message)
-become the chat request :func:`hpcmac.llm.request.parse` checks, so the rules
-are chat's. Nothing is stored (``store`` true is refused; so is
-``previous_response_id``), and tools are not implemented yet (400 naming the
-field). A stream is the Responses event sequence: ``response.created``,
-``response.in_progress``, ``response.output_item.added``,
-``response.content_part.added``, ``response.output_text.delta``...,
-``response.output_text.done``, ``response.content_part.done``,
-``response.output_item.done``, then ``response.completed`` (or
-``response.incomplete`` at ``max_output_tokens``), each with its
+``input_text``/``output_text`` parts, and ``function_call`` /
+``function_call_output`` items) and ``instructions`` (a system message) become
+the chat request :func:`hpcmac.llm.request.parse_request` checks, so the rules
+are chat's; function ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+become chat's too (:mod:`hpcmac.llm.tools` renders, parses and, for
+``required`` or a named function, enforces the calls), and a call comes back as
+a ``function_call`` output item. Nothing is stored (``store`` true is refused;
+so is ``previous_response_id``). A stream is the Responses event sequence:
+``response.created``, ``response.in_progress``, then per output item
+``response.output_item.added``, for a message ``response.content_part.added``,
+``response.output_text.delta``..., ``response.output_text.done``,
+``response.content_part.done``, for a call
+``response.function_call_arguments.delta`` / ``.done``, then
+``response.output_item.done``; last ``response.completed`` (or
+``response.incomplete`` at ``max_output_tokens``), each event with its
 ``sequence_number``.
 """
 
@@ -20,12 +25,14 @@ import json
 import time
 import uuid
 
-from hpcmac.llm.request import ApiError, load_body, parse
+from hpcmac.llm import tools
+from hpcmac.llm.generation import listed
+from hpcmac.llm.request import ApiError, load_body, parse_request
 
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
-          "stream", "store", "metadata", "user", "text", "truncation", "parallel_tool_calls"}
-REFUSED = {"tools": "tools are not supported yet", "tool_choice": "tools are not supported "
-           "yet", "previous_response_id": "responses are not stored (store: false)",
+          "stream", "store", "metadata", "user", "text", "truncation", "parallel_tool_calls",
+          "tools", "tool_choice"}
+REFUSED = {"previous_response_id": "responses are not stored (store: false)",
            "background": "background responses are not supported",
            "reasoning": "reasoning options are not supported"}
 _ROLES = ("user", "assistant", "system", "developer")
@@ -81,6 +88,10 @@ def to_chat(body) -> dict:
         chat.append({"role": "user", "content": inp})
     elif isinstance(inp, list) and inp:
         for i, item in enumerate(inp):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind in ("function_call", "function_call_output"):
+                chat.append(_call_item(i, item, chat))
+                continue
             if not isinstance(item, dict) or item.get("type", "message") != "message" \
                     or item.get("role") not in _ROLES:
                 kind = item.get("type") if isinstance(item, dict) else None
@@ -94,8 +105,9 @@ def to_chat(body) -> dict:
     else:
         raise ApiError(400, "'input' must be a string or a non-empty list of messages",
                        "input")
-    out = {"messages": chat, "stream": body.get("stream", False)}
-    for k in ("model", "temperature", "top_p", "user"):
+    chat = [m for m in chat if m is not None]
+    out = {"messages": chat, "stream": body.get("stream", False), **_tools(body)}
+    for k in ("model", "temperature", "top_p", "user", "parallel_tool_calls"):
         if body.get(k) is not None:
             out[k] = body[k]
     if body.get("max_output_tokens") is not None:
@@ -103,11 +115,55 @@ def to_chat(body) -> dict:
     return out
 
 
+def _call_item(i: int, item: dict, chat: list) -> dict | None:
+    """A ``function_call`` item joins the assistant message before it (or starts one); a
+    ``function_call_output`` is a ``tool`` message. None: merged into the last one."""
+    if not isinstance(item.get("call_id"), str):
+        raise ApiError(400, f"input[{i}] needs a 'call_id' string", "input")
+    if item["type"] == "function_call_output":
+        out = item.get("output")
+        text = out if isinstance(out, str) else _content(out, f"input[{i}].output")
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": text}
+    if not (isinstance(item.get("name"), str) and isinstance(item.get("arguments"), str)):
+        raise ApiError(400, f"input[{i}]: a function_call needs 'name' and 'arguments' "
+                            "strings", "input")
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    last = next((m for m in reversed(chat) if m is not None), None)
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+        return None
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
+def _tools(body: dict) -> dict:
+    """Function ``tools`` and ``tool_choice`` as chat's."""
+    out: dict = {}
+    tl = listed(body, "tools")
+    if tl is None:
+        return out
+    fns = []
+    for i, t in enumerate(tl):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise ApiError(400, f"tools[{i}]: only function tools are supported (got "
+                                f"{str(kind)[:40]})", "tools")
+        fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+        fns.append({"type": "function", "function": fn})
+    out["tools"] = fns
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict) and tc.get("type") == "function":
+        out["tool_choice"] = {"type": "function", "function": {"name": tc.get("name")}}
+    elif tc is not None:
+        out["tool_choice"] = tc
+    return out
+
+
 def _parse(raw: bytes, cfg):
     body = load_body(raw)
     chat = to_chat(body)
     try:
-        return body, parse(chat, "chat", cfg)
+        return body, parse_request(chat, "chat", cfg)
     except ApiError as e:
         if e.param == "max_tokens":
             e.param, e.message = "max_output_tokens", e.message.replace(
@@ -129,11 +185,13 @@ def routes(gw) -> list:
             raw = await gw.read_body(request)
             if raw is None:
                 return Response(status_code=400)
-            body, (ids, max_tokens, sampling, stops, stream) = \
-                await gw.parse(_parse, raw, cfg)
-            run = gw.start(ids, max_tokens, sampling, stops)
+            body, p = await gw.parse(_parse, raw, cfg)
+            run = gw.start(p.ids, p.max_tokens, p.sampling, p.stops)
         except ApiError as e:
             return err(e)
+        sampling = p.sampling
+        # an answer with tool calls (or reasoning) to split off
+        reader = p.reader() if p.tools or p.reasoning else None
         rid, mid = "resp_" + uuid.uuid4().hex[:24], "msg_" + uuid.uuid4().hex[:24]
         created = int(time.time())
 
@@ -142,6 +200,24 @@ def routes(gw) -> list:
                     "status": "completed" if done else "in_progress",
                     "content": [{"type": "output_text", "text": text, "annotations": []}]
                     if done else []}
+
+        def call_item(call: dict, done: bool = True) -> dict:
+            fn = call["function"]
+            return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+                    "call_id": call["id"], "name": fn["name"],
+                    "arguments": fn["arguments"] if done else "",
+                    "status": "completed" if done else "in_progress"}
+
+        def answer() -> tuple[str, list[dict]]:
+            text = run.visible(final=True)
+            if not reader:
+                return text, []
+            a = tools.parse(text, **reader)
+            return a.content, a.tool_calls or []
+
+        def output(text: str, calls: list[dict]) -> list[dict]:
+            return ([item(text, True)] if text or not calls else []) + \
+                [call_item(c) for c in calls]
 
         def response(status: str, output: list) -> dict:
             usage = None
@@ -159,15 +235,19 @@ def routes(gw) -> list:
                     "instructions": body.get("instructions"),
                     "max_output_tokens": body.get("max_output_tokens"),
                     "temperature": sampling.temperature, "top_p": sampling.top_p,
-                    "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+                    "parallel_tool_calls": body.get("parallel_tool_calls", True),
+                    "tool_choice": body.get("tool_choice", "auto" if body.get("tools")
+                                            else "none"),
+                    "tools": body.get("tools") or [],
                     "text": {"format": {"type": "text"}}, "truncation": "disabled",
                     "store": False, "metadata": body.get("metadata") or {},
                     "usage": usage}
 
-        def status() -> str:
-            return "incomplete" if run.finish_reason() == "length" else "completed"
+        def status(calls: list) -> str:
+            return "incomplete" if run.finish_reason() == "length" and not calls \
+                else "completed"
 
-        if stream:
+        if p.stream:
             seq = [0]
 
             def event(kind: str, data: dict) -> str:
@@ -176,40 +256,76 @@ def routes(gw) -> list:
                 return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
             where = {"item_id": mid, "output_index": 0, "content_index": 0}
+            sp = tools.StreamParser(**reader) if reader else None
+            opened = []  # the message item, once its first text is known
+
+            def texts(piece: str) -> list[str]:
+                if sp is None:
+                    return [piece] if piece else []
+                return [d["content"] for d in sp.feed(piece) if d.get("content")]
+
+            def open_message():
+                opened.append(True)
+                yield event("response.output_item.added", {"output_index": 0,
+                                                           "item": item("", False)})
+                yield event("response.content_part.added", {**where, "part": {
+                    "type": "output_text", "text": "", "annotations": []}})
+
+            def text_delta(piece: str):
+                if not opened:
+                    yield from open_message()
+                yield event("response.output_text.delta", {**where, "delta": piece,
+                                                           "logprobs": []})
 
             async def sse():
                 yield event("response.created", {"response": response("in_progress", [])})
                 yield event("response.in_progress", {"response": response("in_progress",
                                                                           [])})
-                yield event("response.output_item.added", {"output_index": 0,
-                                                           "item": item("", False)})
-                yield event("response.content_part.added", {**where, "part": {
-                    "type": "output_text", "text": "", "annotations": []}})
                 async for what in run.events():
-                    piece = run.delta(final=what == "end")
-                    if piece:
-                        yield event("response.output_text.delta", {**where, "delta": piece,
-                                                                   "logprobs": []})
+                    for piece in texts(run.delta(final=what == "end")):
+                        for e in text_delta(piece):
+                            yield e
                 if run.failed:
                     e = run.error()
                     yield event("error", {"code": "server_error", "message": e.message,
                                           "param": None})
                     return
-                text = run.visible(final=True)
-                yield event("response.output_text.done", {**where, "text": text,
-                                                          "logprobs": []})
-                yield event("response.content_part.done", {**where, "part": {
-                    "type": "output_text", "text": text, "annotations": []}})
-                yield event("response.output_item.done", {"output_index": 0,
-                                                          "item": item(text, True)})
-                st = status()
-                yield event(f"response.{st}", {"response": response(st, [item(text, True)])})
+                if sp is not None:
+                    rest, _ = sp.close()
+                    for d in rest:
+                        for e in text_delta(d["content"]) if d.get("content") else ():
+                            yield e
+                text, calls = answer()
+                if opened or not calls:
+                    if not opened:
+                        for e in open_message():
+                            yield e
+                    yield event("response.output_text.done", {**where, "text": text,
+                                                              "logprobs": []})
+                    yield event("response.content_part.done", {**where, "part": {
+                        "type": "output_text", "text": text, "annotations": []}})
+                    yield event("response.output_item.done", {"output_index": 0,
+                                                              "item": item(text, True)})
+                for i, call in enumerate(calls, start=len(opened)):
+                    it = call_item(call)
+                    yield event("response.output_item.added", {"output_index": i,
+                                                               "item": call_item(call, False)})
+                    yield event("response.function_call_arguments.delta", {
+                        "item_id": it["id"], "output_index": i, "delta": it["arguments"]})
+                    yield event("response.function_call_arguments.done", {
+                        "item_id": it["id"], "output_index": i, "arguments": it["arguments"]})
+                    yield event("response.output_item.done", {"output_index": i, "item": it})
+                st = status(calls)
+                out = ([item(text, True)] if opened or not calls else []) + \
+                    [call_item(c) for c in calls]
+                yield event(f"response.{st}", {"response": response(st, out)})
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         await run.whole(request)
         if run.failed:
             return err(run.error())
-        return JSONResponse(response(status(), [item(run.visible(final=True), True)]))
+        text, calls = answer()
+        return JSONResponse(response(status(calls), output(text, calls)))
 
     return [Route("/v1/responses", responses, methods=["POST"])]

@@ -24,6 +24,14 @@ from hpcmac.llm.request import ApiError, ServeConfig
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
+def listed(body: dict, name: str) -> list | None:
+    """``body[name]``: None when absent, else a list (ApiError(400) naming it otherwise)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, list):
+        raise ApiError(400, f"'{name}' must be a list", name)
+    return value
+
+
 class Run:
     """The tokens of one submitted request, handed from the scheduler thread to the event
     loop; the text the client may see (cut at stop strings, held back while a stop string

@@ -9,6 +9,7 @@ own parser for /metrics, whose counters must move by exactly what was sent.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -57,6 +58,50 @@ def delta(after: dict, before: dict, name: str, **labels) -> float:
 def greedy_chat(server, max_tokens: int = 12):
     return server.client().chat.completions.create(
         model=server.model(), messages=MESSAGES, temperature=0, max_tokens=max_tokens)
+
+
+def test_cors_origins_and_preflight_without_the_key():
+    """--cors, on the app alone (no model): an allowed origin gets the CORS headers, a
+    preflight passes without the key (browsers send none), another origin gets none."""
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from hpcmac.llm.ops import Ops
+    from hpcmac.llm.parallel.live import LiveRequests
+    from hpcmac.llm.request import ServeConfig
+    from hpcmac.llm.server import build_app
+
+    alive = threading.Event()
+    alive.set()
+    app = build_app(ServeConfig("m", None, 10, 64, (0,)), LiveRequests(4), alive,
+                    Ops(api_key=KEY, cors=("http://ui.example:3000",)))
+    c = TestClient(app)
+    ok = {"Origin": "http://ui.example:3000"}
+    r = c.get("/health", headers=ok)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "http://ui.example:3000"
+    pre = c.options("/v1/chat/completions", headers={
+        **ok, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 200 and "POST" in pre.headers["access-control-allow-methods"]
+    denied = c.get("/v1/models", headers=ok)  # CORS passes; the key still counts
+    assert denied.status_code == 401
+    assert denied.headers["access-control-allow-origin"] == "http://ui.example:3000"
+    assert c.get("/v1/models", headers={**ok, "x-api-key": KEY}).status_code == 200
+    other = c.get("/health", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_bad_key_and_cors_flags_are_one_line():
+    import subprocess
+    import sys
+
+    for flag, value in (("--api-key", "a b"), ("--cors", " , ")):
+        r = subprocess.run([sys.executable, "-m", "hpcmac.llm", "serve", "--model", "smollm2",
+                            flag, value], capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {flag}")
 
 
 def test_wrong_key_is_401_and_no_work_is_done(keyed):
@@ -203,6 +248,52 @@ def test_anthropic_message_and_stream_equal_chat(keyed):
     assert "temperature" in str(e.value)
 
 
+WEATHER = {"name": "get_weather", "description": "The weather in a city now",
+           "input_schema": {"type": "object", "required": ["city"], "additionalProperties": False,
+                            "properties": {"city": {"type": "string", "maxLength": 20}}}}
+#: one forced call (the grammar then ends the answer: fewer tokens than several calls)
+ONE_CALL = {"type": "any", "disable_parallel_tool_use": True}
+
+
+def test_anthropic_tool_use_streamed_and_not_and_its_result_fed_back(keyed):
+    """tool_choice any: the grammar makes even SmolLM2 call the tool; the call comes back
+    as a tool_use block (stop_reason tool_use), the same streamed; its tool_result is
+    rendered into the next prompt."""
+    pytest.importorskip("llguidance")
+    a = anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    m = a.messages.create(model=keyed.model(), max_tokens=40, messages=ask, tools=[WEATHER],
+                          tool_choice=ONE_CALL, extra_body=GREEDY)
+    assert m.stop_reason == "tool_use", m
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert len(use) == 1 and use[0].name == "get_weather" and use[0].id.startswith("toolu_")
+    assert set(use[0].input) == {"city"} and isinstance(use[0].input["city"], str)
+    with a.messages.stream(model=keyed.model(), max_tokens=40, messages=ask, tools=[WEATHER],
+                           tool_choice=ONE_CALL, extra_body=GREEDY) as stream:
+        final = stream.get_final_message()
+    streamed = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in streamed] == [(use[0].name, use[0].input)]
+    back = a.messages.create(model=keyed.model(), max_tokens=4, tools=[WEATHER],
+                             extra_body=GREEDY, messages=[
+        *ask, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                      "content": "18 C and sunny"}]}])
+    # the oracle: the same conversation through the chat endpoint, OpenAI-shaped
+    ref = keyed.client().chat.completions.create(
+        model=keyed.model(), max_tokens=4, temperature=0, tools=[{"type": "function",
+        "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                     "parameters": WEATHER["input_schema"]}}], messages=[
+            *ask, {"role": "assistant", "content": "".join(
+                b.text for b in m.content if b.type == "text"), "tool_calls": [
+                {"id": use[0].id, "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.dumps(use[0].input)}}]},
+            {"role": "tool", "tool_call_id": use[0].id, "content": "18 C and sunny"}])
+    assert back.usage.input_tokens == ref.usage.prompt_tokens > m.usage.input_tokens
+    assert "".join(b.text for b in back.content if b.type == "text") == \
+        (ref.choices[0].message.content or "")
+
+
 def test_responses_text_and_stream_equal_chat(keyed):
     want = greedy_chat(keyed, 5).choices[0].message.content  # cut: the answer is longer
     c = keyed.client()
@@ -223,6 +314,46 @@ def test_responses_text_and_stream_equal_chat(keyed):
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model=keyed.model(), input=QUESTION, store=True)
     assert "store" in str(e.value)
+
+
+def test_responses_function_call_streamed_and_not_and_its_output_fed_back(keyed):
+    pytest.importorskip("llguidance")
+    c = keyed.client()
+    fn = {"type": "function", "name": WEATHER["name"], "description": WEATHER["description"],
+          "parameters": WEATHER["input_schema"]}
+    ask = "What is the weather in Paris?"
+    r = c.responses.create(model=keyed.model(), input=ask, tools=[fn], tool_choice="required",
+                           parallel_tool_calls=False, max_output_tokens=40, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    args = json.loads(calls[0].arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    events = list(c.responses.create(model=keyed.model(), input=ask, tools=[fn],
+                                     tool_choice="required", parallel_tool_calls=False,
+                                     max_output_tokens=40,
+                                     temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(d.type, d.name, d.arguments) for d in done if d.type == "function_call"] == \
+        [("function_call", "get_weather", calls[0].arguments)]
+    assert events[-1].type == "response.completed"
+    back = c.responses.create(model=keyed.model(), max_output_tokens=4, temperature=0,
+                              tools=[fn], input=[
+        {"role": "user", "content": ask},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+         "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id,
+         "output": "18 C and sunny"}])
+    ref = c.chat.completions.create(
+        model=keyed.model(), max_tokens=4, temperature=0, tools=[{"type": "function",
+        "function": {k: fn[k] for k in ("name", "description", "parameters")}}], messages=[
+            {"role": "user", "content": ask},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": calls[0].call_id, "type": "function", "function": {
+                    "name": "get_weather", "arguments": calls[0].arguments}}]},
+            {"role": "tool", "tool_call_id": calls[0].call_id, "content": "18 C and sunny"}])
+    assert back.usage.input_tokens == ref.usage.prompt_tokens
+    assert back.output_text == (ref.choices[0].message.content or "")
 
 
 def _chromium():
