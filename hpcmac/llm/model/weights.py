@@ -422,8 +422,10 @@ class SafetensorsCheckpoint:
         return as_float(self.get_weight(name))
 
     def get_weight(self, name: str):
-        """The tensor as stored: a QuantTensor when MLX-quantized, else float32 (MXFP4
-        decoded)."""
+        """The tensor as stored: a QuantTensor when quantized in a form we keep (MLX
+        affine or mxfp4, FP8 with block scales, compressed-tensors integers), else float32
+        (gpt-oss's MXFP4 experts decoded, in their canonical layout: see
+        :meth:`get_weight_t` for them kept 4-bit)."""
         if name in self._mxfp4:
             return self._mxfp4_get(name)
         if self.is_quantized(name):
