@@ -172,6 +172,7 @@ def test_pipeline_samples_the_target_distribution(tiny16, kind):
     assert chi2_p(full, exact.ravel()) > ALPHA
 
 
+@pytest.mark.slow  # the rule's own control above is the cheap one
 def test_pipeline_check_fails_on_a_wrong_rule(tiny16, monkeypatch):
     """The same test, the draft model's distributions replaced by uniform ones before
     the verifier: the check rejects it."""
