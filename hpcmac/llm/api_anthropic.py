@@ -238,7 +238,8 @@ def routes(gw) -> list:
         def message(content: list, reason, seq, out_tokens: int) -> dict:
             return {"id": mid, "type": "message", "role": "assistant", "model": cfg.model_id,
                     "content": content, "stop_reason": reason, "stop_sequence": seq,
-                    "usage": {"input_tokens": len(ids), "output_tokens": out_tokens}}
+                    "usage": {"input_tokens": len(ids), "output_tokens": out_tokens,
+                              "cache_read_input_tokens": run.cached_tokens}}
 
         if p.stream:
             def event(kind: str, data: dict) -> str:

@@ -224,7 +224,7 @@ def routes(gw) -> list:
             if status != "in_progress":
                 u = run.usage()
                 usage = {"input_tokens": u["prompt_tokens"],
-                         "input_tokens_details": {"cached_tokens": 0},
+                         "input_tokens_details": {"cached_tokens": run.cached_tokens},
                          "output_tokens": u["completion_tokens"],
                          "output_tokens_details": {"reasoning_tokens": 0},
                          "total_tokens": u["total_tokens"]}

@@ -38,6 +38,8 @@ class ServeMetrics:
                                      "requests that ran", registry=r)
         self.completion_tokens = Counter("hpcmac_completion_tokens", "tokens generated",
                                          registry=r)
+        self.cached_tokens = Counter("hpcmac_prompt_cached_tokens", "prompt tokens reused "
+                                     "from the prefix cache", registry=r)
         self.finishes = Counter("hpcmac_finished", "generations ended, by reason",
                                 ["reason"], registry=r)
         self.ttft = Histogram("hpcmac_time_to_first_token_seconds", "submit to first "
@@ -62,6 +64,7 @@ class ServeMetrics:
     def finished(self, run, cancelled: bool = False) -> None:
         self.prompt_tokens.inc(len(run.prompt))
         self.completion_tokens.inc(len(run.ids))
+        self.cached_tokens.inc(run.cached_tokens)
         self.finishes.labels("cancelled" if cancelled else run.reason or "?").inc()
 
     def answered(self, endpoint: str, status: int) -> None:
@@ -97,6 +100,7 @@ class ServeMetrics:
                 "requests": reqs, "waiting": waiting, "running": running, "slots": slots,
                 "kv_tokens": kv, "kv_capacity": slots * context,
                 "prompt_tokens": _value(self.prompt_tokens),
+                "cached_tokens": _value(self.cached_tokens),
                 "completion_tokens": _value(self.completion_tokens),
                 "tok_s_10s": sum(n for _, n in hist[-11:-1]) / 10.0,
                 "ttft_mean_s": _mean(self.ttft), "itl_mean_s": _mean(self.itl),
@@ -119,6 +123,29 @@ def _mean(hist) -> float | None:
     got = {s.name.rsplit("_", 1)[-1]: s.value for m in hist.collect() for s in m.samples
            if not s.labels}
     return got["sum"] / got["count"] if got.get("count") else None
+
+
+def _prefix(index):
+    """The prefix cache's figures (:meth:`~hpcmac.llm.parallel.prefix.PrefixIndex.stats`,
+    read between the scheduler's steps' updates: plain numbers), if there is one."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if index is None:
+        return
+    st = index.stats()
+    for name, doc, key in (
+            ("hpcmac_prefix_cache_blocks", "KV blocks the prefix cache holds", "blocks"),
+            ("hpcmac_prefix_cache_capacity_blocks", "blocks it may hold", "capacity_blocks"),
+            ("hpcmac_prefix_cache_bytes", "bytes its blocks take", "bytes_used"),
+            ("hpcmac_prefix_cache_capacity_bytes", "bytes it may take", "capacity_bytes")):
+        yield GaugeMetricFamily(name, doc, value=st[key])
+    for name, doc, key in (
+            ("hpcmac_prefix_cache_lookups", "prompts looked up", "lookups"),
+            ("hpcmac_prefix_cache_hits", "prompts that reused blocks", "hits"),
+            ("hpcmac_prefix_cache_tokens_reused", "prompt tokens not prefilled again",
+             "tokens_reused"),
+            ("hpcmac_prefix_cache_evictions", "blocks evicted", "evictions")):
+        yield CounterMetricFamily(name, doc, value=st[key])
 
 
 class _Live:
@@ -154,6 +181,7 @@ class _Live:
                 busy_s.add_metric(lab, row["busy_s"])
         yield busy
         yield busy_s
+        yield from _prefix(getattr(m.source, "prefix", None))
         pl = ops.placement
         if pl is None:
             return

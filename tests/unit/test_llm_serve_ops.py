@@ -162,6 +162,11 @@ def test_metrics_move_by_exactly_the_requests_sent(keyed):
     assert delta(after, before, "hpcmac_completion_tokens_total") == \
         sum(u.completion_tokens for u in usages) + m.usage.output_tokens
     assert delta(after, before, "hpcmac_time_to_first_token_seconds_count") == 4
+    # prompt tokens the prefix cache gave back: the sum of what each answer reported
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages) + \
+        m.usage.cache_read_input_tokens
+    assert delta(after, before, "hpcmac_prompt_cached_tokens_total") == cached > 0
+    assert after[("hpcmac_prefix_cache_blocks", ())] > 0
     assert delta(after, before, "hpcmac_inter_token_latency_seconds_count") == \
         sum(u.completion_tokens - 1 for u in usages) + m.usage.output_tokens - 1
     assert after[("hpcmac_slots", ())] == 16
