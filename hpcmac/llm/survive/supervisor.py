@@ -363,10 +363,13 @@ class Supervisor:
         ssh = [self.args.agent] if self.args.agent else \
             shlex.split("ssh -o BatchMode=yes -o ConnectTimeout=5")
         python = doctor.python_paths(hf)
-        checks = doctor.evaluate(hf, doctor.collect(hf, ssh, python, timeout=10), python)
+        reports = doctor.collect(hf, ssh, python, timeout=10)
+        checks = doctor.evaluate(hf, reports, python)
         bad = {c.host for c in checks if not c.ok and c.item in ("ssh", "python")}
         links = [c for c in checks if c.item.startswith("link")]
-        if any(c.ok for c in links):  # else the pings say nothing (no ping tool?)
+        pinged = [text for rep in reports.values() if isinstance(rep, dict)
+                  for key, text in rep.items() if key.startswith("ping ")]
+        if any("not found" not in text for text in pinged):  # else no ping tool: no verdict
             for n in names:
                 mine = [c for c in links if c.host == n]
                 if mine and all(not c.ok for c in mine):
