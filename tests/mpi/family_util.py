@@ -112,6 +112,23 @@ def run(path, tp, prompts, n_new=N_NEW, group=None, chunk=3, **kw):
                                prefill_chunk=chunk, **kw)
 
 
+def check_together(label: str, case, chunk: int, max_batch: int) -> None:
+    """Collective: the case's prompts prefilled in chunks of ``chunk`` tokens and decoded
+    together in ``max_batch`` cache slots (a later prompt in a slot an earlier one freed),
+    tensor parallel over all ranks: each sequence's tokens as transformers gives for it
+    alone, logits within 1e-4 of the largest."""
+    g = world()
+    path, prompts, ref = case
+    res = run(path, g.size, prompts, chunk=chunk, max_batch=max_batch)
+    for i, (toks, logits) in enumerate(ref):
+        s = res.seqs[i]
+        parallel_assert(s.tokens == toks, f"{label} np={g.size} seq {i}: {s.tokens} != {toks}",
+                        g)
+        err = float(np.max(np.abs(np.array(s.logits) - logits)))
+        parallel_assert(err <= 1e-4 * float(np.max(np.abs(logits))),
+                        f"{label} np={g.size} seq {i}: logits differ by {err:.3g}", g)
+
+
 def check_case(label: str, case) -> None:
     """Collective: one case in every layout this rank count has, against transformers
     (at four ranks also tensor 3 on ranks 0-2: shares the rank counts of two do not

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from family_util import N_NEW, check_case, run, write_cases
+from family_util import N_NEW, check_case, check_together, write_cases
 
 from hpcmac.errors import UsageError
-from hpcmac.testing import parallel_assert, world
+from hpcmac.testing import world
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
@@ -72,15 +72,7 @@ def test_long_prompt_chunked_then_decoded_together(long_case):
     together in two cache slots (the 41-token one in a slot freed by another), tensor
     parallel over all ranks: each sequence's tokens as transformers gives for it alone,
     logits within 1e-4 of the largest."""
-    g = world()
-    path, prompts, ref = long_case
-    res = run(path, g.size, prompts, chunk=100, max_batch=2)
-    for i, (toks, logits) in enumerate(ref):
-        s = res.seqs[i]
-        parallel_assert(s.tokens == toks, f"np={g.size} seq {i}: {s.tokens} != {toks}", g)
-        err = float(np.max(np.abs(np.array(s.logits) - logits)))
-        parallel_assert(err <= 1e-4 * float(np.max(np.abs(logits))),
-                        f"np={g.size} seq {i}: logits differ by {err:.3g}", g)
+    check_together("qwen3_next long", long_case, chunk=100, max_batch=2)
 
 
 def test_snapshot_restores_a_slot(checkpoints):

@@ -12,6 +12,10 @@ backend (:mod:`hpcmac.llm.model.linear_attention`). A sequence at position 0 sta
 zero states; :meth:`KVCache.snapshot` / :meth:`KVCache.restore` copy one slot's states out
 and back (a prefix cache needs them at its block boundaries).
 
+A latent-attention layer with DeepSeek-V3.2's lightning indexer also keeps the indexer's key
+per token, :attr:`KVCache.index` (slots, max_len, index_head_dim), numpy float32 on either
+backend, saved and loaded with the prefix blocks.
+
 All values are local to a rank: each pipeline stage holds only its own layers.
 
 Prefix blocks (:mod:`hpcmac.llm.parallel.prefix`): a rank also keeps copies of runs of
@@ -52,11 +56,14 @@ class KVBlock:
     k: list
     v: list
     state: list | None = None
+    #: per layer, the indexer keys of those tokens (None for a layer without an indexer)
+    index: list | None = None
 
     @property
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
-                   + sum(getattr(a, "nbytes", 0) for a in self.state or ()))
+                   + sum(getattr(a, "nbytes", 0) for a in self.state or ())
+                   + sum(getattr(a, "nbytes", 0) for a in self.index or ()))
 
 
 def _has_state(layer) -> bool:
@@ -97,7 +104,13 @@ class KVCache:
         #: the local indices of the layers with recurrent states
         self.recurrent: list[int] = []
         self.k, self.v = [], []
+        #: per layer, the lightning indexer's key cache (None: the layer has no indexer)
+        self.index: list = [None] * n
         for j in range(n):
+            dim = getattr(getattr(blocks[j], "attention", None), "index_dim", None) \
+                if blocks else None
+            if dim is not None:
+                self.index[j] = np.zeros((max_slots, max_len, dim(cfg)), dtype=np.float32)
             if blocks and _has_state(blocks[j]):
                 conv, state = blocks[j].attention.state_shapes(cfg)
                 self.recurrent.append(j)
@@ -112,8 +125,8 @@ class KVCache:
         """Bytes one token takes in one layer of a cache for ``cfg`` (a rank's local
         config under tensor parallelism: its KV heads), on average over the model's
         layers: a linear-attention layer's state does not grow (:meth:`state_bytes`)."""
-        if cfg.mla:  # the latent and the shared rotary key
-            return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        if cfg.mla:  # the latent and the shared rotary key (and the indexer's key)
+            return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim)
         full = 4 * 2 * cfg.n_kv_heads * cfg.head_dim
         n_linear = sum(cfg.is_linear(i) for i in range(cfg.n_layers))
         if not n_linear:
@@ -131,7 +144,8 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by this cache (all layers, all slots)."""
-        return int(sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v))
+        return int(sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+                   + sum(a.nbytes for a in self.index if a is not None))
 
     def free(self, slot: int) -> None:
         """Forget the sequence in ``slot`` so a new one can use it (its recurrent states
@@ -174,7 +188,11 @@ class KVCache:
         self._no_states()
         be = self.backend
         take = lambda a: np.array(be.to_numpy(self._tokens(a, slot, start, start + n)))  # noqa: E731
-        self.blocks[bid] = KVBlock(n, [take(a) for a in self.k], [take(a) for a in self.v])
+        index = None
+        if any(a is not None for a in self.index):
+            index = [None if a is None else a[slot, start:start + n].copy() for a in self.index]
+        self.blocks[bid] = KVBlock(n, [take(a) for a in self.k], [take(a) for a in self.v],
+                                   index=index)
 
     def load(self, slot: int, bids) -> None:
         """Write blocks ``bids`` one after another into ``slot`` from position 0; the
@@ -191,6 +209,9 @@ class KVCache:
                         a[slot, pos:pos + blk.n] = be.asarray(part)
                     else:
                         a[slot, :, pos:pos + blk.n] = be.asarray(part)
+            for a, part in zip(self.index, blk.index or ()):
+                if a is not None:
+                    a[slot, pos:pos + blk.n] = part
             pos += blk.n
         self.lengths[slot] = pos
 

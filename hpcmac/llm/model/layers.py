@@ -189,23 +189,31 @@ def _attention_per_sequence(be, xp, q, k, v, seqs, ck, cv, g: int, window: int =
     return outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=0)
 
 
-def latent_attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cpe, cos, sin, scale: float):
+def latent_attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cpe, cos, sin, scale: float,
+                     ci=None):
     """DeepSeek-V3 multi-head latent attention over the compressed cache.
 
     The cache holds the normalised latent ``c`` (kv_lora_rank) and the shared
     rotary key per token. The key/value up-projection is absorbed into the
     query and the output (``q_nope W_uk`` and ``(p c) W_uv``), so decode never
     expands the cache to per-head keys.
+
+    ``ci``: the lightning indexer's key cache (slots, max_len, index_head_dim), numpy
+    (DeepSeek-V3.2, weights ``ix_*``): each query then sees only the keys
+    :func:`index_keep` selects.
     """
     xp = be.xp
     T = x.shape[0]
     H, nope, rd, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     vd = cfg.v_head_dim
+    keep = [None] * len(seqs)
     if "wq" in w:
         q = be.linear(x, w["wq"])
     else:
-        q = be.linear(be.rms_norm(be.linear(x, w["wq_a"]), w["q_a_norm"], cfg.norm_eps),
-                      w["wq_b"])
+        q_resid = be.rms_norm(be.linear(x, w["wq_a"]), w["q_a_norm"], cfg.norm_eps)
+        if ci is not None:
+            keep = index_keep(be, cfg, w, x, q_resid, seqs, ci, cos, sin)
+        q = be.linear(q_resid, w["wq_b"])
     q = q.reshape(T, H, nope + rd)
     kv = be.linear(x, w["wkv_a"])  # (T, r + rd)
     c = be.rms_norm(kv[:, :r], w["kv_a_norm"], cfg.norm_eps)
@@ -214,20 +222,65 @@ def latent_attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cpe, cos, sin, 
     q_lat = q[..., :nope].transpose(1, 0, 2) @ w["w_uk"]  # (H, T, r)
     q_lat, q_pe = q_lat * scale, q_pe * scale
     outs = []
-    for slot, off, n, pos in seqs:
+    for (slot, off, n, pos), kp in zip(seqs, keep):
         L = pos + n
         be.set(ck, (slot, slice(pos, L)), c[off:off + n])
         be.set(cpe, (slot, slice(pos, L)), k_pe[off:off + n])
         C = ck[slot, :L]  # (L, r)
         P = cpe[slot, :L]  # (L, rd)
         s = q_lat[:, off:off + n] @ C.T + q_pe[:, off:off + n] @ P.T  # (H, n, L)
-        if n > 1:
+        if kp is not None:  # the indexer's top-k (causal already)
+            s = be.where(be.asarray(kp)[None], s, NEG_INF)
+        elif n > 1:
             s = be.where(_causal_mask(pos, n, L)[None], s, NEG_INF)
         p = be.softmax(s)
         o = (p @ C) @ w["w_uv_t"]  # (H, n, vd)
         outs.append(o.transpose(1, 0, 2).reshape(n, H * vd))
     o = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=0)
     return be.linear(o, w["wo"])
+
+
+def index_keep(be, cfg: ModelConfig, w: dict, x, q_resid, seqs, ci, cos, sin) -> list:
+    """DeepSeek-V3.2's lightning indexer: per sequence, the (n, L) mask of the keys each
+    new query attends to (None: every causal key, as when the sequence holds at most
+    ``index_topk`` tokens); appends the new tokens' indexer keys to ``ci``.
+
+    Query ``q = wq_b q_resid`` (index heads of ``index_head_dim``), key
+    ``k = LayerNorm(wk x)`` (eps 1e-6, weight and bias), both rotated on their first
+    ``qk_rope_head_dim`` dimensions by halves (not interleaved, unlike the MLA's rope); a
+    key's score is ``sum_h wts_h relu(q_h . k) / sqrt(index_head_dim)`` with
+    ``wts = weights_proj x / sqrt(index_n_heads)``; each query keeps the ``index_topk``
+    causal keys of highest score. Numpy float32 on either backend (ties broken by
+    ``argpartition``; the release's Hadamard rotation and FP8 scoring are dropped, as
+    transformers drops them: the rotation keeps dot products).
+    """
+    T = x.shape[0]
+    Hi, di, topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    xp = be.xp
+    q = apply_rope(be.linear(q_resid, w["ix_wq"]).reshape(T, Hi, di), cos, sin, False, xp)
+    k = be.to_numpy(be.linear(x, w["ix_wk"]))  # (T, di)
+    mu = k.mean(axis=-1, keepdims=True)
+    var = ((k - mu) ** 2).mean(axis=-1, keepdims=True)
+    k = (k - mu) / np.sqrt(var + np.float32(1e-6)) * w["ix_norm_w"] + w["ix_norm_b"]
+    k = be.to_numpy(apply_rope(be.asarray(k.reshape(T, 1, di)), cos, sin, False, xp))[:, 0]
+    q = be.to_numpy(q)  # (T, Hi, di)
+    wts = be.to_numpy(be.linear(x, w["ix_wts"])) * np.float32(Hi ** -0.5)  # (T, Hi)
+    out = []
+    for slot, off, n, pos in seqs:
+        L = pos + n
+        ci[slot, pos:L] = k[off:off + n]
+        if L <= topk:
+            out.append(None)
+            continue
+        s = np.maximum(q[off:off + n] @ ci[slot, :L].T, 0) * np.float32(di ** -0.5)  # (n, Hi, L)
+        score = (wts[off:off + n, None, :] @ s)[:, 0]  # (n, L)
+        causal = _causal_mask(pos, n, L)
+        score = np.where(causal, score, NEG_INF)
+        top = np.argpartition(-score, topk - 1, axis=-1)[:, :topk]  # (n, topk)
+        kp = np.zeros((n, L), dtype=bool)
+        np.put_along_axis(kp, top, True, axis=-1)
+        out.append(kp & causal)
+    return out
 
 
 def mlp(be, w: dict, x, pre: str = ""):

@@ -159,7 +159,7 @@ class Stage:
         cfg = self.local  # this rank's heads (all of them on one rank)
         step = Step(seqs, cos, sin, self._scale, self._sum)
         for j, (layer, w) in enumerate(zip(self._blocks, self.layers)):
-            x = layer.forward(be, cfg, w, x, step, cache.k[j], cache.v[j])
+            x = layer.forward(be, cfg, w, x, step, cache.k[j], cache.v[j], cache.index[j])
         be.eval(x, *cache.k, *cache.v)
         for slot, _, n, pos in seqs:
             cache.lengths[slot] = pos + n

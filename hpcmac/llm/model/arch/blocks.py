@@ -10,7 +10,8 @@ tensor parallelism are summed by ``step.sum``, which the stage provides.
 
 Blocks: :class:`GQA` (MHA/GQA/MQA, optional Q/K/V and output biases, optional
 per-head Q/K RMSNorm, optional attention sinks and sliding window), :class:`MLA`
-(multi-head latent attention, absorbed up-projection), :class:`GatedDeltaNet` (linear
+(multi-head latent attention, absorbed up-projection), :class:`IndexedMLA` (MLA with
+DeepSeek-V3.2's top-k lightning indexer), :class:`GatedDeltaNet` (linear
 attention with a per-sequence recurrent state), :class:`MLP` (SwiGLU, optional
 biases), :class:`MoE` (routed experts with a router, optional correction bias,
 optional shared experts), :class:`InterleavedMoE` (gpt-oss's experts: interleaved
@@ -189,9 +190,46 @@ class MLA:
         w["w_uv_t"] = be.asarray(kvb[:, nope:, :].transpose(0, 2, 1))  # (H, r, vd)
         w["wo"] = ld.w(a + "o_proj.weight")
 
-    def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv):
+    def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv, ci=None):
         return layers.latent_attention(be, cfg, w, x, step.seqs, ck, cv, step.cos, step.sin,
-                                       step.scale)
+                                       step.scale, ci)
+
+
+class IndexedMLA(MLA):
+    """:class:`MLA` with DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): each
+    query attends only to the ``cfg.index_topk`` cached tokens the indexer scores highest
+    (numerics: :func:`~hpcmac.llm.model.layers.index_keep`). The indexer's query comes from
+    the Q LoRA (``q_lora_rank`` required), its key is ``LayerNorm(wk x)`` (``index_head_dim``),
+    cached per token beside the latent (:meth:`index_dim`).
+
+    Under tensor parallelism the indexer (small: ``index_n_heads * index_head_dim`` rows) is
+    replicated, not split: every tensor rank computes the same top-k for its own heads.
+    """
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D, Hi, di = cfg.hidden, cfg.index_n_heads, cfg.index_head_dim
+        a = "self_attn.indexer."
+        return super().tensors(cfg, i) + [
+            tensor(i, a + "wq_b.weight", "indexer.attn_q_b.weight", (Hi * di, cfg.q_lora_rank),
+                   "matrix"),
+            tensor(i, a + "wk.weight", "indexer.attn_k.weight", (di, D), "matrix"),
+            tensor(i, a + "k_norm.weight", "indexer.k_norm.weight", (di,), "vector"),
+            tensor(i, a + "k_norm.bias", "indexer.k_norm.bias", (di,), "vector"),
+            tensor(i, a + "weights_proj.weight", "indexer.proj.weight", (Hi, D), "matrix")]
+
+    def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
+        super().load(ld, cfg, i, w)
+        a = _p(i) + "self_attn.indexer."
+        w["ix_wq"] = ld.w(a + "wq_b.weight")
+        w["ix_wk"] = ld.w(a + "wk.weight")
+        w["ix_norm_w"] = ld.np(a + "k_norm.weight")
+        w["ix_norm_b"] = ld.np(a + "k_norm.bias")
+        w["ix_wts"] = ld.w(a + "weights_proj.weight")
+
+    @staticmethod
+    def index_dim(cfg: ModelConfig) -> int:
+        """Width of the indexer's key cached per token (numpy float32 on either backend)."""
+        return cfg.index_head_dim
 
 
 @dataclass(frozen=True)
@@ -454,9 +492,12 @@ class Layer:
         self.ffn.load(ld, cfg, i, w)
         return w
 
-    def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv):
+    def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv, ci=None):
+        """``ci``: the layer's third cache array where its attention keeps one (the
+        indexer's keys of :class:`IndexedMLA`), else None."""
+        caches = (ck, cv) if ci is None else (ck, cv, ci)
         a = self.attention.forward(be, cfg, w, be.rms_norm(x, w["ln1"], cfg.norm_eps), step,
-                                   ck, cv)
+                                   *caches)
         x = x + step.sum(a)
         y = be.rms_norm(x, w["ln2"], cfg.norm_eps)
         return x + step.sum(self.ffn.forward(be, cfg, w, y))

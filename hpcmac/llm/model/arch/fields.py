@@ -66,6 +66,10 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
+    # DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention; 0: none)
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     # Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): layer_types "linear_attention"
     linear_k_heads: int = 0
     linear_v_heads: int = 0
@@ -92,7 +96,8 @@ class ModelConfig:
                      "n_shared_experts", "first_k_dense", "sliding_window", "kv_lora_rank",
                      "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                      "shared_intermediate", "linear_k_heads", "linear_v_heads", "linear_k_dim",
-                     "linear_v_dim", "linear_conv_kernel"):
+                     "linear_v_dim", "linear_conv_kernel", "index_n_heads", "index_head_dim",
+                     "index_topk"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 31:
                 raise UsageError(f"{where}: {name} = {v!r}: expected an integer from 0 to 2^31")
