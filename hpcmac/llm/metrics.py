@@ -148,6 +148,28 @@ def _prefix(index):
         yield CounterMetricFamily(name, doc, value=st[key])
 
 
+def _recoveries(source):
+    """The survive front's recoveries (:meth:`~hpcmac.llm.survive.front.FrontSource.
+    recovery_stats`), if this server is one."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    fn = getattr(source, "recovery_stats", None)
+    if fn is None:
+        return
+    st = fn()
+    for name, doc, key in (
+            ("hpcmac_recoveries", "lost jobs replaced (and re-admissions)", "count"),
+            ("hpcmac_recovery_seconds", "seconds from each loss to the new job up", "seconds"),
+            ("hpcmac_resumed_requests", "requests resubmitted with their tokens so far",
+             "resumed")):
+        yield CounterMetricFamily(name, doc, value=st[key])
+    for name, doc, key in (
+            ("hpcmac_recovery_last_seconds", "the last recovery's seconds", "last_seconds"),
+            ("hpcmac_hosts_lost", "hosts dropped and not readmitted", "hosts_lost"),
+            ("hpcmac_degraded", "1 while degraded or unable to serve", "degraded")):
+        yield GaugeMetricFamily(name, doc, value=st[key])
+
+
 class _Live:
     """The figures read at scrape time: queue, slots, KV cache, ranks, placement."""
 
@@ -182,6 +204,7 @@ class _Live:
         yield busy
         yield busy_s
         yield from _prefix(getattr(m.source, "prefix", None))
+        yield from _recoveries(m.source)
         pl = ops.placement
         if pl is None:
             return

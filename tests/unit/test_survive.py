@@ -10,6 +10,7 @@ recovery, and SIGTERM to the front leaves nothing running.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -211,6 +212,7 @@ def test_a_killed_rank_pauses_the_streams_and_they_finish_as_without_it(tmp_path
     pytest.importorskip("openai")
     pytest.importorskip("starlette")
     sys.path.insert(0, str(Path(__file__).parent))
+    import httpx
     from survive_front import PROMPTS, Front, rank_pids
 
     hostfile = tmp_path / "local.json"
@@ -248,6 +250,9 @@ def test_a_killed_rank_pauses_the_streams_and_they_finish_as_without_it(tmp_path
         print(f"recovery: {last['seconds']:.2f} s (reload {last['reload_s']:.2f} s, "
               f"{last['reload_s_per_gb']:.1f} s/GiB); streams done "
               f"{time.monotonic() - t0:.1f} s after they began")
+        if importlib.util.find_spec("prometheus_client"):  # /metrics counts it too
+            text = httpx.get(f.url + "/metrics", timeout=10).text
+            assert "hpcmac_recoveries_total 1.0" in text and "hpcmac_degraded 0.0" in text
         after = rank_pids(f.tag)
         assert set(after) == {0, 1} and not set(after.values()) & set(before.values())
         # a seeded sampled stream keeps its draws across a kill too

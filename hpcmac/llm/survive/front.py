@@ -72,6 +72,7 @@ class FrontSource:
         self.resumed = 0  # requests resubmitted to a new job, all recoveries together
         self._t_attach: float | None = None  # a recovery's first token is not back yet
         self.on_readmit = None  # the supervisor's: host -> (body, status)
+        self.lost_hosts = None  # the supervisor's: () -> the hosts out now
 
     # -- the HTTP side (build_app) --------------------------------------------------------
     def submit(self, req: LiveRequest) -> int:
@@ -129,6 +130,17 @@ class FrontSource:
                 body["error"] = self.refusal or self.error or "not running"
                 return body, 503
             return body, 200 if self.state in ("ok", "degraded") else 503
+
+    def recovery_stats(self) -> dict:
+        """/metrics (hpcmac.llm.metrics): recoveries, their seconds, what is lost."""
+        with self._lock:
+            secs = [r["seconds"] for r in self.recoveries]
+            lost = {h for r in self.recoveries for h in r.get("lost", ())}
+            return {"count": len(secs), "seconds": float(sum(secs)),
+                    "resumed": self.resumed, "last_seconds": secs[-1] if secs else 0.0,
+                    "hosts_lost": len(self.lost_hosts()) if self.lost_hosts is not None
+                    else len(lost),
+                    "degraded": int(self.state != "ok" or bool(self.refusal))}
 
     # -- the job side (the supervisor) ----------------------------------------------------
     def attach(self, conn: Conn, info: dict) -> int:

@@ -427,6 +427,7 @@ def run_survive(args, argv: list[str]) -> int:
     source = FrontSource(capacity=slots + args.queue)
     sup = Supervisor(args, argv, source, cfg, context, slots)
     source.on_readmit = sup.request_readmit
+    source.lost_hosts = lambda: list(sup.lost)
     alive = threading.Event()
     http = HttpThread(build_app(scfg, source, alive, Ops(api_key=api_key_of(args),
                                                          cors=cors_of(args), slots=slots)),
