@@ -139,3 +139,27 @@ def test_a_family_with_recurrent_state_gets_no_prefix_cache():
     assert cache.recurrent
     with pytest.raises(RuntimeError, match="recurrent states"):
         cache.save(0, 0, 4, 0)
+
+
+def test_indexer_keys_are_counted_and_travel_with_prefix_blocks():
+    """DeepSeek-V3.2's indexer key cache: counted per token (the planners' token_bytes is
+    the cache's bytes per slot, token and layer), and a prefix block saved from one slot
+    and loaded into another carries its indexer keys with the latent."""
+    from hpcmac.llm.model import arch
+    from hpcmac.llm.model.backend import get_backend
+    from hpcmac.llm.model.cache import KVCache
+
+    c = arch.config_from_hf({"model_type": "deepseek_v32",
+                             **arch.family("deepseek_v32", "").tiny})
+    cache = KVCache(c, 0, c.n_layers, 2, 8, get_backend("numpy"),
+                    [arch.layer(c, i) for i in range(c.n_layers)])
+    assert all(a is not None and a.shape == (2, 8, c.index_head_dim) for a in cache.index)
+    assert cache.nbytes == 2 * 8 * c.n_layers * KVCache.token_bytes(c)
+    rng = np.random.default_rng(0)
+    for a in cache.k + cache.v + cache.index:
+        a[0] = rng.standard_normal(a.shape[1:])
+    cache.save(0, 0, 4, 7)
+    cache.load(1, [7])
+    assert cache.lengths[1] == 4
+    for a in cache.k + cache.v + cache.index:
+        assert np.array_equal(a[1, :4], a[0, :4]) and not a[1, 4:].any()
