@@ -23,7 +23,7 @@ tokens alone.
 from __future__ import annotations
 
 import pytest
-from family_util import check_case, check_together, run, write_cases
+from family_util import N_NEW, check_case, check_together, run, write_cases
 
 from hpcmac.errors import UsageError
 from hpcmac.testing import parallel_assert, world
@@ -67,6 +67,36 @@ def test_long_prompt_chunked_then_decoded_together(long_case):
     decoded together in two cache slots (the 13-token one in a slot another freed), tensor
     parallel over all ranks: each sequence's tokens as transformers gives for it alone."""
     check_together("deepseek_v32 long", long_case, chunk=16, max_batch=2)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mlx_backend_and_planner(checkpoints, name):
+    """Rank 0: the MLX backend, the prompts together through the one-rank generator (one
+    packed prefill, then batched decode), gives transformers' tokens (up to an end token,
+    where the generator stops); the planners' count
+    (weights.stage_nbytes, from headers) is what the stage holds, whole and as tensor rank 1
+    of 2 (the indexer replicated)."""
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.generate import Generator
+    from hpcmac.llm.model.spec import make_shards
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.model.weights import stage_nbytes
+
+    g = world()
+    if g.rank == 0:
+        path, prompts, ref = checkpoints[name]
+        cfg = load_config(path)
+        n = cfg.n_layers
+        assert stage_nbytes(path, 0, n, True, True) == load_stage(path, 0, n).nbytes
+        shard = make_shards(cfg, [1.0, 1.0])[1]
+        part = load_stage(path, 1, n, False, True, shard=shard, reduce=lambda a: a)
+        assert stage_nbytes(path, 1, n, False, True, shard=shard) == part.nbytes
+        pytest.importorskip("mlx.core")
+        b = Generator(load_stage(path, 0, n, backend="mlx"), max_len=64, max_slots=2)
+        eos = set(cfg.eos_token_ids)  # the generator stops there (transformers was told not to)
+        want = [next((t[:i + 1] for i, x in enumerate(t) if x in eos), t) for t, _ in ref]
+        assert [r.tokens for r in b.generate_batch(prompts, N_NEW)] == want
+    g.barrier()
 
 
 def test_sparsity_matters(checkpoints):
