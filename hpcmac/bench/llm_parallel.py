@@ -8,7 +8,8 @@ round, it measures on each layout one after the other (the other rank sleeps
 when only one computes), so that compared runs are seconds apart:
 
 * one sequence: decode tok/s (and prefill);
-* ``--batch 16`` sequences at once: aggregate decode tok/s;
+* ``--batch 16`` sequences at once: aggregate decode tok/s (``--batch 0``: none, the
+  1-sequence runs alone, all the planner's calibration test compares);
 * the memory bandwidth of 1 and 2 ranks streaming at once, in the same round:
   the ceiling of a 2-rank single stream is ``tok/s(1) x bw(2) / bw(1)``. It is
   measured two ways (``bench.llm_pipeline._Stream``): ``numpy.sum`` over an
@@ -51,6 +52,17 @@ from hpcmac.io.outputs import checked_output
 LAYOUTS = ("one rank", "pipeline 2", "tensor 2")
 
 
+def _count(text: str) -> int:
+    """``--batch``: a whole number >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hpcmac.errors import ArgumentParser
 
@@ -60,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'random' (bench.llm's 623 MB Llama), 'smollm2', or a model path")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new", type=int, default=32, help="tokens generated per sequence")
-    p.add_argument("--batch", type=int, default=16, help="sequences in the batched run")
+    p.add_argument("--batch", type=_count, default=16,
+                   help="sequences in the batched run (0: no batched run)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-load", action="store_true", help="skip the loaded run")
     p.add_argument("--stream-mib", type=int, default=256, help=argparse.SUPPRESS)
@@ -131,8 +144,9 @@ def worker(args) -> int:
     # loading freed memory: let the kernel's work on it end before measuring (bench.quiet)
     settle()
     sleeper.sync()
-    work = {"single": _prompts(cfg.vocab, 1, args.prompt_len, 1),
-            f"batch{args.batch}": _prompts(cfg.vocab, args.batch, args.prompt_len, 2)}
+    work = {"single": _prompts(cfg.vocab, 1, args.prompt_len, 1)}
+    if args.batch:
+        work[f"batch{args.batch}"] = _prompts(cfg.vocab, args.batch, args.prompt_len, 2)
     rows = {lay: {k: [] for k in work} for lay in LAYOUTS}
     bandwidth: dict[int, list[float]] = {1: [], 2: []}
     bw_matvec: dict[int, list[float]] = {1: [], 2: []}
@@ -232,22 +246,22 @@ def launch(args, model: str, out: str, loaded: bool) -> dict:
 def table(doc: dict, batch: int) -> str:
     res, bw = doc["results"], doc["mem_gb_s"]
     ref = res["one rank"]["single"]["decode_tok_s"]
-    refb = res["one rank"][f"batch{batch}"]["decode_tok_s"]
+    refb = res["one rank"][f"batch{batch}"]["decode_tok_s"] if batch else None
     bwr = bw["2"] / bw["1"]
     mv = doc.get("mem_gb_s_matvec")
     mvr = mv["2"] / mv["1"] if mv else None
     head = ["layout", "1 seq decode tok/s (x)", "of the ceiling",
-            "of the matvec ceiling", f"{batch} seqs agg tok/s (x)",
+            "of the matvec ceiling", f"{batch} seqs agg tok/s (x)" if batch else "no batch",
             "prefill tok/s", "CPU-bound x", "all-reduces/step", "bytes/token sent",
             "ms/all-reduce", "other cores"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for lay in LAYOUTS:
-        s, b = res[lay]["single"], res[lay][f"batch{batch}"]
+        s, b = res[lay]["single"], res[lay].get(f"batch{batch}")
         x = s["decode_tok_s"] / ref
         ceil = "" if lay == "one rank" else f"{x / bwr:.2f}"
         ceil_mv = "" if lay == "one rank" or not mvr else f"{x / mvr:.2f}"
         row = [lay, f"{s['decode_tok_s']:.1f} ({x:.2f}x)", ceil, ceil_mv,
-               f"{b['decode_tok_s']:.1f} ({b['decode_tok_s'] / refb:.2f}x)",
+               f"{b['decode_tok_s']:.1f} ({b['decode_tok_s'] / refb:.2f}x)" if b else "-",
                f"{s['prefill_tok_s']:.1f}",
                f"{res['one rank']['single']['cpu_s_per_token'] / s['cpu_s_per_token']:.2f}"]
         if "reduces_per_step" in s:

@@ -58,3 +58,20 @@ def test_small_run_end_to_end(tmp_path):
         assert rnd["single"][lay]["decode_tok_s"] > 0
     # consecutive runs share a reading: one's after is the next one's before
     assert rnd["read_gb_s"]["one rank"]["after"] == rnd["read_gb_s"]["pipeline 2"]["before"]
+
+
+def test_batch_zero_is_the_single_runs_alone_and_negative_a_usage_error():
+    """--batch 0 (the planner's calibration test) leaves the batched column empty; a
+    negative count is a usage error naming the flag."""
+    from hpcmac.bench.llm_parallel import LAYOUTS, build_parser, table
+    from hpcmac.errors import UsageError
+
+    assert build_parser().parse_args(["--batch", "0"]).batch == 0
+    with pytest.raises(UsageError, match=r"--batch: expected a whole number >= 0, got '-1'"):
+        build_parser().parse_args(["--batch", "-1"])
+    row = {"decode_tok_s": 2.0, "prefill_tok_s": 5.0, "cpu_s_per_token": 0.5}
+    doc = {"results": {lay: {"single": dict(row)} for lay in LAYOUTS},
+           "mem_gb_s": {"1": 10.0, "2": 15.0}}
+    lines = table(doc, 0).splitlines()
+    assert len(lines) == 2 + len(LAYOUTS) + 1
+    assert all(line.split(" | ")[4] == "-" for line in lines[2:2 + len(LAYOUTS)]), lines

@@ -5,7 +5,8 @@ ranks (``python -m hpcmac.bench.comm --json``), the node (``calibrate``, once
 before and once after the runs, averaged), and ``python -m hpcmac.hpl`` on
 1 x 1 and 1 x 2, and single-sequence decode of ``bench.llm``'s model (a
 random float32 Llama of 623 MB) on one rank, a 2-stage pipeline and tensor 2
-(``python -m hpcmac.bench.llm_parallel``). The model, given only the measured
+(``python -m hpcmac.bench.llm_parallel --batch 0``: the 1-sequence runs alone, the
+only ones compared). The model, given only the measured
 inputs, must land within 20% of each measured rate. No number here is
 hard-coded. HPL runs between two calibrations; on a shared machine where the
 prediction from the calibration before the runs and from the one after differ
@@ -158,7 +159,7 @@ def measured(tmp_path_factory):
     best["tries"] = [a["moved"] for a in attempts]
     decode = tmp / "decode.json"
     mpirun(None, "-m", "hpcmac.bench.llm_parallel", "--model", str(model), "--no-load",
-           "--batch", "2", "--new", str(NEW), "--prompt-len", str(PROMPT),
+           "--batch", "0", "--new", str(NEW), "--prompt-len", str(PROMPT),
            "--repeats", str(ROUNDS), "--read-rates", "--json", str(decode), timeout=400)
     best["llm"] = json.loads(decode.read_text())["runs"]["quiet"]["rounds"]
     best["model"] = str(model)
