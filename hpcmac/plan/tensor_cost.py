@@ -52,13 +52,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpcmac.llm.parallel.tags import TAG_WAKE
+
 LAYERS = (2, 10)
 HIDDEN = 64
 PROMPT, NEW = 8, 32
 ROUNDS = 7
 SYNC_ROUNDS = 25
 LAYOUTS = ("one", "tensor", "pipeline")
-TAG_WAKE = 95
 
 
 def measure(timeout: float = 120.0) -> dict[str, float]:

@@ -23,7 +23,8 @@ from collections import deque
 
 import numpy as np
 
-TAG_BUSY = 73
+from hpcmac.llm.parallel.tags import TAG_BUSY
+
 #: seconds between two reports of one rank
 PERIOD_S = 1.0
 #: a report: (final?, busy seconds, CPU seconds, wall seconds since the run started)

@@ -76,10 +76,10 @@ from hpcmac.llm.parallel.link import Link, Watchdog
 from hpcmac.llm.parallel.plan import StageSpec
 from hpcmac.llm.parallel.prefix import BLOCK, ROOT, PrefixIndex
 from hpcmac.llm.parallel.results import PipelineResult, RankStats, SeqResult
+from hpcmac.llm.parallel.tags import TAG_FWD, TAG_LOGP, TAG_RET
 from hpcmac.llm.parallel.tensor import GATHER, MAXLOC, logit_rows
 
 FWD, CTRL, STOP, PING = 1, 2, 3, 4
-TAG_FWD, TAG_RET, TAG_LOGP = 71, 72, 73
 HDR = 4
 META = 5
 WIRE = np.int32  # header, meta and returned token ids

@@ -45,11 +45,11 @@ import numpy as np
 
 from hpcmac.comm.base import Group
 from hpcmac.llm.parallel.link import Watchdog
+from hpcmac.llm.parallel.tags import TAG_HEAD, TAG_STEP, TAG_SUM
 
 FWD, CTRL, STOP, PING = 1, 2, 3, 4
 GATHER, MAXLOC = 0, 1
 MASKED = 4  # a step header's mode flag: the sampled rows' grammar masks follow
-TAG_SUM, TAG_STEP, TAG_HEAD = 81, 82, 83
 META = 5
 
 
