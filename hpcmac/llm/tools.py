@@ -258,29 +258,38 @@ def _json_objects(text: str, sep: str) -> list | None:
         out.append(obj)
 
 
-def _hermes(region: str, spec) -> list | None:
+def _blocks(pattern: str, text: str, one) -> list | None:
+    """The calls of ``text`` when it is nothing but matches of ``pattern`` (whitespace
+    apart): each match's groups read by ``one`` into a call or a list of calls; None
+    when one of them is not a call, when there is none, or when anything else is left."""
     calls = []
-    for body in re.findall(r"<tool_call>(.*?)</tool_call>", region, re.S):
+    for groups in re.findall(pattern, text, re.S):
+        got = one(*groups) if isinstance(groups, tuple) else one(groups)
+        if got is None:
+            return None
+        calls += got if isinstance(got, list) else [got]
+    left = re.sub(pattern, "", text, flags=re.S)
+    return calls if calls and not left.strip() else None
+
+
+def _hermes(region: str, spec) -> list | None:
+    def one(body: str) -> dict | None:
         b = body.strip()
         m = re.fullmatch(r"<function=([^>\n]+)>(.*?)</function>", b, re.S)
         if m:
             name, props = m.group(1).strip(), _props(spec, m.group(1).strip())
             args = {k: _value(v.strip("\n"), props.get(k)) for k, v in
                     re.findall(r"<parameter=([^>\n]+)>(.*?)</parameter>", m.group(2), re.S)}
-            c = _call(name, args, spec)
-        else:
-            try:
-                obj = json.loads(b)
-            except ValueError:
-                return None
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return None
-            c = _call(obj["name"], obj.get("arguments", obj.get("parameters", {})), spec)
-        if c is None:
+            return _call(name, args, spec)
+        try:
+            obj = json.loads(b)
+        except ValueError:
             return None
-        calls.append(c)
-    rest = re.sub(r"<tool_call>.*?</tool_call>", "", region, flags=re.S)
-    return calls if calls and not rest.strip() else None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        return _call(obj["name"], obj.get("arguments", obj.get("parameters", {})), spec)
+
+    return _blocks(r"<tool_call>(.*?)</tool_call>", region, one)
 
 
 def _llama3(region: str, spec) -> list | None:
@@ -308,25 +317,19 @@ def _deepseek(region: str, spec) -> list | None:
     body = region.strip()
     if not body.startswith(calls_b):
         return None
-    body = body[len(calls_b):]
-    body = body[:-len(calls_e)] if body.rstrip().endswith(calls_e) else body
-    body = body.rstrip().removesuffix(calls_e)
-    calls = []
-    for item in re.findall(re.escape(b) + "(.*?)" + re.escape(e), body, re.S):
+
+    def one(item: str) -> dict | None:
         if sep not in item:
             return None
         head, tail = item.split(sep, 1)
         if head.strip() == "function" and "```" in tail:  # V3: function<sep>name\n```json
             name, _, rest = tail.partition("\n")
             m = re.search(r"```(?:json)?\s*(.*?)\s*```", rest, re.S)
-            c = _call(name.strip(), m.group(1) if m else "", spec)
-        else:
-            c = _call(head.strip(), tail.strip(), spec)
-        if c is None:
-            return None
-        calls.append(c)
-    rest = re.sub(re.escape(b) + ".*?" + re.escape(e), "", body, flags=re.S)
-    return calls if calls and not rest.strip() else None
+            return _call(name.strip(), m.group(1) if m else "", spec)
+        return _call(head.strip(), tail.strip(), spec)
+
+    body = body[len(calls_b):].rstrip().removesuffix(calls_e)
+    return _blocks(re.escape(b) + "(.*?)" + re.escape(e), body, one)
 
 
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
@@ -339,48 +342,40 @@ def _kimi(region: str, spec) -> list | None:
     if not body.startswith(sb):
         return None
     body = body[len(sb):].rstrip().removesuffix(se)
-    calls = []
     pat = re.escape(b) + r"\s*(.*?)\s*" + re.escape(a) + "(.*?)" + re.escape(e)
-    for ident, args in re.findall(pat, body, re.S):
-        name = ident.split(":")[0].removeprefix("functions.")
-        c = _call(name, args.strip(), spec)
-        if c is None:
-            return None
-        calls.append(c)
-    rest = re.sub(pat, "", body, flags=re.S)
-    return calls if calls and not rest.strip() else None
+    return _blocks(pat, body, lambda ident, args: _call(
+        ident.split(":")[0].removeprefix("functions."), args.strip(), spec))
 
 
 def _glm(region: str, spec) -> list | None:
-    calls = []
-    for body in re.findall(r"<tool_call>(.*?)</tool_call>", region, re.S):
+    def one(body: str) -> dict | None:
         name, _, rest = body.partition("<arg_key>")
         name = name.strip()
         props = _props(spec, name)
         pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
                            "<arg_key>" + rest if rest else "", re.S)
-        c = _call(name, {k.strip(): _value(v, props.get(k.strip())) for k, v in pairs}, spec)
-        if c is None:
-            return None
-        calls.append(c)
-    left = re.sub(r"<tool_call>.*?</tool_call>", "", region, flags=re.S)
-    return calls if calls and not left.strip() else None
+        return _call(name, {k.strip(): _value(v, props.get(k.strip())) for k, v in pairs}, spec)
+
+    return _blocks(r"<tool_call>(.*?)</tool_call>", region, one)
 
 
 def _minimax(region: str, spec) -> list | None:
-    calls = []
-    blocks = re.findall(r"<minimax:tool_call>(.*?)</minimax:tool_call>", region, re.S)
-    for block in blocks:
-        for name, inner in re.findall(r'<invoke name="([^"]+)">(.*?)</invoke>', block, re.S):
-            props = _props(spec, name)
-            args = {k: _value(v.strip("\n"), props.get(k)) for k, v in
-                    re.findall(r'<parameter name="([^"]+)">(.*?)</parameter>', inner, re.S)}
-            c = _call(name, args, spec)
+    def invoke(name: str, inner: str) -> dict | None:
+        props = _props(spec, name)
+        args = {k: _value(v.strip("\n"), props.get(k)) for k, v in
+                re.findall(r'<parameter name="([^"]+)">(.*?)</parameter>', inner, re.S)}
+        return _call(name, args, spec)
+
+    def block(text: str) -> list | None:  # a block may hold several invokes (or none)
+        calls = []
+        for name, inner in re.findall(r'<invoke name="([^"]+)">(.*?)</invoke>', text, re.S):
+            c = invoke(name, inner)
             if c is None:
                 return None
             calls.append(c)
-    left = re.sub(r"<minimax:tool_call>.*?</minimax:tool_call>", "", region, flags=re.S)
-    return calls if calls and not left.strip() else None
+        return calls
+
+    return _blocks(r"<minimax:tool_call>(.*?)</minimax:tool_call>", region, block)
 
 
 #: each family's first marker of a call region, and its parser of the region
