@@ -208,7 +208,9 @@ class ModelDrafter:
 def check_rewinds(path: str, cfg, flag: str) -> None:
     """UsageError unless the model's cache can drop rejected drafts: a linear-attention
     layer's recurrent state cannot go back to an earlier position."""
-    n = sum(bool(cfg.is_linear(i)) for i in range(cfg.n_layers))
+    from hpcmac.llm.model.cache import recurrent_layers
+
+    n = len(recurrent_layers(cfg))
     if n:
         raise UsageError(f"{flag} {path}: {n} of its {cfg.n_layers} layers are linear "
                          "attention, whose state cannot rewind past rejected draft tokens: "
