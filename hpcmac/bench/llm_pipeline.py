@@ -189,7 +189,7 @@ def worker(args) -> int:
         if world.rank < np_:  # a pipeline of np_ stages, by memory, as generate's
             cluster = gather_cluster(sub, hostfile)
             placement = agree_placement(sub, cfg, args.model, cluster, LayoutFlags(pp=np_),
-                                        kv_tokens=max_b * max_len)
+                                        kv_tokens=max_b * max_len, slots=max_b)
             pipes[np_] = bring_up(sub, placement, args.model, cfg, timeout=300.0)
         sleeper.sync()
 

@@ -250,7 +250,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     best = preds[0] if preds and preds[0].fits else None
     placement = agree_placement(
         group, cfg, args.model, cluster, LayoutFlags.of(args), kv_tokens=slots * shape[1],
-        sequences=len(reqs), quantize=args.quantize, group_size=args.q_group_size,
+        sequences=len(reqs), slots=slots, quantize=args.quantize, group_size=args.q_group_size,
         predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
     blocks, block_bytes, cache_line = agree_prefix_cache(group, cfg, placement,
                                                          args.prefix_cache_gb)

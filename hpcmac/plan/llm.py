@@ -166,10 +166,10 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
         if s == pp - 1:
             nbytes += shape.head * shape.bits / 8 / tp
             fl += 2.0 * shape.head * b / tp   # logits of the last token of each sequence
-        # KV cache read by attention: context tokens per sequence
+        # the cache read: context tokens per sequence by attention, the fixed states of
+        # linear attention
         if not prefill:
-            nbytes += (hi - lo) * b * case.context * shape.kv_per_token_layer * case.kv_bytes \
-                * share
+            nbytes += shape.cache_elements(lo, hi, b, case.context) * case.kv_bytes * share
         work = max(nbytes / bw, fl / flops)
         fixed = (hi - lo) * node_of[s].rates.layer_s
         link = _group_link(cluster, where, stages[s])
@@ -228,7 +228,7 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
             w += shape.embed * shape.bits / 8 / tp
         if s == pp - 1 and not (shape.tied and pp == 1):
             w += shape.head * shape.bits / 8 / tp
-        w += (hi - lo) * B * case.context * shape.kv_per_token_layer * case.kv_bytes * share
+        w += shape.cache_elements(lo, hi, B, case.context) * case.kv_bytes * share
         held.append(w)
     fits = all(h <= USABLE * m for h, m in zip(held, mem_rank))
     return LlmPrediction(

@@ -39,7 +39,10 @@ class ModelShape:
     n_kv_heads: int
     embed: float                    # parameters of the embedding (one row read per token)
     head: float                     # parameters of the output head (all read per token)
-    kv_per_token_layer: int         # KV cache elements one token adds to one layer
+    kv_per_token_layer: int         # KV cache elements one token adds to one layer (average)
+    #: per layer, (cache elements one token adds, fixed cache elements per sequence: a
+    #: linear-attention layer's conv and recurrent states), as the decoder's cache holds them
+    layer_cache: tuple[tuple[int, int], ...]
     bits: float                     # bits per weight in memory
     source_bits: str = "as stored"  # where ``bits`` came from
     tied: bool = False              # the head is the embedding (held once)
@@ -64,6 +67,11 @@ class ModelShape:
             # experts hit by at least one of batch * k independent picks
             touched = lc.n_experts * (1.0 - (1.0 - lc.k_active / lc.n_experts) ** batch)
         return (lc.dense + lc.expert * touched) * self.bits / 8
+
+    def cache_elements(self, lo: int, hi: int, batch: int, context: int) -> int:
+        """Cache elements layers ``[lo, hi)`` hold for ``batch`` sequences of ``context``
+        tokens (what decode reads of it each step, too)."""
+        return sum(batch * (context * tok + fixed) for tok, fixed in self.layer_cache[lo:hi])
 
     def layer_bytes_held(self, i: int) -> float:
         lc = self.layers[i]
@@ -104,17 +112,32 @@ def layer_costs(cfg) -> tuple[LayerCost, ...]:
 
 
 def _kv_elements(cfg) -> int:
-    """Cache elements one token adds to one layer (as the decoder's cache holds them)."""
+    """Cache elements one token adds to one layer, on average (as the decoder's cache
+    holds them)."""
     from hpcmac.llm.model.cache import KVCache
 
     return KVCache.token_bytes(cfg) // 4
+
+
+def _layer_cache(cfg) -> tuple[tuple[int, int], ...]:
+    """Per layer, (elements per token, fixed elements per sequence) of the decoder's cache
+    (:func:`hpcmac.llm.model.cache.layer_bytes`, float32)."""
+    from hpcmac.llm.model import arch
+    from hpcmac.llm.model.cache import layer_bytes
+
+    out = []
+    for i in range(cfg.n_layers):
+        tok, fixed = layer_bytes(cfg, arch.layer(cfg, i))
+        out.append((tok // 4, fixed // 4))
+    return tuple(out)
 
 
 def from_config(cfg, name: str, bits: float, source_bits: str) -> ModelShape:
     emb = float(cfg.vocab * cfg.hidden)
     return ModelShape(name=name, arch=cfg.arch, layers=layer_costs(cfg), hidden=cfg.hidden,
                       vocab=cfg.vocab, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                      embed=emb, head=emb, kv_per_token_layer=_kv_elements(cfg), bits=bits,
+                      embed=emb, head=emb, kv_per_token_layer=_kv_elements(cfg),
+                      layer_cache=_layer_cache(cfg), bits=bits,
                       source_bits=source_bits, tied=bool(cfg.tie_embeddings))
 
 

@@ -26,6 +26,7 @@ share of the KV (its layers, its KV heads).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,37 @@ def recurrent_layers(cfg: ModelConfig) -> list[int]:
     return [i for i in range(cfg.n_layers) if _has_state(arch.layer(cfg, i))]
 
 
+def layer_bytes(cfg: ModelConfig, layer) -> tuple[int, int]:
+    """(bytes each token adds, fixed bytes per sequence) of one layer's cache, as
+    :class:`KVCache` allocates it for ``cfg`` (a rank's local config under tensor
+    parallelism): per-token K and V (or MLA's latent and rotary key) plus the indexer's
+    key where the attention has one (``index_dim``), or, for a layer whose attention keeps
+    ``state_shapes`` (linear attention), its conv and recurrent states, which do not grow.
+    ``layer``: the layer's blocks (:func:`hpcmac.llm.model.arch.layer`). Every array is
+    float32."""
+    att = getattr(layer, "attention", None)
+    if _has_state(layer):
+        return 0, 4 * sum(math.prod(s) for s in att.state_shapes(cfg))
+    per = cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.mla else \
+        2 * cfg.n_kv_heads * cfg.head_dim
+    dim = getattr(att, "index_dim", None)
+    return 4 * (per + (dim(cfg) if dim is not None else 0)), 0
+
+
+def stage_cache_bytes(cfg: ModelConfig, start: int, end: int, slots: int,
+                      tokens: int) -> int:
+    """Bytes of the cache of global layers ``[start, end)`` for ``cfg`` (a rank's local
+    config) holding ``tokens`` tokens over ``slots`` sequences (slots x length), as
+    :class:`KVCache` allocates them (its ``nbytes``)."""
+    from hpcmac.llm.model import arch
+
+    total = 0
+    for i in range(start, end):
+        per_token, fixed = layer_bytes(cfg, arch.layer(cfg, i))
+        total += per_token * tokens + fixed * slots
+    return total
+
+
 class KVCache:
     """Per-layer key/value storage for ``max_slots`` sequences of up to ``max_len`` tokens."""
 
@@ -124,22 +156,12 @@ class KVCache:
     def token_bytes(cfg: ModelConfig) -> int:
         """Bytes one token takes in one layer of a cache for ``cfg`` (a rank's local
         config under tensor parallelism: its KV heads), on average over the model's
-        layers: a linear-attention layer's state does not grow (:meth:`state_bytes`)."""
-        if cfg.mla:  # the latent and the shared rotary key (and the indexer's key)
-            return 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim)
-        full = 4 * 2 * cfg.n_kv_heads * cfg.head_dim
-        n_linear = sum(cfg.is_linear(i) for i in range(cfg.n_layers))
-        if not n_linear:
-            return full
-        kept = full * (cfg.n_layers - n_linear)  # whole elements, rounded up
-        return 4 * -(-kept // (4 * cfg.n_layers))
+        layers, in whole float32 elements rounded up (:func:`layer_bytes`; a
+        linear-attention layer's state does not grow and is not in it)."""
+        from hpcmac.llm.model import arch
 
-    @staticmethod
-    def state_bytes(cfg: ModelConfig) -> int:
-        """Bytes of one sequence's linear-attention states in one such layer (fixed)."""
-        C = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
-        return 4 * ((cfg.linear_conv_kernel - 1) * C
-                    + cfg.linear_v_heads * cfg.linear_k_dim * cfg.linear_v_dim)
+        total = sum(layer_bytes(cfg, arch.layer(cfg, i))[0] for i in range(cfg.n_layers))
+        return 4 * -(-total // (4 * cfg.n_layers))
 
     @property
     def nbytes(self) -> int:

@@ -166,6 +166,22 @@ def full_shard(cfg: ModelConfig) -> Shard:
                  (0, cfg.linear_v_heads), (0, cfg.linear_k_heads))
 
 
+def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
+    """The config the layers and the cache see on the rank holding ``shard``: its heads,
+    KV heads and linear-attention heads (query heads padded to whole KV groups, see
+    :func:`padded_heads`)."""
+    from dataclasses import replace
+
+    if shard.size == 1:
+        return cfg
+    if cfg.mla:
+        return replace(cfg, n_heads=shard.n_heads)
+    pad = padded_heads(cfg, shard)
+    return replace(cfg, n_heads=shard.n_heads if pad is None else pad[0],
+                   n_kv_heads=shard.n_kv_heads, linear_v_heads=shard.n_lin_v,
+                   linear_k_heads=shard.n_lin_k)
+
+
 def part(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> tuple[int, int] | None:
     """The element range ``[lo, hi)`` along ``spec.axis`` this shard holds; None: all of it.
 

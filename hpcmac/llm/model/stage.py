@@ -85,7 +85,7 @@ class Stage:
         self.nbytes = nbytes
         self.shard = shard or spec.full_shard(config)
         self.reduce = reduce if self.shard.size > 1 else None
-        self.local = _local_config(config, self.shard)
+        self.local = spec.local_config(config, self.shard)
         self._inv_freq, self._att = rope_frequencies(config)
         self._scale = softmax_scale(config)
         #: each layer's blocks (its family's :class:`~hpcmac.llm.model.arch.blocks.Layer`)
@@ -178,19 +178,6 @@ class Stage:
         out = be.linear(x, self.extra["head"])
         be.eval(out)
         return be.to_numpy(out)
-
-
-def _local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
-    """The config the layers and the cache see on this rank: its heads and KV heads
-    (query heads padded to whole KV groups, see :func:`spec.padded_heads`)."""
-    if shard.size == 1:
-        return cfg
-    if cfg.mla:
-        return replace(cfg, n_heads=shard.n_heads)
-    pad = spec.padded_heads(cfg, shard)
-    return replace(cfg, n_heads=shard.n_heads if pad is None else pad[0],
-                   n_kv_heads=shard.n_kv_heads, linear_v_heads=shard.n_lin_v,
-                   linear_k_heads=shard.n_lin_k)
 
 
 # -- loading ------------------------------------------------------------------

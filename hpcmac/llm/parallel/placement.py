@@ -16,10 +16,10 @@ gathers the inputs and agrees on the result, so every rank holds the same value.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.spec import Shard, full_shard, make_shards
+from hpcmac.llm.model.spec import Shard, full_shard, local_config, make_shards
 from hpcmac.llm.parallel import plan as P
 from hpcmac.llm.parallel.layout import Layout, choose_layout
 from hpcmac.llm.parallel.plan import GIB, HostMemory, StageSpec
@@ -128,6 +128,7 @@ class Placement:
     how: str  # what set the layer split: "split", "memory" or "hostfile"
     shares: tuple[tuple[float, ...], ...]  # [stage][tensor rank]
     kv_tokens: int = 0  # the KV cache the bytes were counted for (slots x length)
+    slots: int = 0  # the sequences whose fixed states (linear attention) were counted
 
     @property
     def tp(self) -> int:
@@ -157,8 +158,8 @@ class Placement:
     def kv_token_bytes(self, cfg, r: int) -> int:
         """Bytes one token's KV takes on world rank ``r``: its stage's layers, its KV heads."""
         s, t = divmod(r, self.tp)
-        return self.stages[s].n_layers * _kv_bytes(cfg, self.shards[s][t] if self.tp > 1
-                                                   else None)
+        st = self.stages[s]
+        return _cache_bytes(cfg, st.start, st.end, 1, 0, self.shards[s][t])
 
     def describe(self, why: bool = False) -> str:
         """The line generate and serve print (rank 0) for several ranks (``why``: a
@@ -177,7 +178,7 @@ class Placement:
         return {"tp": lay.tp, "pp": lay.pp, "why": lay.why,
                 "split": {"layers": [s.n_layers for s in self.stages], "how": self.how,
                           "tp_shares": [list(x) for x in self.shares]},
-                "kv_tokens": self.kv_tokens,
+                "kv_tokens": self.kv_tokens, "slots": self.slots,
                 "ranks": [_rank_json(self.rank(r)) for r in range(self.size)]}
 
 
@@ -192,7 +193,7 @@ def _rank_json(p: RankPlace) -> dict:
 
 
 def place(cfg, sizes: ModelSizes, cluster: Cluster, flags: LayoutFlags | None = None, *,
-          kv_tokens: int, sequences: int = 1,
+          kv_tokens: int, sequences: int = 1, slots: int | None = None,
           predicted: tuple[int, int, str] | None = None) -> Placement:
     """The placement of ``cfg`` on ``cluster`` under ``flags`` (pure; global inputs).
 
@@ -204,6 +205,8 @@ def place(cfg, sizes: ModelSizes, cluster: Cluster, flags: LayoutFlags | None = 
     flags : ``--tp``, ``--pp``, ``--tp-split``, ``--split``.
     kv_tokens : KV cache tokens each rank holds per layer (slots x length).
     sequences : sequences the job decodes together (the default layout's rule).
+    slots : the cache's sequence slots, each with its fixed linear-attention states
+        (None: ``sequences``).
     predicted : (tp, pp, why) of :mod:`hpcmac.plan`'s fastest layout, if any.
 
     Raises UsageError (one line) for a layout that cannot be or does not fit.
@@ -213,29 +216,37 @@ def place(cfg, sizes: ModelSizes, cluster: Cluster, flags: LayoutFlags | None = 
                            split=flags.split, sequences=sequences,
                            fast_links=cluster.fast_links, predicted=predicted)
     how = "hostfile" if cluster.hostfile else "memory"
+    cache = (kv_tokens, sequences if slots is None else slots)
     if layout.tp == 1:
-        return _place_pipeline(cfg, sizes, cluster, layout, flags.split, kv_tokens, how)
-    return _place_tensor(cfg, sizes, cluster, layout, flags.split, kv_tokens, how)
+        return _place_pipeline(cfg, sizes, cluster, layout, flags.split, cache, how)
+    return _place_tensor(cfg, sizes, cluster, layout, flags.split, cache, how)
 
 
-def _kv_bytes(cfg, shard: Shard | None = None) -> int:
-    """Bytes one token's KV takes in one layer on a rank holding ``shard``."""
-    from hpcmac.llm.model.cache import KVCache
+def _cache_bytes(cfg, start: int, end: int, kv_tokens: int, slots: int,
+                 shard: Shard | None = None) -> int:
+    """Bytes of the cache of layers ``[start, end)`` on a rank holding ``shard`` (its KV
+    and linear-attention heads): ``kv_tokens`` tokens over ``slots`` sequences, as the
+    cache allocates them (:func:`hpcmac.llm.model.cache.stage_cache_bytes`)."""
+    from hpcmac.llm.model.cache import stage_cache_bytes
 
-    if shard is None or cfg.mla:
-        return KVCache.token_bytes(cfg)
-    return KVCache.token_bytes(replace(cfg, n_kv_heads=shard.n_kv_heads))
+    local = cfg if shard is None else local_config(cfg, shard)
+    return stage_cache_bytes(local, start, end, slots, kv_tokens)
 
 
-def _place_pipeline(cfg, sizes, cluster: Cluster, layout: Layout, split, kv_tokens: int,
-                    how: str) -> Placement:
-    """One rank per stage: layers by memory (or ``--split``), each stage whole."""
+def _layer_cache(cfg, cache: tuple[int, int]) -> list[int]:
+    """Each layer's cache bytes, the whole model on one rank."""
+    return [_cache_bytes(cfg, i, i + 1, *cache) for i in range(cfg.n_layers)]
+
+
+def _place_pipeline(cfg, sizes, cluster: Cluster, layout: Layout, split,
+                    cache: tuple[int, int], how: str) -> Placement:
+    """One rank per stage: layers by memory (or ``--split``), each stage whole.
+    ``cache``: (KV tokens, sequence slots)."""
     p = cluster.size
     P.check_ranks(cfg.n_layers, p)
     layer_b, embed_b, head_b = sizes.whole()
     budgets = cluster.budgets()
-    kv = _kv_bytes(cfg) * kv_tokens
-    per_layer = [b + kv for b in layer_b]
+    per_layer = [b + c for b, c in zip(layer_b, _layer_cache(cfg, cache))]
     if split:
         counts, how = P.parse_split(split, cfg.n_layers, p), "split"
     else:
@@ -246,13 +257,13 @@ def _place_pipeline(cfg, sizes, cluster: Cluster, layout: Layout, split, kv_toke
     whole = full_shard(cfg)
     return Placement(layout, tuple(specs), tuple((whole,) for _ in specs), tuple(need),
                      tuple(budgets), tuple(cluster.hosts), how, tuple((1.0,) for _ in specs),
-                     kv_tokens)
+                     *cache)
 
 
-def _place_tensor(cfg, sizes, cluster: Cluster, layout: Layout, split, kv_tokens: int,
-                  how: str) -> Placement:
+def _place_tensor(cfg, sizes, cluster: Cluster, layout: Layout, split,
+                  cache: tuple[int, int], how: str) -> Placement:
     """``pp`` stages of ``tp`` ranks: layers by each stage's memory, heads and columns by
-    each rank's share."""
+    each rank's share. ``cache``: (KV tokens, sequence slots)."""
     tp, pp = layout.tp, layout.pp
     budgets = cluster.budgets()
     hosts = list(cluster.hosts)
@@ -264,8 +275,8 @@ def _place_tensor(cfg, sizes, cluster: Cluster, layout: Layout, split, kv_tokens
         counts, how = P.parse_split(split, cfg.n_layers, pp), "split"
     else:
         layer_b, embed_b, head_b = sizes.whole()
-        kv = _kv_bytes(cfg) * kv_tokens
-        counts = P.proportional_counts([b + kv for b in layer_b], embed_b, head_b, stage_budget)
+        counts = P.proportional_counts([b + c for b, c in zip(layer_b, _layer_cache(cfg, cache))],
+                                       embed_b, head_b, stage_budget)
     stages = P.stages_from_counts(counts)
     shares, shards = [], []
     for s in range(pp):
@@ -283,7 +294,7 @@ def _place_tensor(cfg, sizes, cluster: Cluster, layout: Layout, split, kv_tokens
         for t in range(tp):
             shard = shards[st.rank][t]
             need.append(sizes.stage(st.start, st.end, st.first, st.last, shard)
-                        + _kv_bytes(cfg, shard) * kv_tokens * st.n_layers)
+                        + _cache_bytes(cfg, st.start, st.end, *cache, shard))
     for r, (nb, b) in enumerate(zip(need, budgets)):
         if nb > b:
             st, t = stages[r // tp], r % tp
@@ -294,7 +305,7 @@ def _place_tensor(cfg, sizes, cluster: Cluster, layout: Layout, split, kv_tokens
                 f"{nb / GIB:.2f} GiB but its memory budget is {b / GIB:.2f} GiB: add "
                 "ranks or hosts, or give it a smaller share with --tp-split")
     return Placement(layout, tuple(stages), tuple(shards), tuple(need), tuple(budgets),
-                     tuple(hosts), how, tuple(shares), kv_tokens)
+                     tuple(hosts), how, tuple(shares), *cache)
 
 
 def fixed(cfg, hosts: Sequence[str], tp: int, counts: Sequence[int],

@@ -68,6 +68,7 @@ def gather_cluster(group: Group, hostfile: JobHostfile | None = None) -> Cluster
 
 def agree_placement(group: Group, cfg, model: str, cluster: Cluster,
                     flags: LayoutFlags | None = None, *, kv_tokens: int, sequences: int = 1,
+                    slots: int | None = None,
                     predicted: tuple[int, int, str] | None = None, quantize: int | None = None,
                     group_size: int = 64) -> Placement:
     """Collective: rank 0 places the model (:func:`~.placement.place`, reading the
@@ -75,7 +76,7 @@ def agree_placement(group: Group, cfg, model: str, cluster: Cluster,
     same UsageError, before any weights load."""
     flags = flags or LayoutFlags()
     return agree(group, lambda: place(cfg, ModelSizes(model, quantize, group_size), cluster,
-                                      flags, kv_tokens=kv_tokens, sequences=sequences,
+                                      flags, kv_tokens=kv_tokens, sequences=sequences, slots=slots,
                                       predicted=predicted), ranks="root")
 
 
