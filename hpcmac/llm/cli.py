@@ -251,6 +251,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     placement = agree_placement(
         group, cfg, args.model, cluster, LayoutFlags.of(args), kv_tokens=slots * shape[1],
         sequences=len(reqs), slots=slots, quantize=args.quantize, group_size=args.q_group_size,
+        draft=draft_of(args),
         predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
     blocks, block_bytes, cache_line = agree_prefix_cache(group, cfg, placement,
                                                          args.prefix_cache_gb)

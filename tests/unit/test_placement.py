@@ -163,3 +163,42 @@ def test_model_sizes_read_the_family_spec(tmp_path):
     assert sum(layers) + embed + head == stage_nbytes(path, 0, 3, True, True)
     p = place(c, sizes, cluster(2), LayoutFlags(tp=2), kv_tokens=8)
     assert p.need[1] > stage_nbytes(path, 0, 3, True, True, shard=sh)  # + its KV cache
+
+
+def test_a_draft_model_takes_its_bytes_from_rank_0():
+    """Speculative decoding's draft model lives on rank 0: its bytes come off that rank's
+    budget before the layers are split, are counted in its need, and refuse in one line."""
+    c = cfg()
+    plain = place(c, Sizes(c), cluster(2, gib=1.0), LayoutFlags(pp=2), kv_tokens=0)
+    res = 300 * MIB
+    p = place(c, Sizes(c), cluster(2, gib=1.0), LayoutFlags(pp=2), kv_tokens=0, reserve=res)
+    left = proportional_counts([100 * MIB] * 8, 50 * MIB, 60 * MIB, [GIB - res, GIB])
+    assert [s.n_layers for s in p.stages] == left != [s.n_layers for s in plain.stages]
+    assert p.need[0] == left[0] * 100 * MIB + 50 * MIB + res and p.reserve == res
+    assert p.json()["reserve_bytes"] == res and "draft model on rank 0: 0.29 GiB" in p.describe()
+    hf = [HostMemory("a", 1, 8.0), HostMemory("b", 1, 8.0)]
+    t = place(c, Sizes(c), cluster(2, hosts=["a", "b"], hostfile=hf), LayoutFlags(tp=2),
+              kv_tokens=0, reserve=4 * GIB)
+    assert [sh.n_heads for sh in t.shards[0]] == [21, 43]  # rank 0's share: 4 of 12 GiB
+    with pytest.raises(UsageError, match=r"^rank 0 on h0 needs [\d.]+ GiB, 0.98 of them the "
+                                         r"draft model and its KV cache, but its memory "
+                                         r"budget is 1.00 GiB"):
+        place(c, Sizes(c), cluster(2, gib=1.0), LayoutFlags(split="4,4"), kv_tokens=0,
+              reserve=1000 * MIB)
+
+
+def test_draft_bytes_are_what_the_drafter_holds(tmp_path):
+    """runtime.draft_bytes counts the draft's weights as stored and its KV cache of the
+    target's slots x length: what _drafter loads and ModelDrafter.start allocates."""
+    from hpcmac.llm.model.speculative import ModelDrafter
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.model.weights import stage_nbytes
+    from hpcmac.llm.parallel.runtime import draft_bytes
+    from hpcmac.measure.llm import write_random_llama
+
+    path = str(write_random_llama(tmp_path / "d", hidden=32, layers=2, intermediate=64,
+                                  vocab=128, heads=4, kv_heads=2))
+    assert draft_bytes(None, 64, 1) == draft_bytes("ngram", 64, 1) == 0
+    d = ModelDrafter(load_stage(path, 0, 2))
+    d.start(3, 40)
+    assert draft_bytes(path, 3 * 40, 3) == stage_nbytes(path, 0, 2, True, True) + d.cache.nbytes

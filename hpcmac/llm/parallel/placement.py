@@ -129,6 +129,7 @@ class Placement:
     shares: tuple[tuple[float, ...], ...]  # [stage][tensor rank]
     kv_tokens: int = 0  # the KV cache the bytes were counted for (slots x length)
     slots: int = 0  # the sequences whose fixed states (linear attention) were counted
+    reserve: int = 0  # bytes world rank 0 holds besides its share (a draft model), in need[0]
 
     @property
     def tp(self) -> int:
@@ -167,10 +168,15 @@ class Placement:
         layers = [s.n_layers for s in self.stages]
         if self.tp == 1:
             line = f"pipeline: {self.pp} stages, layers {layers} (split by {self.how})"
-            return f"{line}; {self.why}" if why else line
-        heads = [sh.n_heads for sh in self.shards[0]]
-        return (f"layout: {self.layout.describe()} ({self.why}); layers {layers}, heads per "
-                f"tensor rank {'/'.join(map(str, heads))}")
+            if why:
+                line = f"{line}; {self.why}"
+        else:
+            heads = [sh.n_heads for sh in self.shards[0]]
+            line = (f"layout: {self.layout.describe()} ({self.why}); layers {layers}, heads "
+                    f"per tensor rank {'/'.join(map(str, heads))}")
+        if self.reserve:
+            line += f"; the draft model on rank 0: {self.reserve / GIB:.2f} GiB"
+        return line
 
     def json(self) -> dict:
         """The JSON form (generate's ``layout``): the layout, the split, every rank."""
@@ -179,6 +185,7 @@ class Placement:
                 "split": {"layers": [s.n_layers for s in self.stages], "how": self.how,
                           "tp_shares": [list(x) for x in self.shares]},
                 "kv_tokens": self.kv_tokens, "slots": self.slots,
+                "reserve_bytes": self.reserve,
                 "ranks": [_rank_json(self.rank(r)) for r in range(self.size)]}
 
 
@@ -194,7 +201,7 @@ def _rank_json(p: RankPlace) -> dict:
 
 def place(cfg, sizes: ModelSizes, cluster: Cluster, flags: LayoutFlags | None = None, *,
           kv_tokens: int, sequences: int = 1, slots: int | None = None,
-          predicted: tuple[int, int, str] | None = None) -> Placement:
+          predicted: tuple[int, int, str] | None = None, reserve: int = 0) -> Placement:
     """The placement of ``cfg`` on ``cluster`` under ``flags`` (pure; global inputs).
 
     Parameters
@@ -208,6 +215,9 @@ def place(cfg, sizes: ModelSizes, cluster: Cluster, flags: LayoutFlags | None = 
     slots : the cache's sequence slots, each with its fixed linear-attention states
         (None: ``sequences``).
     predicted : (tp, pp, why) of :mod:`hpcmac.plan`'s fastest layout, if any.
+    reserve : bytes world rank 0 holds besides its share (speculative decoding's draft
+        model and its KV cache): taken from its budget before the layers are split, and
+        counted in its need.
 
     Raises UsageError (one line) for a layout that cannot be or does not fit.
     """
@@ -218,8 +228,8 @@ def place(cfg, sizes: ModelSizes, cluster: Cluster, flags: LayoutFlags | None = 
     how = "hostfile" if cluster.hostfile else "memory"
     cache = (kv_tokens, sequences if slots is None else slots)
     if layout.tp == 1:
-        return _place_pipeline(cfg, sizes, cluster, layout, flags.split, cache, how)
-    return _place_tensor(cfg, sizes, cluster, layout, flags.split, cache, how)
+        return _place_pipeline(cfg, sizes, cluster, layout, flags.split, cache, how, reserve)
+    return _place_tensor(cfg, sizes, cluster, layout, flags.split, cache, how, reserve)
 
 
 def _cache_bytes(cfg, start: int, end: int, kv_tokens: int, slots: int,
@@ -238,8 +248,24 @@ def _layer_cache(cfg, cache: tuple[int, int]) -> list[int]:
     return [_cache_bytes(cfg, i, i + 1, *cache) for i in range(cfg.n_layers)]
 
 
+def _left(budgets: list[float], reserve: int) -> list[float]:
+    """The budgets the model's share may take: rank 0's less its ``reserve``."""
+    return [budgets[0] - reserve, *budgets[1:]]
+
+
+def _check_reserve(need: Sequence[int], budgets: Sequence[float], hosts: Sequence[str],
+                   reserve: int) -> None:
+    """Raise UsageError when rank 0's share and its ``reserve`` do not fit together."""
+    if reserve and need[0] > budgets[0]:
+        raise UsageError(
+            f"rank 0 on {hosts[0]} needs {need[0] / GIB:.2f} GiB, {reserve / GIB:.2f} of "
+            f"them the draft model and its KV cache, but its memory budget is "
+            f"{budgets[0] / GIB:.2f} GiB: use a smaller --draft-model, --draft ngram, or "
+            "more ranks")
+
+
 def _place_pipeline(cfg, sizes, cluster: Cluster, layout: Layout, split,
-                    cache: tuple[int, int], how: str) -> Placement:
+                    cache: tuple[int, int], how: str, reserve: int = 0) -> Placement:
     """One rank per stage: layers by memory (or ``--split``), each stage whole.
     ``cache``: (KV tokens, sequence slots)."""
     p = cluster.size
@@ -250,25 +276,28 @@ def _place_pipeline(cfg, sizes, cluster: Cluster, layout: Layout, split,
     if split:
         counts, how = P.parse_split(split, cfg.n_layers, p), "split"
     else:
-        counts = P.proportional_counts(per_layer, embed_b, head_b, budgets)
+        counts = P.proportional_counts(per_layer, embed_b, head_b, _left(budgets, reserve))
     specs = P.stages_from_counts(counts)
     need = P.stage_bytes(counts, per_layer, embed_b, head_b)
+    need[0] += reserve
+    _check_reserve(need, budgets, cluster.hosts, reserve)
     P.check_fit(specs, need, budgets, list(cluster.hosts))
     whole = full_shard(cfg)
     return Placement(layout, tuple(specs), tuple((whole,) for _ in specs), tuple(need),
                      tuple(budgets), tuple(cluster.hosts), how, tuple((1.0,) for _ in specs),
-                     *cache)
+                     *cache, reserve)
 
 
 def _place_tensor(cfg, sizes, cluster: Cluster, layout: Layout, split,
-                  cache: tuple[int, int], how: str) -> Placement:
+                  cache: tuple[int, int], how: str, reserve: int = 0) -> Placement:
     """``pp`` stages of ``tp`` ranks: layers by each stage's memory, heads and columns by
     each rank's share. ``cache``: (KV tokens, sequence slots)."""
     tp, pp = layout.tp, layout.pp
     budgets = cluster.budgets()
     hosts = list(cluster.hosts)
     P.check_ranks(cfg.n_layers, pp)
-    stage_budget = [sum(budgets[s * tp:(s + 1) * tp]) for s in range(pp)]
+    left = _left(budgets, reserve)
+    stage_budget = [sum(left[s * tp:(s + 1) * tp]) for s in range(pp)]
     if pp == 1:
         counts = [cfg.n_layers]
     elif split:
@@ -280,7 +309,7 @@ def _place_tensor(cfg, sizes, cluster: Cluster, layout: Layout, split,
     stages = P.stages_from_counts(counts)
     shares, shards = [], []
     for s in range(pp):
-        mine = budgets[s * tp:(s + 1) * tp]
+        mine = left[s * tp:(s + 1) * tp]
         if layout.shares:
             sh = list(layout.shares)
         elif how == "hostfile":
@@ -295,6 +324,8 @@ def _place_tensor(cfg, sizes, cluster: Cluster, layout: Layout, split,
             shard = shards[st.rank][t]
             need.append(sizes.stage(st.start, st.end, st.first, st.last, shard)
                         + _cache_bytes(cfg, st.start, st.end, *cache, shard))
+    need[0] += reserve
+    _check_reserve(need, budgets, hosts, reserve)
     for r, (nb, b) in enumerate(zip(need, budgets)):
         if nb > b:
             st, t = stages[r // tp], r % tp
@@ -305,7 +336,7 @@ def _place_tensor(cfg, sizes, cluster: Cluster, layout: Layout, split,
                 f"{nb / GIB:.2f} GiB but its memory budget is {b / GIB:.2f} GiB: add "
                 "ranks or hosts, or give it a smaller share with --tp-split")
     return Placement(layout, tuple(stages), tuple(shards), tuple(need), tuple(budgets),
-                     tuple(hosts), how, tuple(shares), *cache)
+                     tuple(hosts), how, tuple(shares), *cache, reserve)
 
 
 def fixed(cfg, hosts: Sequence[str], tp: int, counts: Sequence[int],

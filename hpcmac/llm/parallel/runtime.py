@@ -70,14 +70,33 @@ def agree_placement(group: Group, cfg, model: str, cluster: Cluster,
                     flags: LayoutFlags | None = None, *, kv_tokens: int, sequences: int = 1,
                     slots: int | None = None,
                     predicted: tuple[int, int, str] | None = None, quantize: int | None = None,
-                    group_size: int = 64) -> Placement:
+                    group_size: int = 64, draft: str | None = None) -> Placement:
     """Collective: rank 0 places the model (:func:`~.placement.place`, reading the
     checkpoint's headers); every rank returns the same :class:`Placement` or raises the
-    same UsageError, before any weights load."""
+    same UsageError, before any weights load. ``draft``: speculative decoding's draft
+    model (a path; "ngram" or None hold nothing), whose weights and KV cache world rank 0
+    holds besides its share (:func:`draft_bytes`)."""
     flags = flags or LayoutFlags()
+    n = sequences if slots is None else slots
     return agree(group, lambda: place(cfg, ModelSizes(model, quantize, group_size), cluster,
                                       flags, kv_tokens=kv_tokens, sequences=sequences, slots=slots,
-                                      predicted=predicted), ranks="root")
+                                      predicted=predicted,
+                                      reserve=draft_bytes(draft, kv_tokens, n)), ranks="root")
+
+
+def draft_bytes(draft: str | None, kv_tokens: int, slots: int) -> int:
+    """Bytes the drafter holds on world rank 0 (:func:`_drafter`): the draft model whole,
+    as stored, and its cache of the target's ``slots`` x length (``kv_tokens``); 0 for
+    the n-gram lookup or none. Read from the checkpoint's headers, nothing loaded."""
+    if not draft or draft == "ngram":
+        return 0
+    from hpcmac.llm.model.cache import stage_cache_bytes
+    from hpcmac.llm.model.config import load_config
+
+    layers, embed, head = ModelSizes(draft).whole()
+    dcfg = load_config(draft)
+    return sum(layers) + embed + head + stage_cache_bytes(dcfg, 0, dcfg.n_layers, slots,
+                                                          kv_tokens)
 
 
 def agree_prefix_cache(group: Group, cfg, placement: Placement,
