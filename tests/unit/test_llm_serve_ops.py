@@ -34,7 +34,7 @@ GREEDY = {"temperature": 0}
 def keyed(request):
     np_, flags = request.param
     s = Server(np_, *flags, key=KEY)
-    s.np = np_
+    s.np, s.tp, s.pp = np_, np_, 1
     yield s
     s.stop()
 
@@ -174,8 +174,13 @@ def test_metrics_move_by_exactly_the_requests_sent(keyed):
     # the placement as labels: one series per rank, its host, layers and heads
     info = {dict(k[1])["rank"]: dict(k[1]) for k in after if k[0] == "hpcmac_rank_info"}
     assert sorted(info) == [str(r) for r in range(keyed.np)]
-    assert info["0"]["layers"] == "0-30" and info["0"]["layout"] == f"tp{keyed.np}xpp1"
-    assert sum(int(i["heads"]) for i in info.values()) == 9  # SmolLM2's heads, split
+    assert {i["layout"] for i in info.values()} == {f"tp{keyed.tp}xpp{keyed.pp}"}
+    # the stages' layers, in rank order, tile SmolLM2's 30 (each stage's tensor group
+    # holds the same ones), and each stage's group splits its 9 heads
+    spans = sorted({tuple(map(int, i["layers"].split("-"))) for i in info.values()})
+    assert len(spans) == keyed.pp and spans[0][0] == 0 and spans[-1][1] == 30
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
+    assert sum(int(i["heads"]) for i in info.values()) == 9 * keyed.pp
     # every rank's busy time reaches rank 0 (reports at most once a second)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 15:

@@ -51,10 +51,11 @@ def _concurrently(fn, n: int) -> list:
 
 
 def test_json_schema_answers_validate(server):
-    """20 prompts of 20 (4 on the pipeline layout) answer JSON valid under the schema,
+    """20 prompts of 20 (4 on a pipeline layout) answer JSON valid under the schema,
     batched together, greedy and sampled; finish_reason stop (the grammar ends, EOS)."""
     c, model = server.client(), server.model()
-    n = 4 if server.layout == () and server.np == 2 else 20
+    tp = int(server.layout[server.layout.index("--tp") + 1]) if "--tp" in server.layout else 1
+    n = 4 if server.np > tp else 20
 
     def ask(i):
         r = c.chat.completions.create(
