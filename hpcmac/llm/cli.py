@@ -273,22 +273,13 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
         def stop_check(i: int, gen: list[int]) -> bool:
             return stop.hit(gen)[0]
 
-    threads = None
-    if args.threads is not None:
-        from threadpoolctl import threadpool_limits
-
-        threads = threadpool_limits(args.threads)
-    try:
-        res = rt.run(
-            reqs if group.rank == 0 else None,
-            micro_batches=args.micro_batches or None, max_batch=slots,
-            prefill_chunk=args.prefill_chunk or None, max_len=shape[1],
-            on_token=show.token if show else None, stop_check=stop_check,
-            prefix_blocks=blocks, prefix_bytes=block_bytes,
-        )
-    finally:
-        if threads is not None:
-            threads.unregister()
+    res = rt.run(
+        reqs if group.rank == 0 else None, threads=args.threads,
+        micro_batches=args.micro_batches or None, max_batch=slots,
+        prefill_chunk=args.prefill_chunk or None, max_len=shape[1],
+        on_token=show.token if show else None, stop_check=stop_check,
+        prefix_blocks=blocks, prefix_bytes=block_bytes,
+    )
     from hpcmac.io.outputs import OutputError, write_atomic
 
     failed = None

@@ -383,7 +383,7 @@ def run_serve(args, group=None) -> int:
     from hpcmac.comm.local import LocalGroup
     from hpcmac.errors import world_size
     from hpcmac.llm import grammar
-    from hpcmac.llm.args import context_length, draft_of
+    from hpcmac.llm.args import check_threads, context_length, draft_of
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.gguf_loader import forget_readers
     from hpcmac.llm.model.tokenizer import load_tokenizer
@@ -407,6 +407,7 @@ def run_serve(args, group=None) -> int:
 
         group = comm.init(args.transport, hostfile=job_hostfile(args.hostfile)) \
             if world_size() > 1 or args.transport else LocalGroup()
+    agree(group, lambda: check_threads(args.threads))
     cfg = agree(group, lambda: load_config(args.model))
     context = agree(group, lambda: context_length(args, cfg))
     agree_draft(group, draft_of(args), args.model, cfg)
@@ -490,7 +491,8 @@ def run_serve(args, group=None) -> int:
                   flush=True)
         alive.set()  # /health says ok once the lines above are out
     try:
-        res = rt.run(None, source=source, micro_batches=args.micro_batches or None,
+        res = rt.run(None, threads=args.threads, source=source,
+                     micro_batches=args.micro_batches or None,
                      max_batch=slots, prefill_chunk=args.prefill_chunk or 64, max_len=context,
                      on_token=source.token if source else None,
                      stop_check=source.stop_check if source else None,

@@ -54,3 +54,29 @@ def test_comm_init_applies_the_choice():
     assert line.startswith(f"{cores} per rank")
     threads, line = _threads_after_init({"HPCMAC_BLAS_THREADS": "1"})
     assert threads == [1] * len(threads) and line == "1 per rank (requested)"
+
+
+def test_runtime_run_holds_threads_while_it_runs(monkeypatch):
+    """``--threads`` of generate and serve: the rank's BLAS runs that many threads while
+    the runtime runs, and its own choice again after (serve once ignored the flag, and
+    its 2 OpenBLAS threads spent 10x the CPU of one on a busy 2-core host)."""
+    from types import SimpleNamespace
+
+    from threadpoolctl import threadpool_info
+
+    from hpcmac.llm.parallel import runtime
+
+    def blas() -> list[int]:
+        return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+
+    before = blas()
+    want = 1 if max(before) > 1 else 2
+    seen = []
+    monkeypatch.setattr(runtime, "run_tensor_pipeline", lambda *a, **kw: seen.append(blas()))
+    rt = runtime.Runtime(placement=SimpleNamespace(stages=[None]),
+                         groups=SimpleNamespace(stage=0), tensor=None, stage=None, hidden=8,
+                         timeout=0.0)
+    rt.run(None, threads=want)
+    assert seen == [[want] * len(before)] and blas() == before
+    rt.run(None)
+    assert seen[-1] == before

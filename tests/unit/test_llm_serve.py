@@ -446,6 +446,11 @@ def test_bad_flags_and_busy_port_are_one_line():
         r = serve("--model", "smollm2", "--port", str(_free_port()), "--max-body-mb", mb)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "--max-body-mb" in r.stderr
+    # --threads as generate's (serve applies it: the runtime holds it while it runs)
+    r = serve("--model", "smollm2", "--port", str(_free_port()), "--threads",
+              str(os.cpu_count() + 1))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"--threads {os.cpu_count() + 1}: expected 1 to {os.cpu_count()}" in r.stderr
     # a layout that cannot be: generate's rule and line, before any weight loads
     r = serve("--model", "smollm2", "--port", str(_free_port()), "--tp", "2")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr

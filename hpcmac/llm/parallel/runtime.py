@@ -158,13 +158,24 @@ class Runtime:
     def spec(self):
         return self.placement.stages[self.groups.stage]
 
-    def run(self, requests=None, **kw):
+    def run(self, requests=None, threads: int | None = None, **kw):
         """Collective over the world: generate ``requests`` (world rank 0), or serve a
-        live ``source=`` (``kw`` as :func:`~.pipeline.run_pipeline`'s)."""
+        live ``source=`` (``kw`` as :func:`~.pipeline.run_pipeline`'s). ``threads``: the
+        BLAS threads of this rank while it runs (``--threads``; None: the library's own
+        choice, which ``hpcmac-mpirun`` sets to the host's cores over its ranks)."""
         if self.drafter is not None:
             kw.setdefault("drafter", self.drafter)
-        return run_tensor_pipeline(self.groups, self.tensor, self.stage, self.spec, self.hidden,
-                                   requests, timeout=self.timeout, **kw)
+        limits = None
+        if threads is not None:
+            from threadpoolctl import threadpool_limits
+
+            limits = threadpool_limits(threads)
+        try:
+            return run_tensor_pipeline(self.groups, self.tensor, self.stage, self.spec,
+                                       self.hidden, requests, timeout=self.timeout, **kw)
+        finally:
+            if limits is not None:
+                limits.unregister()
 
 
 def bring_up(group: Group, placement: Placement, model: str, cfg, *, backend: str = "numpy",
