@@ -48,6 +48,7 @@ test-fast: $(VENV)/.test-stamp
 test-unit: $(VENV)/.test-stamp
 	@echo "==> unit tests (no MPI)"
 	@tools/system-deps
+	@$(BIN)/python tools/chat-templates
 	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q $(PYTEST_MARK)
 
 test-mpi: $(VENV)/.test-stamp

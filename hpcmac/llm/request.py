@@ -422,24 +422,45 @@ def _clean_message(i: int, m) -> dict:
                 raise ApiError(400, f"messages[{i}].{k} must be a string of at most 256 "
                                     "characters", "messages")
             out[k] = m[k]
+    # an assistant's reasoning sent back (as the server returned it): the templates of
+    # reasoning models show it again in a tool-call loop (Qwen3, GLM, MiniMax, gpt-oss)
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None and m["role"] == "assistant":
+        if not isinstance(reasoning, str):
+            raise ApiError(400, f"messages[{i}].reasoning_content must be a string",
+                           "messages")
+        out["reasoning_content"] = reasoning
     return out
 
 
-def _with_tools(msgs: list[dict], spec) -> list[dict]:
-    """Messages for a template that shows no tools: the tools in a system message, and an
-    assistant's calls written into its content (hermes style, which we then parse)."""
+def _with_tools(msgs: list[dict], spec, template: str | None) -> list[dict]:
+    """Messages for a template that shows no tools: the tools in a system message, in
+    the family's words; an assistant's calls written into its content (hermes style, which
+    we then parse) unless the template writes calls itself (DeepSeek V3.1's does)."""
     out = [dict(m) for m in msgs]
     for m in out:
-        if m.get("tool_calls"):
+        if m.get("tool_calls") and "tool_calls" not in (template or ""):
             call_text = tools_mod.hermes_call_text(m.pop("tool_calls"))
             m["content"] = (m["content"] + "\n" if m["content"] else "") + call_text
     if spec is not None:
-        text = tools_mod.system_text(spec.tools)
+        text = tools_mod.system_text(spec.tools, spec.family)
         if out and out[0]["role"] == "system":
             out[0]["content"] = out[0]["content"] + "\n\n" + text
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
+
+
+def template_input(clean: list[dict], spec, template: str | None
+                   ) -> tuple[list[dict], list[dict] | None]:
+    """The messages and the ``tools=`` a chat template gets for a request's cleaned
+    messages and tools (``spec``, or None): the tools go to the template when it shows
+    them, else into a system message."""
+    shown = spec.rendered if spec is not None else writes_tools(template)
+    if not shown:
+        clean = _with_tools(clean, spec, template)
+    return (tools_mod.template_messages(clean),
+            spec.tools if spec is not None and shown else None)
 
 
 def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig, spec=None) -> list[int]:
@@ -456,20 +477,20 @@ def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig, spec=None) -> list[
         if tok is None:
             raise ApiError(400, "this checkpoint has no tokenizer: use /v1/completions with "
                                 "a prompt of token ids", "messages")
-        _check_length([m["content"] for m in clean], endpoint, cfg)
-        calls_text = json.dumps([m.get("tool_calls") for m in clean]
-                                + [spec.tools if spec else None], ensure_ascii=False)
+        _check_length([m["content"] + m.get("reasoning_content", "") for m in clean],
+                      endpoint, cfg)
+        calls_text = json.dumps([[m.get("tool_calls"), m.get("reasoning_content")]
+                                 for m in clean] + [spec.tools if spec else None],
+                                ensure_ascii=False)
         if any(t in calls_text for t in tok.specials):
-            raise ApiError(400, "a tool call or tool holds a special-token string; refused",
+            raise ApiError(400, "a tool call, a tool or a reasoning_content holds a "
+                                "special-token string; refused",
                            "tools" if spec and any(t in json.dumps(spec.tools,
                                                                    ensure_ascii=False)
                                                    for t in tok.specials) else "messages")
-        shown = spec.rendered if spec is not None else writes_tools(tok.chat_template)
-        if not shown:
-            clean = _with_tools(clean, spec)
+        messages, shown_tools = template_input(clean, spec, tok.chat_template)
         try:
-            return chat_ids(tok, tools_mod.template_messages(clean), limit=cfg.context,
-                            tools=spec.tools if spec is not None and shown else None)
+            return chat_ids(tok, messages, limit=cfg.context, tools=shown_tools)
         except TooLong as exc:
             raise _too_long(None, endpoint, cfg, exc.args[0]) from None
         except ValueError as exc:

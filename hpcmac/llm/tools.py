@@ -151,8 +151,23 @@ def writes_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
-def system_text(tools: list[dict]) -> str:
-    """The tools as a system message, hermes style, for a template that shows none."""
+def system_text(tools: list[dict], fam: str = "hermes") -> str:
+    """The tools as a system message, for a template that shows none: DeepSeek V3.1's
+    block (its model card's; its template writes calls but not the tools), else hermes."""
+    if fam == "deepseek":
+        calls_b, calls_e, b, e, sep = _DS
+        listed = "".join(f"### {t['function']['name']}\nDescription: "
+                         f"{t['function'].get('description', '')}\n\nParameters: "
+                         f"{json.dumps(t['function']['parameters'], ensure_ascii=False)}\n\n"
+                         for t in tools)
+        return ("## Tools\nYou have access to the following tools:\n\n" + listed +
+                "IMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+                f"{calls_b}{b}tool_call_name{sep}tool_call_arguments{e}"
+                f"{{additional_tool_calls}}{calls_e}\n\nWhere:\n"
+                "- `tool_call_name` must be an exact match to one of the available tools\n"
+                "- `tool_call_arguments` must be valid JSON that strictly follows the tool's "
+                "Parameters Schema\n"
+                "- For multiple tool calls, chain them directly without separators or spaces")
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             f"You are provided with function signatures within <tools></tools> XML tags:\n"
@@ -184,9 +199,12 @@ def _args_obj(a):
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as transformers hands them to a template: assistant ``tool_calls`` whose
-    ``arguments`` are JSON text get them as objects (templates write them with tojson)."""
+    ``arguments`` are JSON text get them as objects (templates write them with tojson),
+    and an assistant's ``reasoning_content`` is also its ``thinking`` (gpt-oss's name)."""
     out = []
     for m in messages:
+        if m.get("reasoning_content") is not None:
+            m = {"thinking": m["reasoning_content"], **m}
         calls = m.get("tool_calls")
         if calls:
             m = dict(m, tool_calls=[dict(c, function=dict(c.get("function") or {},

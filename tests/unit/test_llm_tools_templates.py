@@ -1,0 +1,144 @@
+"""Each family's tool-call parser against its checkpoints' OWN chat templates (Qwen2.5,
+Qwen3, Qwen3-Coder, Qwen3.5, Llama 3.1/3.2/3.3, gpt-oss, DeepSeek V3.1 and V3's form,
+Kimi K2, GLM-4.6/4.7, MiniMax M2), as llama.cpp keeps copies of them;
+tools/chat-templates fetches them (tests/unit/data/chat_templates.json pins each file's
+sha256) and keeps them outside the repository.
+
+Oracle: transformers' ``apply_chat_template(tools=...)`` on a tokenizer carrying the real
+template renders a conversation with an assistant turn of tool calls and the tools'
+replies; the assistant's part of it (what the model would have generated after the
+generation prompt) must parse, whole and streamed, to exactly those calls. Our own
+renderer (hpcmac's Tokenizer, behind the server's prompts) must write the same text."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+from pathlib import Path
+
+import pytest
+
+from hpcmac.llm import tools
+from tests.unit.test_llm_tools import CALLS, TOOLS, _calls, _spec
+
+_FETCH = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "chat-templates"))
+MANIFEST = _FETCH["manifest"]()
+MISSING = set(_FETCH["missing"](MANIFEST))
+REASONING = "The user wants the weather and a sum: two tools."
+
+
+def _template(name: str) -> str:
+    if name in MISSING:
+        pytest.skip(f"{name} is not fetched: run python tools/chat-templates")
+    return (_FETCH["cache_dir"](MANIFEST) / name).read_text(encoding="utf-8")
+
+
+def _conversation(n: int, template: str, spec) -> tuple[dict, list[dict], list | None]:
+    """A user turn, the turn after it as a client sends it back (the assistant's reasoning
+    and its first ``n`` calls of CALLS, content null, arguments as JSON text; each tool's
+    reply), and the ``tools=``: what the template gets from the server's own message path
+    (request's cleaning, then :func:`request.template_input`)."""
+    from hpcmac.llm.request import _clean_message, template_input
+
+    user = {"role": "user", "content": "Weather in Paris, and 2 + 40?"}
+    asst = {"role": "assistant", "content": None, "reasoning_content": REASONING,
+            "tool_calls": [{"id": f"call_{i}", "type": "function",
+                            "function": {"name": name, "arguments": json.dumps(args)}}
+                           for i, (name, args) in enumerate(CALLS[:n])]}
+    replies = [{"role": "tool", "tool_call_id": f"call_{i}", "name": CALLS[i][0],
+                "content": '{"ok": true}'} for i in range(n)]
+    clean = [_clean_message(i, m) for i, m in enumerate([user, asst] + replies)]
+    msgs, shown = template_input(clean, spec, template)
+    return msgs[:-len(clean) + 1], msgs[-len(clean) + 1:], shown
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=vocab, bos_token="<s>", eos_token="</s>")
+
+
+def _render(hf_tok, template: str, msgs: list[dict], shown) -> tuple[str | None, str]:
+    """(transformers' text, ours) of ``msgs`` with the generation prompt; transformers'
+    is None where its sandbox refuses the template."""
+    import jinja2
+
+    from hpcmac.llm.model.tokenizer import Tokenizer
+
+    ours = Tokenizer(hf_tok.backend_tokenizer, None, [], False, template, "<s>", "</s>")
+    mine = ours.apply_chat_template(msgs, add_generation_prompt=True, tools=shown)
+    hf_tok.chat_template = template
+    try:
+        theirs = hf_tok.apply_chat_template(msgs, tools=shown, tokenize=False,
+                                            add_generation_prompt=True)
+    except jinja2.exceptions.SecurityError:
+        # Kimi K2's newer templates call list.append, which transformers' immutable
+        # sandbox refuses; ours (plain jinja2) renders them
+        theirs = None
+    return theirs, mine
+
+
+def _streamed(fam, spec, style, think_open, text, step=3):
+    """The reasoning, content and calls the stream parser sends for ``text`` fed
+    ``step`` characters at a time; each call's name and argument pieces put together
+    as an OpenAI client does."""
+    sp = tools.StreamParser(fam, spec, style, think_open)
+    deltas = [d for i in range(0, len(text), step) for d in sp.feed(text[i:i + step])]
+    last, called = sp.close()
+    deltas += last
+    calls: dict[int, list] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            got = calls.setdefault(c["index"], ["", ""])
+            got[0] += c.get("function", {}).get("name") or ""
+            got[1] += c.get("function", {}).get("arguments") or ""
+    return ("".join(d.get("reasoning_content", "") for d in deltas),
+            "".join(d.get("content", "") for d in deltas),
+            [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())], called)
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST["templates"]))
+def test_parser_reads_what_the_checkpoints_template_writes(name, hf_tok):
+    meta = MANIFEST["templates"][name]
+    template = _template(name)
+    fam, style = meta["family"], tools.reasoning_style(template)
+    assert tools.family(template) == fam
+    spec = _spec(fam)
+    spec.rendered = tools.writes_tools(template)  # as the server sets it
+    head_msgs, turn, shown = _conversation(meta["calls"], template, spec)
+    head_hf, head = _render(hf_tok, template, head_msgs, shown)
+    full_hf, full = _render(hf_tok, template, head_msgs + turn, shown)
+    assert head_hf == head  # our renderer writes what transformers does
+    assert full_hf in (full, None) and (full_hf is not None or name.startswith("Kimi-K2-"))
+    assert all(t["function"]["name"] in head for t in TOOLS)  # the tools reach the prompt
+    if not spec.rendered:  # DeepSeek's templates: our system text, in the family's format
+        assert tools.STARTS[fam] in head
+    user = head_msgs[-1]
+    # the assistant's turn: after the user's message and what of the generation prompt the
+    # turn repeats (a template may drop, in history, a "<think>" it opens in the prompt),
+    # up to the family's end of turn
+    u = user["content"]
+    gen, after = head[head.index(u) + len(u):], full[full.index(u) + len(u):]
+    same = os.path.commonprefix([gen, after])
+    if same.rfind("<") > same.rfind(">"):  # not inside a marker both begin alike
+        same = same[:same.rfind("<")]
+    answer = after[len(same):]
+    assert meta["end"] in answer, answer
+    answer = answer[:answer.index(meta["end"])]
+    think_open = style == "think" and gen.rstrip().endswith("<think>")
+    want = [(n, a) for n, a in CALLS[:meta["calls"]]]
+
+    got = tools.parse(answer, fam, spec, style, think_open)
+    assert _calls(got) == want, answer
+    assert not got.content, answer
+    assert (got.reasoning or "").strip() in ("", REASONING), answer
+    if REASONING in answer:
+        assert got.reasoning.strip() == REASONING
+    for step in (1, 3, 7):
+        r, c, calls, called = _streamed(fam, spec, style, think_open, answer, step)
+        assert calls == want and called, (step, answer)
+        assert (r, c) == (got.reasoning or "", got.content), (step, answer)
