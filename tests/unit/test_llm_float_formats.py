@@ -175,3 +175,27 @@ def test_compressed_tensors_int4_reads_as_affine_exactly(tmp_path):
     nq = NQWeight(t)
     assert nq.biases.size == 0 and nq.nbytes == ck.stored_nbytes(name) == \
         words.nbytes + 2 * stored[name[:-len("weight")] + "weight_scale"].numel()
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_float_panel_kernel_within_the_bound(m):
+    """Decode's float32 product (:mod:`hpcmac.llm.model.fvec` over the backend's panels)
+    and its bfloat16 form: within ``gamma_n S`` of the exact product (the derivation
+    above: the weights are exact float32 values, only the sums round); an output count
+    that pads the last panel, an input count that is not a multiple of the unroll; the
+    bfloat16 bits give exactly the float32 kernel's result on their widened values."""
+    from hpcmac.llm.model.backend import NumpyBackend, Panels
+    from hpcmac.llm.model.fvec import matvec
+
+    rng = np.random.default_rng(11 + m)
+    w = rng.standard_normal((70, 515)).astype(np.float32)
+    x = rng.standard_normal((m, 515)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = gamma(515) * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
+    be = NumpyBackend()
+    p = Panels(w, be.panel)
+    y = be.linear(x, p) if m == 1 else matvec(x, p.p)[:, :70]
+    assert y.shape == (m, 70) and np.all(np.abs(y - exact) <= bound)
+    bits = (p.p.view(np.uint32) >> np.uint32(16)).astype(np.uint16)  # truncated to bf16
+    wide = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    assert np.array_equal(matvec(x, bits), matvec(x, wide))

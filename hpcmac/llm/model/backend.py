@@ -138,8 +138,12 @@ class NumpyBackend:
             return qmatmul(x, w, int8=self.int8)
         m = x.shape[0]
         nb, _, r = w.p.shape
-        if m == 1:  # vector @ panels: a gemv per panel, looped in C
-            y = np.matmul(x[0], w.p).reshape(1, nb * r)
+        if m == 1:  # one sequence's decode: the streaming kernel (BLAS's per-panel gemv
+            # read ~0.7 of sdot's bandwidth, this ~0.9; see hpcmac.llm.model.fvec)
+            from hpcmac.llm.model import fvec
+
+            y = fvec.matvec(x, w.p) if r == fvec.WIDTH else \
+                np.matmul(x[0], w.p).reshape(1, nb * r)
         else:  # (nb, M, r): a small gemm per panel, looped in C
             y = np.matmul(x, w.p).transpose(1, 0, 2).reshape(m, nb * r)
         return y if w.n == nb * r else y[:, :w.n]

@@ -1,0 +1,138 @@
+"""Explicit-SIMD matrix-vector products over float32 and bfloat16 panels, as LLVM IR.
+
+Decode reads every weight once per token. A float32 (or bfloat16) weight is held as
+:class:`~hpcmac.llm.model.backend.Panels`: (nb, in, r) with ``r = 32`` output columns
+contiguous per input, so one panel is a single sequential stream of ``in * r``
+values. BLAS ``sgemv`` per panel (numpy's matmul over the stack) reaches 11-12 GB/s
+of the 16 GB/s a one-thread BLAS ``sdot`` streams here (measured in a decode step of
+the 623 MB Llama of ``hpcmac.bench.llm``). The kernel here streams the panel once, in
+order, with a software prefetch ``PREFETCH`` bytes ahead (as
+:mod:`~hpcmac.llm.model.qvec` does for the quantized codes), and keeps the ``r``
+outputs of each activation row in vector registers: per input ``i``, ``x[i]``
+broadcast times the panel's row ``i`` added into ``UNROLL`` independent pairs of
+``<16 x float>`` accumulators (enough in flight to cover the FMA latency), summed once
+per panel.
+
+bfloat16 panels (a ``uint16`` view of the bits; a bfloat16 checkpoint's weights kept
+in their 2 bytes) widen in registers by a 16-bit shift: bfloat16 is the high half of
+a float32, so the product is the float32 product of the same values (exact
+widening; no half-precision conversion routine, which a generic-CPU JIT lacks).
+
+Sums run in a different order than BLAS's (``UNROLL`` interleaved partial sums per
+output, combined at the end): equal to the float32 product up to float32 summation
+error, as any BLAS. Pure: no communication.
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+import numba as nb
+import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from hpcmac.llm.model.qvec import _IR, PREFETCH, _c64, _vec
+
+#: inputs per step of the panel loop, each with its own pair of accumulators
+UNROLL = 4
+#: output columns per panel the kernel takes (the numpy backend's panel width)
+WIDTH = 32
+
+_F32, _I16, _I32 = ir.FloatType(), ir.IntType(16), ir.IntType(32)
+
+
+def _emit(context, builder, sig, args):
+    """``y[m, b * 32 + j] = sum_i x[m, i] * p[b, i, j]`` for p (nb, K, 32) float32 or
+    uint16 (bfloat16 bits), x (M, K) float32, y (M, nb * 32) float32."""
+    pt, xt, yt = sig.args
+    pa, xa, ya = args
+    b = builder
+    h = _IR(b)
+    p = context.make_array(pt)(context, builder, pa)
+    x = context.make_array(xt)(context, builder, xa)
+    y = context.make_array(yt)(context, builder, ya)
+    nbk, K, r = cgutils.unpack_tuple(b, p.shape, 3)
+    M = cgutils.unpack_tuple(b, x.shape, 2)[0]
+    bf16 = pt.dtype == types.uint16
+    ety = _I16 if bf16 else _F32
+    esize = 2 if bf16 else 4
+    f16 = _vec(_F32, 16)
+    accs = [cgutils.alloca_once(b, f16) for _ in range(2 * UNROLL)]
+    panel = b.mul(K, _c64(WIDTH))  # elements per panel
+
+    def row(pbase, i):
+        """Row ``i`` of the panel at element ``pbase``: two ``<16 x float>``."""
+        off = b.add(pbase, b.mul(i, _c64(WIDTH)))
+        halves = []
+        for k in (0, 16):
+            v = h.load(p.data, b.add(off, _c64(k)), _vec(ety, 16))
+            if bf16:
+                v = b.bitcast(b.shl(b.zext(v, _vec(_I32, 16)),
+                                    ir.Constant(_vec(_I32, 16), [16] * 16)), f16)
+            halves.append(v)
+        return halves
+
+    def step(pbase, xrow, i, pairs):
+        """Inputs ``i .. i + len(pairs) - 1`` into accumulator pairs ``pairs``."""
+        for u, a in enumerate(pairs):
+            iu = b.add(i, _c64(u))
+            xb = h.splat(b.load(b.gep(x.data, [b.add(xrow, iu)])), 16)
+            lo, hi = row(pbase, iu)
+            b.store(h.fma(lo, xb, b.load(accs[2 * a])), accs[2 * a])
+            b.store(h.fma(hi, xb, b.load(accs[2 * a + 1])), accs[2 * a + 1])
+
+    steps = b.udiv(K, _c64(UNROLL))
+    with cgutils.for_range(b, nbk) as lb:
+        pbase = b.mul(lb.index, panel)
+        with cgutils.for_range(b, M) as lm:
+            xrow = b.mul(lm.index, K)
+            for a in accs:
+                b.store(ir.Constant(f16, None), a)
+            with cgutils.for_range(b, steps) as ls:
+                i = b.mul(ls.index, _c64(UNROLL))
+                # one prefetch per cache line of the UNROLL rows read this step
+                lines = UNROLL * WIDTH * esize // 64
+                for k in range(lines):
+                    h.prefetch(p.data, b.add(b.add(pbase, b.mul(i, _c64(WIDTH))),
+                                             _c64((PREFETCH + 64 * k) // esize)))
+                step(pbase, xrow, i, range(UNROLL))
+            with cgutils.for_range(b, b.sub(K, b.mul(steps, _c64(UNROLL)))) as lt:
+                step(pbase, xrow, b.add(b.mul(steps, _c64(UNROLL)), lt.index), [0])
+            for k in (0, 1):
+                tot = b.load(accs[k])
+                for a in range(1, UNROLL):
+                    tot = b.fadd(tot, b.load(accs[2 * a + k]))
+                yo = b.add(b.mul(lm.index, b.mul(nbk, _c64(WIDTH))),
+                           b.add(b.mul(lb.index, _c64(WIDTH)), _c64(16 * k)))
+                dst = b.bitcast(b.gep(y.data, [yo]), f16.as_pointer())
+                b.store(tot, dst, align=1)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _pgemv(typingctx, p, x, y):
+    if not (isinstance(p, types.Array) and p.dtype in (types.float32, types.uint16)):
+        raise TypeError("panels: float32, or bfloat16 bits as uint16")
+    if any(a.layout != "C" for a in (p, x, y)) or x.dtype != types.float32 or \
+            y.dtype != types.float32:
+        raise TypeError("panels, x, y: C-contiguous; x and y float32")
+    return types.void(p, x, y), _emit
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def panel_gemv(p, x, y):
+    """y (M, nb * 32) = x (M, K) float32 times the panels p (nb, K, 32) (float32 or
+    bfloat16 bits): see the module docstring. Checks the shapes (the IR does not)."""
+    if p.shape[2] != WIDTH or x.shape[1] != p.shape[1] or y.shape[0] != x.shape[0] \
+            or y.shape[1] != p.shape[0] * WIDTH:
+        raise ValueError("panel_gemv: shapes do not match")
+    _pgemv(p, x, y)
+
+
+def matvec(x: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """``x`` (M, K) float32 times panels ``p`` (nb, K, 32): (M, nb * 32) float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.empty((x.shape[0], p.shape[0] * WIDTH), np.float32)
+    panel_gemv(p, x, y)
+    return y
