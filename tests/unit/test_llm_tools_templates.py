@@ -142,3 +142,27 @@ def test_parser_reads_what_the_checkpoints_template_writes(name, hf_tok):
         r, c, calls, called = _streamed(fam, spec, style, think_open, answer, step)
         assert calls == want and called, (step, answer)
         assert (r, c) == (got.reasoning or "", got.content), (step, answer)
+
+
+OUTPUTS = json.loads((Path(__file__).parent / "data" / "tool_outputs.json").read_text(
+    encoding="utf-8"))["cases"]
+
+
+@pytest.mark.parametrize("case", OUTPUTS, ids=lambda c: c["family"])
+def test_parser_reads_the_models_published_answers(case):
+    """Answers the real models wrote (tests/unit/data/tool_outputs.json, each with its
+    source), whole and streamed, give the calls, reasoning and content they show."""
+    fam, style = case["family"], case["style"]
+    spec = tools.check({"tools": [{"type": "function", "function": {
+        "name": t["name"], "parameters": {"type": "object", "properties": t["properties"]}}}
+        for t in case["tools"]]})
+    spec.family = fam
+    text = case["text"].removesuffix(case.get("stop", ""))
+    want = [tuple(c) for c in case["calls"]]
+    got = tools.parse(text, fam, spec, style)
+    assert _calls(got) == want
+    assert (got.reasoning, got.content) == (case["reasoning"], case["content"])
+    for step in (1, 3, 7):
+        r, c, calls, called = _streamed(fam, spec, style, False, text, step)
+        assert (r, c, calls, called) == (case["reasoning"] or "", case["content"], want,
+                                         bool(want)), step
