@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcmac.errors import UsageError
 from hpcmac.llm import grammar
 from hpcmac.llm import tools as tools_mod
 from hpcmac.llm.model.sampling import SamplingParams
@@ -495,6 +496,9 @@ def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig, spec=None) -> list[
             raise _too_long(None, endpoint, cfg, exc.args[0]) from None
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages") from None
+        except UsageError as exc:  # the template refused them (Llama 3.x: one call a turn)
+            raise ApiError(400, f"{exc} (the checkpoint's chat template refused these "
+                                "messages)", "messages") from None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

@@ -8,7 +8,9 @@ Oracle: transformers' ``apply_chat_template(tools=...)`` on a tokenizer carrying
 template renders a conversation with an assistant turn of tool calls and the tools'
 replies; the assistant's part of it (what the model would have generated after the
 generation prompt) must parse, whole and streamed, to exactly those calls. Our own
-renderer (hpcmac's Tokenizer, behind the server's prompts) must write the same text."""
+renderer (hpcmac's Tokenizer, behind the server's prompts) must write the same text,
+and the server's whole prompt path (parse_request's tokens, on SmolLM2's vocabulary)
+must decode to it. Also: the models' published answers (data/tool_outputs.json)."""
 
 from __future__ import annotations
 
@@ -34,47 +36,54 @@ def _template(name: str) -> str:
     return (_FETCH["cache_dir"](MANIFEST) / name).read_text(encoding="utf-8")
 
 
-def _conversation(n: int, template: str, spec) -> tuple[dict, list[dict], list | None]:
-    """A user turn, the turn after it as a client sends it back (the assistant's reasoning
-    and its first ``n`` calls of CALLS, content null, arguments as JSON text; each tool's
-    reply), and the ``tools=``: what the template gets from the server's own message path
-    (request's cleaning, then :func:`request.template_input`)."""
+def _request(n: int) -> dict:
+    """A chat request with TOOLS, a user turn and the turn after it as a client sends it
+    back: the assistant's reasoning and its first ``n`` calls of CALLS (content null,
+    arguments as JSON text), and each tool's reply."""
+    user, turn = {"role": "user", "content": "Weather in Paris, and 2 + 40?"}, []
+    turn.append({"role": "assistant", "content": None, "reasoning_content": REASONING,
+                 "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
+                     "name": name, "arguments": json.dumps(args)}}
+                     for i, (name, args) in enumerate(CALLS[:n])]})
+    turn += [{"role": "tool", "tool_call_id": f"call_{i}", "name": CALLS[i][0],
+              "content": '{"ok": true}'} for i in range(n)]
+    return {"tools": TOOLS, "messages": [user] + turn}
+
+
+def _conversation(n: int, template: str, spec) -> tuple[list[dict], list[dict], list | None]:
+    """:func:`_request`'s messages as the template gets them from the server's own message
+    path (request's cleaning, then :func:`request.template_input`): those before the
+    assistant's turn, the turn (its calls and the tools' replies), and the ``tools=``."""
     from hpcmac.llm.request import _clean_message, template_input
 
-    user = {"role": "user", "content": "Weather in Paris, and 2 + 40?"}
-    asst = {"role": "assistant", "content": None, "reasoning_content": REASONING,
-            "tool_calls": [{"id": f"call_{i}", "type": "function",
-                            "function": {"name": name, "arguments": json.dumps(args)}}
-                           for i, (name, args) in enumerate(CALLS[:n])]}
-    replies = [{"role": "tool", "tool_call_id": f"call_{i}", "name": CALLS[i][0],
-                "content": '{"ok": true}'} for i in range(n)]
-    clean = [_clean_message(i, m) for i, m in enumerate([user, asst] + replies)]
+    clean = [_clean_message(i, m) for i, m in enumerate(_request(n)["messages"])]
     msgs, shown = template_input(clean, spec, template)
     return msgs[:-len(clean) + 1], msgs[-len(clean) + 1:], shown
 
 
 @pytest.fixture(scope="module")
-def hf_tok():
-    from tokenizers import Tokenizer, models
+def smol():
+    """SmolLM2's tokenizer (ours, its template set per test) and transformers' on it."""
     from transformers import PreTrainedTokenizerFast
 
-    vocab = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
-    return PreTrainedTokenizerFast(tokenizer_object=vocab, bos_token="<s>", eos_token="</s>")
+    from hpcmac.llm.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    return tok, PreTrainedTokenizerFast(tokenizer_object=tok.tk, bos_token=tok.bos_token,
+                                        eos_token=tok.eos_token)
 
 
-def _render(hf_tok, template: str, msgs: list[dict], shown) -> tuple[str | None, str]:
-    """(transformers' text, ours) of ``msgs`` with the generation prompt; transformers'
-    is None where its sandbox refuses the template."""
+def _render(smol, template: str, msgs: list[dict], shown) -> tuple[str | None, str]:
+    """(transformers' text, ours) of ``msgs`` with the generation prompt through
+    ``template``; transformers' is None where its sandbox refuses the template."""
     import jinja2
 
-    from hpcmac.llm.model.tokenizer import Tokenizer
-
-    ours = Tokenizer(hf_tok.backend_tokenizer, None, [], False, template, "<s>", "</s>")
-    mine = ours.apply_chat_template(msgs, add_generation_prompt=True, tools=shown)
-    hf_tok.chat_template = template
+    tok, hf = smol
+    tok.chat_template = hf.chat_template = template
+    mine = tok.apply_chat_template(msgs, add_generation_prompt=True, tools=shown)
     try:
-        theirs = hf_tok.apply_chat_template(msgs, tools=shown, tokenize=False,
-                                            add_generation_prompt=True)
+        theirs = hf.apply_chat_template(msgs, tools=shown, tokenize=False,
+                                        add_generation_prompt=True)
     except jinja2.exceptions.SecurityError:
         # Kimi K2's newer templates call list.append, which transformers' immutable
         # sandbox refuses; ours (plain jinja2) renders them
@@ -102,7 +111,7 @@ def _streamed(fam, spec, style, think_open, text, step=3):
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST["templates"]))
-def test_parser_reads_what_the_checkpoints_template_writes(name, hf_tok):
+def test_parser_reads_what_the_checkpoints_template_writes(name, smol):
     meta = MANIFEST["templates"][name]
     template = _template(name)
     fam, style = meta["family"], tools.reasoning_style(template)
@@ -110,8 +119,8 @@ def test_parser_reads_what_the_checkpoints_template_writes(name, hf_tok):
     spec = _spec(fam)
     spec.rendered = tools.writes_tools(template)  # as the server sets it
     head_msgs, turn, shown = _conversation(meta["calls"], template, spec)
-    head_hf, head = _render(hf_tok, template, head_msgs, shown)
-    full_hf, full = _render(hf_tok, template, head_msgs + turn, shown)
+    head_hf, head = _render(smol, template, head_msgs, shown)
+    full_hf, full = _render(smol, template, head_msgs + turn, shown)
     assert head_hf == head  # our renderer writes what transformers does
     assert full_hf in (full, None) and (full_hf is not None or name.startswith("Kimi-K2-"))
     assert all(t["function"]["name"] in head for t in TOOLS)  # the tools reach the prompt
@@ -166,3 +175,26 @@ def test_parser_reads_the_models_published_answers(case):
         r, c, calls, called = _streamed(fam, spec, style, False, text, step)
         assert (r, c, calls, called) == (case["reasoning"] or "", case["content"], want,
                                          bool(want)), step
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST["templates"]))
+def test_the_servers_prompt_is_the_checkpoints_template(name, smol):
+    """The server's whole prompt path (parse_request: the family, the tools, the messages
+    cleaned, chat_ids' tokens) with the real template on SmolLM2's vocabulary: its tokens
+    decode to what transformers renders, with the family the parser reads. A turn the
+    template refuses (Llama 3.x's two calls) is a 400 naming messages."""
+    from hpcmac.llm.request import ApiError, ServeConfig, parse_request
+
+    meta, template = MANIFEST["templates"][name], _template(name)
+    tok = smol[0]
+    tok.chat_template = template
+    cfg = ServeConfig("m", tok, tok.vocab_size, 8192, tuple(tok.eos_ids))
+    p = parse_request(_request(meta["calls"]), "chat", cfg)
+    assert p.tools.family == meta["family"]
+    head, turn, shown = _conversation(meta["calls"], template, p.tools)
+    hf_text, ours = _render(smol, template, head + turn, shown)
+    assert tok.decode(p.ids) == (hf_text or ours)
+    if meta["calls"] == 1 and meta["family"] == "llama3":
+        with pytest.raises(ApiError) as e:
+            parse_request(_request(2), "chat", cfg)
+        assert e.value.status == 400 and e.value.param == "messages", e.value.message

@@ -116,9 +116,12 @@ class Tokenizer:
 
         env.filters["tojson"] = tojson
         env.globals["strftime_now"] = strftime_now
-        tmpl = env.from_string(self.chat_template or CHATML)
-        return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
+        try:  # a template that refuses its input (raise_exception, a missing field): one line
+            tmpl = env.from_string(self.chat_template or CHATML)
+            return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
+        except jinja2.TemplateError as exc:
+            raise UsageError(f"chat template: {exc}") from None
 
     def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
