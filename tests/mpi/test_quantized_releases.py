@@ -1,6 +1,7 @@
-"""Releases kept in their precision, against transformers at any rank count: DeepSeek V3's
-and MiniMax M2's layers as their FP8 checkpoints store them (``fixtures.fp8_checkpoint``:
-every linear projection e4m3 with a float32 ``weight_scale_inv`` per 128 x 128 block,
+"""Releases kept in their precision, against transformers at any rank count: DeepSeek V3's,
+DeepSeek V3.2's, MiniMax M2's, Qwen3-Next's and Qwen3.5's layers as their FP8 checkpoints
+store them (``fixtures.fp8_checkpoint``: every linear projection but the family's
+``fp8_float`` ones e4m3 with a float32 ``weight_scale_inv`` per 128 x 128 block,
 ``amax / 448`` by torch's float8_e4m3fn; DeepSeek's own quantization_config), and Kimi K2
 Thinking's INT4 (``fixtures.int4_checkpoint``: the routed experts compressed-tensors
 pack-quantized, symmetric 4-bit with a bfloat16 scale per 32, read as MLX affine).
@@ -43,6 +44,31 @@ CASES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
         num_experts_per_tok=2, max_position_embeddings=256,
         rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5))),
+    # the linear-attention releases (Qwen3-Next-80B-A3B-*-FP8, Qwen3.5-*-FP8): the Gated
+    # DeltaNet's fused in_proj_qkvz (rows of several ranges a rank under tensor 2) and
+    # out_proj e4m3, in_proj_ba (Qwen3.5: in_proj_a, in_proj_b) float as released
+    "qwen3_next": ("qwen3_next", "fp8", 6, dict(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, max_position_embeddings=256)),
+    "qwen3_5": ("qwen3_5_text", "fp8", 7, dict(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        max_position_embeddings=256)),
+    # DeepSeek-V3.2: V3's projections and the indexer's wq_b and wk e4m3, its weights_proj
+    # float, as released. 8 index heads: with 4, a key scores exactly 0 whenever all four
+    # relus are 0 (1 in 16), and a top-k boundary on such a tie is broken one way by
+    # torch.topk and another by argpartition (both right; seen at position 16 here)
+    "deepseek_v32": ("deepseek_v32", "fp8", 8, dict(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=384, moe_intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, n_shared_experts=1, index_n_heads=8,
+        index_head_dim=32, index_topk=4, max_position_embeddings=256)),
     # K2 Thinking: experts INT4 in groups of 32 (tensor 2 cuts their 64 columns at 32)
     "kimi_k2": ("kimi_k2", "int4", 5, dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=80, moe_intermediate_size=64,

@@ -89,12 +89,17 @@ FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynami
               "weight_block_size": [128, 128]}
 
 
-def is_fp8_linear(name: str, shape) -> bool:
+def is_fp8_linear(name: str, shape, kept_float: tuple = ()) -> bool:
     """Whether the FP8 releases store tensor ``name`` in FP8: every linear projection
-    (attention, MLP, routed and shared experts); not the embedding, the head, the norms
-    or the routers."""
-    return len(shape) == 2 and name.endswith(("_proj.weight", ".w1.weight", ".w2.weight",
-                                              ".w3.weight")) and "lm_head" not in name
+    (attention, MLP, routed and shared experts, the indexer's); not the embedding, the
+    head, the norms or the routers, nor the projections in ``kept_float`` (the family's
+    :attr:`~hpcmac.llm.model.arch.base.Family.fp8_float`)."""
+    if len(shape) != 2 or not name.endswith(".weight") or "lm_head" in name or \
+            any(name.endswith(k + ".weight") for k in kept_float):
+        return False
+    module = name[:-len(".weight")].rsplit(".", 1)[-1]  # q_proj, in_proj_qkvz, w1, wq_b
+    return module.endswith("_proj") or "_proj_" in module or \
+        module in ("w1", "w2", "w3", "wq_b", "wk")
 
 
 def _release_copy(folder, out, float_out, convert, qcfg: dict) -> Path:
@@ -142,9 +147,13 @@ def fp8_checkpoint(folder: str | Path, out: str | Path, float_out: str | Path | 
     import torch
 
     from hpcmac.llm.model import fp8
+    from hpcmac.llm.model.arch import family
+
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    kept = family(raw.get("model_type"), "fp8_checkpoint").fp8_float
 
     def convert(name, t):
-        if not is_fp8_linear(name, t.shape):
+        if not is_fp8_linear(name, t.shape, kept):
             return None
         codes, sinv = fp8.quantize(t.astype(np.float32))
         return ({name: torch.from_numpy(codes).view(torch.float8_e4m3fn),

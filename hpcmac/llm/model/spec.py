@@ -260,10 +260,9 @@ def take(a, spec: TensorSpec, cfg: ModelConfig, shard: Shard):
     if rngs is None:
         return a
     if len(rngs) > 1:  # several row ranges (linear attention), concatenated
-        if isinstance(a, QuantTensor) and spec.axis == 0:
-            return QuantTensor(*(np.concatenate([getattr(a, f)[lo:hi] for lo, hi in rngs])
-                                 for f in ("words", "scales", "biases")),
-                               a.bits, a.group, a.source)
+        if isinstance(a, QuantTensor) and spec.axis == 0:  # whole rows: stays as stored
+            return a.map(lambda v: np.ascontiguousarray(
+                np.concatenate([v[lo:hi] for lo, hi in rngs])))
         a = as_float(a)
         key = (slice(None),) * spec.axis
         return np.ascontiguousarray(np.concatenate([a[key + (slice(lo, hi),)]
@@ -286,9 +285,15 @@ def cut_on_groups(spec: TensorSpec, cfg: ModelConfig, shard: Shard, group: int,
                   axis: int) -> bool:
     """Whether this shard's slice of a tensor quantized in groups of ``group`` along
     ``axis`` stays quantized: not cut along that axis, or cut on group boundaries
-    (else :func:`take` dequantizes it)."""
-    rng = part(spec, cfg, shard)
-    return rng is None or spec.axis != axis or (rng[0] % group == 0 and rng[1] % group == 0)
+    (else :func:`take` dequantizes it). Several row ranges (linear attention) keep it:
+    whole rows."""
+    rngs = parts(spec, cfg, shard)
+    if rngs is None:
+        return True
+    if len(rngs) > 1:
+        return spec.axis == 0 != axis
+    lo, hi = rngs[0]
+    return spec.axis != axis or (lo % group == 0 and hi % group == 0)
 
 
 def local_shape(spec: TensorSpec, cfg: ModelConfig, shard: Shard) -> tuple[int, ...]:

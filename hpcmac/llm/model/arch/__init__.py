@@ -82,7 +82,8 @@ def config_from_hf(raw: dict, where: str = "config.json") -> ModelConfig:
 #: quantization methods of Hugging Face folders that no family reads yet, and what to do
 _NOT_READ = {
     "fp8": "FP8 e4m3 with block scales is read for the families with FP8 releases "
-           "(DeepSeek V3.x, Kimi K2, GLM-4.x, MiniMax M2, Qwen3)",
+           "(DeepSeek V3.x and V3.2, Kimi K2, GLM-4.x, MiniMax M2, Qwen3, Qwen3-Next, "
+           "Qwen3.5)",
     "compressed-tensors": "compressed-tensors pack-quantized INT4 is read for the Kimi K2 "
                           "line (K2 Thinking, K2.5)",
 }

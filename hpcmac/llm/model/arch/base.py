@@ -39,8 +39,9 @@ def _default_gguf_meta(w, cfg: ModelConfig) -> None:
     w.add_value_length(cfg.head_dim)
 
 
-#: the ``quant_methods`` entry of the families with FP8 releases (DeepSeek V3.x, Kimi K2,
-#: GLM-4.x-FP8, MiniMax M2, Qwen3-FP8): e4m3 weights with block scales, read by
+#: the ``quant_methods`` entry of the families with FP8 releases (DeepSeek V3.x and V3.2,
+#: Kimi K2, GLM-4.x-FP8, MiniMax M2, Qwen3-FP8, Qwen3-Next-FP8, Qwen3.5-FP8): e4m3 weights
+#: with block scales, read by
 #: :mod:`hpcmac.llm.model.fp8`
 FP8 = {"fp8": "e4m3 with 128 x 128 block scales, kept 8-bit"}
 #: the ``quant_methods`` entry of the families with compressed-tensors INT4 releases (Kimi
@@ -71,6 +72,11 @@ class Family:
         generic; ``models`` says which are checked)
     mlx_folders : mlx-lm's folders of it are read (False: refused in one line, e.g. where
         mlx-lm's conversion rewrites tensors, as for the linear-attention families)
+    fp8_float : the linear projections its FP8 releases keep in floats (their
+        ``quantization_config.modules_to_not_convert``), by the module name's tail (e.g.
+        ``linear_attn.in_proj_ba``); the embedding, the head, the norms and the routers
+        are float in every release. The loader keeps 8-bit whatever carries a
+        ``weight_scale_inv``; the fixtures' FP8 copy follows this
     """
 
     model_type: str
@@ -87,3 +93,4 @@ class Family:
     layouts: tuple = ("tp", "pp", "tp+pp")
     mlx_quant_tested: bool = False
     mlx_folders: bool = True
+    fp8_float: tuple = ()

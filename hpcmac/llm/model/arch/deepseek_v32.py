@@ -7,15 +7,16 @@ tensor rank, so every rank selects the same tokens.
 
 ``q_lora_rank`` is required (the indexer's query is read from the Q LoRA, as transformers
 requires it); ``mlp_layer_types`` must be the dense-first pattern ``first_k_dense_replace``
-gives (3 when absent, as transformers defaults). FP8 releases are refused for now (the
-indexer's FP8 tensors are not checked by a test). No GGUF form yet.
+gives (3 when absent, as transformers defaults). The release is FP8 (e4m3, 128 x 128 blocks),
+kept 8-bit as DeepSeek-V3's: every projection, the indexer's ``wq_b`` and ``wk`` too, but
+its ``weights_proj`` (bfloat16 in the release). No GGUF form yet.
 """
 
 from __future__ import annotations
 
 from hpcmac.errors import UsageError
 from hpcmac.llm.model.arch import deepseek_v3
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import MLP, IndexedMLA, Layer, MoE, sigmoid_grouped
 from hpcmac.llm.model.arch.fields import ModelConfig, json_int
 
@@ -52,6 +53,7 @@ FAMILY = Family(
              "parallelism)"),
     model_type="deepseek_v32", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _SPARSE if cfg.is_moe_layer(i) else _DENSE, hf_class="DeepseekV32Config",
+    quant_methods=FP8, fp8_float=("indexer.weights_proj",),
     tiny=dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=16,
               num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
               n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,

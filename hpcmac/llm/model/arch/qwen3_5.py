@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from hpcmac.errors import UsageError
 from hpcmac.llm.model.arch import qwen3_next
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import GQA, MLP, GatedDeltaNet, Layer
 from hpcmac.llm.model.arch.fields import ModelConfig
 
@@ -61,6 +61,8 @@ FAMILY = Family(
     model_type="qwen3_5", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _LINEAR if cfg.is_linear(i) else _FULL,
     hf_class="Qwen3_5TextConfig", mlx_folders=False,
+    # Qwen3.5-*-FP8: every projection e4m3 but in_proj_a and in_proj_b (and the routers)
+    quant_methods=FP8, fp8_float=("linear_attn.in_proj_a", "linear_attn.in_proj_b"),
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=24, num_hidden_layers=4,
               num_attention_heads=5, num_key_value_heads=1, head_dim=16,
               linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,

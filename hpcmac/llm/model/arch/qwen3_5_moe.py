@@ -8,7 +8,7 @@ renormalised, plus one shared expert (``shared_expert_intermediate_size``) scale
 from __future__ import annotations
 
 from hpcmac.llm.model.arch import qwen3_5, qwen3_next
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import GQA, GatedDeltaNet, Layer, MoE, softmax_topk
 from hpcmac.llm.model.arch.fields import ModelConfig
 
@@ -30,6 +30,7 @@ FAMILY = Family(
     model_type="qwen3_5_moe", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _LINEAR if cfg.is_linear(i) else _FULL,
     hf_class="Qwen3_5MoeTextConfig", mlx_folders=False,
+    quant_methods=FP8, fp8_float=qwen3_5.FAMILY.fp8_float,
     tiny=dict(vocab_size=96, hidden_size=40, num_hidden_layers=4, num_attention_heads=5,
               num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
               linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12,

@@ -20,7 +20,7 @@ conv). No GGUF form yet.
 from __future__ import annotations
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.arch.base import Family
+from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import GQA, MLP, GatedDeltaNet, Layer, MoE, softmax_topk
 from hpcmac.llm.model.arch.fields import (
     ModelConfig,
@@ -111,6 +111,8 @@ FAMILY = Family(
              "`1 + w` RMSNorms, softmax top-k experts plus a sigmoid-gated shared expert"),
     model_type="qwen3_next", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=layer, hf_class="Qwen3NextConfig", mlx_folders=False,
+    # Qwen3-Next-80B-A3B-*-FP8: every projection e4m3 but in_proj_ba (and the routers)
+    quant_methods=FP8, fp8_float=("linear_attn.in_proj_ba",),
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=24, num_hidden_layers=4,
               num_attention_heads=5, num_key_value_heads=1, head_dim=16,
               linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
