@@ -110,10 +110,12 @@ class _IR:
         p = self.b.bitcast(self.b.gep(ptr, [idx]), vty.as_pointer())
         return self.b.load(p, align=1)
 
-    def prefetch(self, ptr, idx):
+    def prefetch(self, ptr, idx, locality: int = 3):
+        """A read prefetch of ``ptr[idx]``; ``locality`` 3 into every cache level, 2 into
+        L2 and below (x86 ``prefetcht0`` / ``prefetcht1``)."""
         f = self.fn("llvm.prefetch.p0", ir.VoidType(), [ptr.type, _I32, _I32, _I32])
-        self.b.call(f, [self.b.gep(ptr, [idx]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                        ir.Constant(_I32, 1)])
+        self.b.call(f, [self.b.gep(ptr, [idx]), ir.Constant(_I32, 0),
+                        ir.Constant(_I32, locality), ir.Constant(_I32, 1)])
 
     def splat(self, x, n: int):
         v = self.b.insert_element(ir.Constant(_vec(x.type, n), None), x, ir.Constant(_I32, 0))
