@@ -460,8 +460,10 @@ def template_input(clean: list[dict], spec, template: str | None
     shown = spec.rendered if spec is not None else writes_tools(template)
     if not shown:
         clean = _with_tools(clean, spec, template)
-    return (tools_mod.template_messages(clean),
-            spec.tools if spec is not None and shown else None)
+    given = spec.tools if spec is not None and shown else None
+    if given and spec.family == "harmony":  # gpt-oss's template reads every description
+        given = [dict(t, function={"description": "", **t["function"]}) for t in given]
+    return tools_mod.template_messages(clean), given
 
 
 def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig, spec=None) -> list[int]:

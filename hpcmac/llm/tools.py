@@ -23,7 +23,8 @@ templates write a call:
   </parameter>\\n</invoke>\\n</minimax:tool_call>``.
 
 In the XML-like formats a value is its text when the tool's schema says string, else
-JSON. Reasoning (``<think>...</think>``, harmony's analysis channel) is split off as
+JSON (``True``/``False``/``None`` too, as Qwen3-Coder's and Qwen3.5's templates write
+them). Reasoning (``<think>...</think>``, harmony's analysis channel) is split off as
 ``reasoning_content``. Everything here takes and returns plain OpenAI-shaped dicts.
 """
 
@@ -246,14 +247,23 @@ def _props(spec: ToolSpec | None, name: str) -> dict:
     return {}
 
 
+#: how Python writes the JSON constants (Qwen3-Coder's and Qwen3.5's templates write a
+#: non-container value with ``| string``: ``True``, ``None``), read back by the schema
+_PY_CONST = {"True": True, "False": False, "None": None}
+
+
 def _value(text: str, schema) -> object:
-    """An XML-like parameter's value: its text for a string parameter, else JSON (the
-    text when it is not JSON)."""
-    if isinstance(schema, dict) and schema.get("type") == "string":
+    """An XML-like parameter's value: its text for a string parameter, else JSON (a
+    boolean or null also as Python writes it; the text when it is neither)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if "string" in kinds:
         return text
     try:
         return json.loads(text)
     except ValueError:
+        if text.strip() in _PY_CONST and kinds & {"boolean", "null", None}:
+            return _PY_CONST[text.strip()]
         return text
 
 

@@ -22,12 +22,29 @@ from pathlib import Path
 import pytest
 
 from hpcmac.llm import tools
-from tests.unit.test_llm_tools import CALLS, TOOLS, _calls, _spec
+from tests.unit.test_llm_tools import CALLS, TOOLS, _calls
 
 _FETCH = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "chat-templates"))
 MANIFEST = _FETCH["manifest"]()
 MISSING = set(_FETCH["missing"](MANIFEST))
 REASONING = "The user wants the weather and a sum: two tools."
+# a third tool whose arguments take each JSON type: the XML-like formats write a value as
+# text and the parser must give it back typed by the schema (Qwen3-Coder's and Qwen3.5's
+# templates write a boolean as Python's True)
+PLAN = {"type": "function", "function": {"name": "plan", "description": "Plan a trip",
+                                         "parameters": {"type": "object", "properties": {
+        "title": {"type": "string"}, "code": {"type": "string"}, "ratio": {"type": "number"},
+        "dry": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "opts": {"type": "object"}}}}}
+TOOLS = TOOLS + [PLAN]
+CALLS = CALLS + [("plan", {"title": "Rome <3 days>\nthen Naples", "code": "42", "ratio": 0.5,
+                           "dry": True, "tags": ["a", "b c"], "opts": {"k": [1, 2], "x": None}})]
+
+
+def _spec(fam: str) -> tools.ToolSpec:
+    spec = tools.check({"tools": TOOLS})
+    spec.family = fam
+    return spec
 
 
 def _template(name: str) -> str:
@@ -194,6 +211,10 @@ def test_the_servers_prompt_is_the_checkpoints_template(name, smol):
     head, turn, shown = _conversation(meta["calls"], template, p.tools)
     hf_text, ours = _render(smol, template, head + turn, shown)
     assert tok.decode(p.ids) == (hf_text or ours)
+    # a tool without a description (OpenAI's is optional; gpt-oss's template reads it)
+    bare = dict(_request(1), tools=[{"type": "function", "function": {
+        "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}}])
+    assert parse_request(bare, "chat", cfg).ids
     if meta["calls"] == 1 and meta["family"] == "llama3":
         with pytest.raises(ApiError) as e:
             parse_request(_request(2), "chat", cfg)
