@@ -631,7 +631,8 @@ def call_lark(spec: ToolSpec, tok) -> str:
     tools = [t["function"] for t in spec.tools
              if spec.choice == "required" or t["function"]["name"] == spec.choice]
     fam = spec.family
-    multi = spec.parallel and fam != "harmony"
+    # harmony: one call a message; Llama 3.x's templates render one call a turn back
+    multi = spec.parallel and fam not in ("harmony", "llama3")
     rules = []
     for i, f in enumerate(tools):
         n, params = f["name"], f.get("parameters") or {"type": "object"}

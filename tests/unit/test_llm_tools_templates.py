@@ -211,6 +211,10 @@ def test_the_servers_prompt_is_the_checkpoints_template(name, smol):
     head, turn, shown = _conversation(meta["calls"], template, p.tools)
     hf_text, ours = _render(smol, template, head + turn, shown)
     assert tok.decode(p.ids) == (hf_text or ours)
+    # a forced parallel answer may hold several calls only where the template takes them
+    forced = tools.check({"tools": TOOLS, "tool_choice": "required"})
+    forced.family = meta["family"]
+    assert ("*" in tools.call_lark(forced, tok).splitlines()[0]) == (meta["calls"] > 1)
     # a tool without a description (OpenAI's is optional; gpt-oss's template reads it)
     bare = dict(_request(1), tools=[{"type": "function", "function": {
         "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}}])
