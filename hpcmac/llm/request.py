@@ -434,6 +434,10 @@ def _clean_message(i: int, m) -> dict:
     return out
 
 
+#: a message key marking text the server wrote (its special-token strings stay special)
+SERVER_TEXT = "_hpcmac_server_text"
+
+
 def _with_tools(msgs: list[dict], spec, template: str | None) -> list[dict]:
     """Messages for a template that shows no tools: the tools in a system message, in
     the family's words; an assistant's calls written into its content (hermes style, which
@@ -445,7 +449,12 @@ def _with_tools(msgs: list[dict], spec, template: str | None) -> list[dict]:
             m["content"] = (m["content"] + "\n" if m["content"] else "") + call_text
     if spec is not None:
         text = tools_mod.system_text(spec.tools, spec.family)
-        if out and out[0]["role"] == "system":
+        if spec.family == "deepseek":  # its markers are the vocabulary's: our own message,
+            # which chat_ids encodes with them (a client's text it encodes as text); the
+            # template joins system messages as the card's layout has them
+            out.insert(1 if out and out[0]["role"] == "system" else 0,
+                       {"role": "system", "content": text, SERVER_TEXT: True})
+        elif out and out[0]["role"] == "system":
             out[0]["content"] = out[0]["content"] + "\n\n" + text
         else:
             out.insert(0, {"role": "system", "content": text})
@@ -540,13 +549,15 @@ def chat_ids(tok, messages: list[dict], limit: int | None = None,
     The template's own control tokens are special; the messages' text is text: a
     special-token string a user writes (``<|im_start|>``) becomes ordinary tokens, so
     it cannot open a role. (Each content is rendered as a marker, and the pieces
-    between markers are encoded with special tokens, the contents without.)
+    between markers are encoded with special tokens, the contents without, but for
+    the server's own text, a message marked :data:`SERVER_TEXT`.)
     With ``limit``, a rendered prompt of more tokens is :class:`TooLong`, found before
     it is tokenized whole.
     """
     writes_bos = bool(tok.bos_token) and "bos_token" in (tok.chat_template or "")
     specials = tok.specials
-    if not any(s in m["content"] for m in messages for s in specials):
+    ours = [bool(m.get(SERVER_TEXT)) for m in messages]  # the server's own text: special
+    if not any(s in m["content"] for m, o in zip(messages, ours) if not o for s in specials):
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         if limit is not None and _surely_over(tok, text, limit, True):
             raise TooLong(len(text.encode("utf-8")))
@@ -565,9 +576,9 @@ def chat_ids(tok, messages: list[dict], limit: int | None = None,
                          "does not keep message text as it is; refused")
     ids: list[int] = []
     rest = text
-    for m, k in zip(messages, marks):
+    for m, k, o in zip(messages, marks, ours):
         head, rest = rest.split(k, 1)
         ids += tok.encode(head, add_bos=False if writes_bos or ids else None)
-        ids += tok.encode(m["content"], add_bos=False, special=False)
+        ids += tok.encode(m["content"], add_bos=False, special=o)
     ids += tok.encode(rest, add_bos=False)
     return ids

@@ -223,3 +223,27 @@ def test_the_servers_prompt_is_the_checkpoints_template(name, smol):
         with pytest.raises(ApiError) as e:
             parse_request(_request(2), "chat", cfg)
         assert e.value.status == 400 and e.value.param == "messages", e.value.message
+
+
+def test_deepseeks_tool_block_keeps_its_markers_special(smol):
+    """DeepSeek V3.1's template shows no tools: the server's system text (its model card's
+    block) names the call markers, which are the vocabulary's tokens there, while the same
+    string in a client's message stays text."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as TK
+
+    from hpcmac.llm.model.tokenizer import Tokenizer
+    from hpcmac.llm.request import ServeConfig, parse_request
+
+    base = smol[0]
+    tk = TK.from_str(base.tk.to_str())
+    tk.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in tools._DS])
+    tok = Tokenizer(tk, base.bos_id, base.eos_ids, base.add_bos,
+                    _template("deepseek-ai-DeepSeek-V3.1.jinja"), base.bos_token, base.eos_token)
+    cfg = ServeConfig("m", tok, tok.vocab_size, 8192, tuple(tok.eos_ids))
+    begin = tk.token_to_id(tools._DS[0])
+    for user in ("Weather in Paris?", f"What does {tools._DS[0]} mean?"):
+        p = parse_request({"tools": TOOLS, "messages": [{"role": "user", "content": user}]},
+                          "chat", cfg)
+        assert p.ids.count(begin) == 1  # the block's, not the client's
+        assert tools._DS[0] in tok.decode(p.ids).split(user)[0]
