@@ -9,8 +9,13 @@ of the whole set), time to first token (p50/p95) and inter-token latency
 same run: ``generate --batch`` on the same prompts and ``max_tokens`` at the
 same rank count, aggregate tok/s over its own wall time from the first
 prompt to the last token (its JSON's ``wall_s``; loading excluded).
-Ratios: serve at 16 clients over generate --batch, and p95 ITL at 16
-clients over p95 ITL at 1 client.
+Both run one BLAS thread a rank (``--threads 1``) and ``--serve-args``' layout
+flags. With llama.cpp's Python wheel (``xllamacpp``) and a GGUF model,
+llama-server (its ``Server``: HTTP, ``n_parallel`` = the largest client count,
+as many threads as ranks, the same GGUF) gets the same requests from the same
+clients right after serve at each client count. Ratios: serve over generate
+--batch, p95 ITL over p95 ITL at 1 client, and tok/s and TTFT p50 over
+llama-server's.
 
 ``--chat``: the prefix cache instead. One client holds a 6-turn chat (a long
 system prompt, six questions, each answer of the cache-on server fed back) with
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -65,19 +71,24 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def start_server(np_: int, model: str, slots: int, extra: list[str]):
-    import httpx
-
     port = _port()
     proc = subprocess.Popen([*_mpirun(np_), sys.executable, "-m", "hpcmac.llm", "serve",
                              "--model", model, "--port", str(port), "--max-batch", str(slots),
                              *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, process_group=0,  # same session: same CPU share
                             env=dict(os.environ, HPCMAC_QUIET_TRANSPORT="1"))
-    url = f"http://127.0.0.1:{port}"
+    return _wait_up(proc, f"http://127.0.0.1:{port}", "serve")
+
+
+def _wait_up(proc, url: str, what: str):
+    """``(proc, url)`` once ``url``'s ``/health`` answers 200; one line if it never does."""
+    import httpx
+
     t0 = time.monotonic()
     while time.monotonic() - t0 < 600:
         if proc.poll() is not None:
-            raise UsageError(f"serve exited {proc.returncode}: {proc.stderr.read()[-300:]}")
+            tail = proc.stderr.read()[-300:] if proc.stderr else ""
+            raise UsageError(f"{what} exited {proc.returncode}: {tail}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -85,7 +96,41 @@ def start_server(np_: int, model: str, slots: int, extra: list[str]):
             pass
         time.sleep(0.5)
     stop_server(proc)
-    raise UsageError("serve did not come up in 600 s")
+    raise UsageError(f"{what} did not come up in 600 s")
+
+
+#: llama-server (llama.cpp's HTTP server, from the ``xllamacpp`` wheel) for the load runs:
+#: argv model, port, slots (n_parallel), threads; serves until killed
+_LLAMACPP_SERVE = r"""
+import signal, sys
+import xllamacpp as xlc
+p = xlc.CommonParams()
+p.model.path, p.port, p.hostnames = sys.argv[1], int(sys.argv[2]), ["127.0.0.1"]
+p.n_parallel = int(sys.argv[3])
+p.n_ctx = 2048 * p.n_parallel
+p.cpuparams.n_threads = p.cpuparams_batch.n_threads = int(sys.argv[4])
+stop = {signal.SIGINT, signal.SIGTERM}
+signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # the server's threads inherit the mask
+server = xlc.Server(p)
+signal.sigwait(stop)
+"""
+
+
+def start_llama_server(model: str, slots: int, threads: int):
+    """llama-server on ``model`` (a GGUF) with ``slots`` parallel sequences and ``threads``
+    threads, as ``(proc, url)``; None without ``xllamacpp`` or for a model that is no GGUF."""
+    from importlib.util import find_spec
+
+    from hpcmac.llm.model.config import is_gguf, resolve_model
+
+    path = resolve_model(model)
+    if find_spec("xllamacpp") is None or not is_gguf(path):
+        return None
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-c", _LLAMACPP_SERVE, str(path), str(port),
+                             str(slots), str(threads)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, process_group=0)  # it logs a lot
+    return _wait_up(proc, f"http://127.0.0.1:{port}", "llama-server")
 
 
 def stop_server(proc) -> None:
@@ -309,8 +354,10 @@ def run_chat(args) -> int:
     return 0
 
 
-def generate_batch(np_: int, model: str, requests: list[tuple[str, int]], slots: int) -> dict:
-    """``generate --batch`` on the same prompts: tokens over its wall time (from its JSON)."""
+def generate_batch(np_: int, model: str, requests: list[tuple[str, int]], slots: int,
+                   layout: list[str]) -> dict:
+    """``generate --batch`` on the same prompts, one BLAS thread a rank and ``layout``'s
+    flags: tokens over its wall time (from its JSON)."""
     with tempfile.TemporaryDirectory() as d:
         batch = Path(d) / "p.jsonl"
         batch.write_text("".join(json.dumps({"prompt": p, "max_tokens": n}) + "\n"
@@ -318,7 +365,8 @@ def generate_batch(np_: int, model: str, requests: list[tuple[str, int]], slots:
         out = Path(d) / "r.json"
         r = subprocess.run([*_mpirun(np_), sys.executable, "-m", "hpcmac.llm", "generate",
                             "--model", model, "--batch", str(batch), "--temperature", "0",
-                            "--max-batch", str(slots), "--quiet", "--json", str(out)],
+                            "--max-batch", str(slots), "--threads", "1", *layout, "--quiet",
+                            "--json", str(out)],
                            capture_output=True, text=True, timeout=1800,
                            env=dict(os.environ, HPCMAC_QUIET_TRANSPORT="1"))
         if r.returncode != 0:
@@ -337,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=0,
                     help="serve's --prefill-chunk (default: serve's own, 64)")
+    ap.add_argument("--serve-args", default="", metavar="FLAGS",
+                    help="layout flags for serve and generate --batch, e.g. '--tp 2'")
+    ap.add_argument("--no-llama", action="store_true",
+                    help="without llama-server beside (default: with it when xllamacpp is "
+                         "installed and the model is a GGUF)")
     ap.add_argument("--chat", action="store_true",
                     help="the prefix cache: a 6-turn chat's TTFT, cache on and off, and "
                          "llama.cpp's with cache_prompt (see the module docstring)")
@@ -348,33 +401,51 @@ def main(argv: list[str] | None = None) -> int:
         return run_chat(args)
     reqs = [(PROMPTS[i % len(PROMPTS)], args.max_tokens) for i in range(args.requests)]
     slots = max(args.clients)
+    layout = shlex.split(args.serve_args)
     rows = []
     for np_ in args.ranks:
-        ref = generate_batch(np_, args.model, reqs, slots)
+        ref = generate_batch(np_, args.model, reqs, slots, layout)
         extra = ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []
-        proc, url = start_server(np_, args.model, slots, extra)
+        proc, url = start_server(np_, args.model, slots, ["--threads", "1", *layout, *extra])
+        llama = None if args.no_llama else start_llama_server(args.model, slots, np_)
         try:
             load(url, 1, reqs[:2])  # warm-up (compiled kernels, caches)
-            for c in args.clients:
+            if llama is not None:
+                load(llama[1], 1, reqs[:2])
+            for c in args.clients:  # each client count on both, one after the other
                 m = load(url, c, reqs)
-                m.update(ranks=np_, generate_batch_tok_s=ref["tok_s"],
+                m.update(ranks=np_, layout=args.serve_args, generate_batch_tok_s=ref["tok_s"],
                          prefill_chunk=args.prefill_chunk or 64)
+                if llama is not None:
+                    m["llama"] = load(llama[1], c, reqs)
                 rows.append(m)
         finally:
             stop_server(proc)
+            if llama is not None:
+                stop_server(llama[0])
     print(f"hpcmac.bench.serve: {args.model}, {args.requests} chat requests of "
-          f"{args.max_tokens} tokens per client count, greedy; client-side timings")
+          f"{args.max_tokens} tokens per client count, greedy; client-side timings; one BLAS "
+          "thread a rank; llama-server: as many threads as ranks, n_parallel "
+          f"{slots}{', serve ' + args.serve_args if args.serve_args else ''}")
     print(f"{'ranks':>5} {'clients':>7} {'tok/s':>8} {'vs gen --batch':>14} {'TTFT p50':>9} "
-          f"{'p95':>7} {'ITL p50':>8} {'p95':>7} {'p95/1 client':>12}")
+          f"{'p95':>7} {'ITL p50':>8} {'p95':>7} {'p95/1 client':>12} {'llama tok/s':>11} "
+          f"{'vs llama':>8} {'llama TTFT':>10} {'TTFT vs llama':>13}")
     for r in rows:
         one = next(x for x in rows if x["ranks"] == r["ranks"] and x["clients"] == min(
             args.clients))
         r["vs_generate_batch"] = r["tok_s"] / r["generate_batch_tok_s"]
         r["itl_p95_vs_one"] = r["itl_p95"] / one["itl_p95"]
-        print(f"{r['ranks']:>5} {r['clients']:>7} {r['tok_s']:>8.1f} "
-              f"{r['vs_generate_batch']:>14.2f} {r['ttft_p50'] * 1e3:>7.0f}ms "
-              f"{r['ttft_p95'] * 1e3:>5.0f}ms {r['itl_p50'] * 1e3:>6.1f}ms "
-              f"{r['itl_p95'] * 1e3:>5.1f}ms {r['itl_p95_vs_one']:>12.2f}")
+        line = (f"{r['ranks']:>5} {r['clients']:>7} {r['tok_s']:>8.1f} "
+                f"{r['vs_generate_batch']:>14.2f} {r['ttft_p50'] * 1e3:>7.0f}ms "
+                f"{r['ttft_p95'] * 1e3:>5.0f}ms {r['itl_p50'] * 1e3:>6.1f}ms "
+                f"{r['itl_p95'] * 1e3:>5.1f}ms {r['itl_p95_vs_one']:>12.2f}")
+        if "llama" in r:
+            lm = r["llama"]
+            r["vs_llama_tok_s"] = r["tok_s"] / lm["tok_s"]
+            r["ttft_p50_vs_llama"] = r["ttft_p50"] / lm["ttft_p50"]
+            line += (f" {lm['tok_s']:>11.1f} {r['vs_llama_tok_s']:>8.2f} "
+                     f"{lm['ttft_p50'] * 1e3:>8.0f}ms {r['ttft_p50_vs_llama']:>13.2f}")
+        print(line)
     if args.json:
         from hpcmac.io.outputs import write_atomic
 
