@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=32, help="requests per client count")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=0,
-                    help="serve's --prefill-chunk (default: serve's own, 64)")
+                    help="serve's --prefill-chunk (default: serve's own)")
     ap.add_argument("--serve-args", default="", metavar="FLAGS",
                     help="layout flags for serve and generate --batch, e.g. '--tp 2'")
     ap.add_argument("--no-llama", action="store_true",
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in args.clients:  # each client count on both, one after the other
                 m = load(url, c, reqs)
                 m.update(ranks=np_, layout=args.serve_args, generate_batch_tok_s=ref["tok_s"],
-                         prefill_chunk=args.prefill_chunk or 64)
+                         prefill_chunk=args.prefill_chunk or None)
                 if llama is not None:
                     m["llama"] = load(llama[1], c, reqs)
                 rows.append(m)

@@ -493,7 +493,8 @@ def run_serve(args, group=None) -> int:
     try:
         res = rt.run(None, threads=args.threads, source=source,
                      micro_batches=args.micro_batches or None,
-                     max_batch=slots, prefill_chunk=args.prefill_chunk or 64, max_len=context,
+                     max_batch=slots, prefill_chunk=args.prefill_chunk or None,
+                     max_len=context,
                      on_token=source.token if source else None,
                      stop_check=source.stop_check if source else None,
                      prefix_blocks=blocks, prefix_bytes=block_bytes, busy=busy)

@@ -84,3 +84,26 @@ def test_default_prefill_chunk():
     assert default_chunk(2048, 2) == 256
     assert default_chunk(100, 4) == 32              # never below 32 tokens
     assert default_chunk(100_000, 4) == 512         # nor above 512
+
+
+def test_a_prompt_alone_takes_the_lone_chunk():
+    """serve's scheduler: a prompt with nothing decoding beside it goes in chunks of
+    ``lone_chunk`` (each chunk pays every weight once more), one beside a decoding
+    stream in ``chunk``s (the stream keeps flowing); a given chunk (lone 0) always."""
+    from types import SimpleNamespace as NS
+
+    from hpcmac.llm.parallel.pipeline import LONE_CHUNK, STREAM_CHUNK, _Scheduler
+
+    def seq(n_prompt, fed, total):
+        return NS(ready=True, last_mb=0, tokens=[0] * total, fed=fed, n_prompt=n_prompt)
+
+    def form(active, lone):
+        plan = NS(micro_batches=1, chunk=STREAM_CHUNK, lone_chunk=lone)
+        return [n for _, n in _Scheduler.form(NS(st=NS(plan=plan), active=active))]
+
+    prompt = seq(700, 0, 700)
+    assert form([prompt], LONE_CHUNK) == [LONE_CHUNK]
+    assert form([prompt, seq(40, 10, 40)], LONE_CHUNK) == [LONE_CHUNK]  # both prefill
+    decoding = seq(40, 45, 46)  # its prompt fed, one token to feed
+    assert form([decoding, prompt], LONE_CHUNK) == [1, STREAM_CHUNK - 1]
+    assert form([prompt], 0) == [STREAM_CHUNK]

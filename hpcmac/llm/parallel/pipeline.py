@@ -82,6 +82,10 @@ from hpcmac.llm.parallel.tensor import GATHER, MAXLOC, logit_rows
 FWD, CTRL, STOP, PING = 1, 2, 3, 4
 HDR = 4
 META = 5
+#: prompt tokens per micro-batch: on one stage when no stream waits (generate's default,
+#: and serve's while nothing decodes); serve's beside running streams, unless given
+LONE_CHUNK = 512
+STREAM_CHUNK = 64
 WIRE = np.int32  # header, meta and returned token ids
 #: a returned "token" meaning: sampling this sequence failed on the last stage (the
 #: sequence ends with finish "error"; the others go on)
@@ -188,6 +192,7 @@ class _Plan:
     prefix_blocks: int = 0  # prefix-cache blocks (0: no prefix cache), see .prefix
     prefix_block: int = BLOCK  # tokens per prefix block
     prefix_bytes: int = 0  # bytes of one block on the rank holding the most (stats)
+    lone_chunk: int = 0  # serve's default: the chunk while nothing decodes (0: chunk always)
 
 
 class _StageState:
@@ -647,11 +652,17 @@ class _Scheduler:
         """The next micro-batch: ready sequences, least recently served first.
 
         At most ``ceil(active / micro_batches)`` sequences and ``prefill_chunk``
-        tokens (a decoding sequence brings one token, a prompt a chunk of it).
+        tokens (a decoding sequence brings one token, a prompt a chunk of it), or
+        ``lone_chunk`` while every active sequence is still in its prompt.
         """
         plan = self.st.plan
         cap = max(1, math.ceil(len(self.active) / plan.micro_batches))
         budget = max(plan.chunk, cap)
+        if plan.lone_chunk and all(s.fed < s.n_prompt for s in self.active):
+            # nothing decoding: no stream for a small chunk to keep flowing, and each chunk
+            # pays the weights once more (a quantized matrix is dequantized per product:
+            # ~50 ms a chunk for SmolLM2 Q4_1 at one thread)
+            budget = max(budget, plan.lone_chunk)
         out, used = [], 0
         for s in sorted((s for s in self.active if s.ready), key=lambda s: s.last_mb):
             if len(out) >= cap or used >= budget:
@@ -900,8 +911,8 @@ def default_chunk(prompt_tokens: int, stages: int) -> int:
     gave 386-392 prompt tok/s, of 32 468-479; one rank 317.
     """
     if stages <= 1:
-        return 512
-    return max(32, min(512, -(-prompt_tokens // (4 * stages))))
+        return LONE_CHUNK
+    return max(32, min(LONE_CHUNK, -(-prompt_tokens // (4 * stages))))
 
 
 def run_pipeline(
@@ -942,6 +953,8 @@ def run_pipeline(
     prefill_chunk : prompt tokens per micro-batch (rank 0; default 512 on one
         rank; on several, the prompt tokens cut into 4 chunks per stage so that
         stages overlap, 32 to 512 tokens a chunk: see :func:`default_chunk`).
+        Serving a ``source``: default 64 beside decoding streams, and on one stage
+        512 while nothing decodes; a given chunk is the chunk always.
     max_len : cache length per sequence (rank 0; default: longest prompt + max_tokens).
     keep_logits : return every sampled step's logits (for tests; rank 0 decides).
     on_token, stop_check : rank 0 callbacks ``(seq index, token)`` as each token
@@ -977,7 +990,8 @@ def run_pipeline(
     if group.rank == 0 and source is not None:
         plan = _Plan(n_seqs=0, max_slots=max(1, max_batch or 16), max_len=max_len or 4096,
                      micro_batches=max(1, micro_batches or p),
-                     chunk=max(1, prefill_chunk or (512 if p == 1 else 64)),
+                     chunk=max(1, prefill_chunk or STREAM_CHUNK),
+                     lone_chunk=0 if prefill_chunk or p > 1 else LONE_CHUNK,
                      keep_logits=False, isolate=True, prefix_blocks=prefix_blocks,
                      prefix_bytes=prefix_bytes, prefix_block=prefix_block)
     elif group.rank == 0:
