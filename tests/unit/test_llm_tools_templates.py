@@ -247,3 +247,16 @@ def test_deepseeks_tool_block_keeps_its_markers_special(smol):
                           "chat", cfg)
         assert p.ids.count(begin) == 1  # the block's, not the client's
         assert tools._DS[0] in tok.decode(p.ids).split(user)[0]
+
+
+def test_a_checkpoints_template_cannot_reach_python():
+    """A chat template comes with the checkpoint, from whoever published it: rendered in
+    jinja's sandbox, one that reaches for Python's internals (here: to run a shell
+    command) is one clear UsageError, never run."""
+    from hpcmac.errors import UsageError
+    from hpcmac.llm.model.tokenizer import Tokenizer
+
+    evil = "{{ cycler.__init__.__globals__.os.popen('echo owned').read() }}"
+    with pytest.raises(UsageError, match="unsafe"):
+        Tokenizer(None, None, [], False, evil).apply_chat_template(
+            [{"role": "user", "content": "x"}])

@@ -94,9 +94,13 @@ class Tokenizer:
         """The prompt text for chat ``messages`` ([{"role": ..., "content": ...}]); ``tools``
         as transformers passes them (OpenAI's ``[{"type": "function", ...}]``)."""
         import jinja2
+        import jinja2.sandbox
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
-                                 extensions=["jinja2.ext.loopcontrols"])
+        # a checkpoint's template is code from whoever published it: sandboxed, as
+        # transformers renders it (not its immutable sandbox: Kimi K2's templates append
+        # to a list of their own)
+        env = jinja2.sandbox.SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                  extensions=["jinja2.ext.loopcontrols"])
 
         def raise_exception(msg):
             raise UsageError(f"chat template: {msg}")
