@@ -16,8 +16,7 @@ from hpcmac.llm.model.arch import families
 def _checkpoints(fam) -> list[str]:
     out = ["safetensors F32/F16/BF16"]
     out += [f"`{m}` ({how})" for m, how in fam.quant_methods.items()]
-    if fam.mlx_folders:
-        out.append("MLX affine" + (" (tested)" if fam.mlx_quant_tested else " (read, untested)"))
+    out.append("MLX affine" + (" (tested)" if fam.mlx_quant_tested else " (read, untested)"))
     if fam.gguf_arch:
         out.append(f"GGUF `{fam.gguf_arch}`")
     return out

@@ -165,7 +165,8 @@ _RAW = dict(model_type="qwen3_next", vocab_size=VOCAB, hidden_size=40, intermedi
     ("layer_types", ["linear_attention"] * 3 + ["sliding_attention"], "field 'layer_types'"),
     ("linear_num_value_heads", 5, "field 'linear_num_value_heads'"),
     ("linear_key_head_dim", "8", "field 'linear_key_head_dim'"),
-    ("quantization", {"bits": 4, "group_size": 64}, "field 'quantization': mlx-lm's"),
+    # mlx-lm's folders are read (test_llm_quantized_checkpoints.py), in MLX's formats only
+    ("quantization", {"bits": 7, "group_size": 64}, "7-bit quantization is not supported"),
     ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
      "rope_type 'dynamic'"),
 ])

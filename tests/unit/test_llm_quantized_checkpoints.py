@@ -48,6 +48,12 @@ CASES = {
     "qwen3moe-q4-g128": ("qwen3_moe", dict(head_dim=32, moe_intermediate_size=128), 4, 128,
                          None),
     "llama-mixed_3_6-g64": ("llama", {}, 4, 64, "mixed_3_6"),
+    # Qwen3-Next as mlx-lm converts it: norms stored 1 + w, conv1d (C, K, 1), experts
+    # stacked, routers and shared-expert gate 8-bit g64
+    "qwen3next-q4-g64": ("qwen3_next", dict(
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128), 4, 64, None),
     # mlx-lm's --q-mode mxfp4: E2M1 codes, E8M0 scales per 32, no biases
     "qwen3moe-mxfp4": ("qwen3_moe", dict(head_dim=32, moe_intermediate_size=128), 4, 32,
                        "mxfp4"),
@@ -163,6 +169,26 @@ def test_mlx_lm_checkpoint_same_tokens_as_mlx_lm(name, backend, quantized):
     lf = f.logits(f.forward(f.embed(PROMPT), b, f.new_cache(1, 16)))
     np.testing.assert_allclose(lq, lf, rtol=0, atol=1e-4 * np.abs(lf).max())
     assert q.nbytes < 0.45 * f.nbytes  # held quantized, not as float32
+
+
+def test_mlx_lm_float_folder_of_qwen3_next(tmp_path):
+    """mlx-lm's conversion without quantizing (no ``quantization`` in config.json) is found
+    by its conv1d's (C, K, 1): its norms are read as stored (1 + w), and it gives the
+    Hugging Face folder's tokens (hpcmac's, exact against transformers) and mlx-lm's."""
+    src = random_checkpoint("qwen3_next", tmp_path / "hf", seed=6, initializer_range=0.2)
+    folder = mlx_lm_quantize(src, tmp_path / "mlx", None, 64)
+    assert "quantization" not in json.loads((folder / "config.json").read_text())
+    hf, ml = open_checkpoint(src), open_checkpoint(folder)
+    assert ml.mlx_lm_sanitized() and not hf.mlx_lm_sanitized()
+    # the forward's 1 + w is what mlx-lm stored, float32's 1 + w of the source
+    for name in ("model.layers.3.self_attn.q_norm.weight", "model.norm.weight"):
+        assert np.array_equal(ml.get(name) + np.float32(1), hf.get(name) + np.float32(1))
+    for name in ("model.layers.0.linear_attn.conv1d.weight",
+                 "model.layers.0.linear_attn.norm.weight"):  # the gated norm: w in both
+        assert np.array_equal(ml.get(name), hf.get(name)), name
+    want = stage_greedy(load_stage(src, 0, 4), PROMPT, N_TOKENS)
+    assert stage_greedy(load_stage(folder, 0, 4), PROMPT, N_TOKENS) == want
+    assert mlx_lm_greedy(folder, PROMPT, N_TOKENS) == want
 
 
 def test_mixed_precision_checkpoint_keeps_each_format(quantized):

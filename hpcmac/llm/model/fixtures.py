@@ -302,9 +302,11 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
     return out
 
 
-def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int, group: int,
+def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int | None, group: int,
                     recipe: str | None = None, mode: str = "affine") -> Path:
-    """Quantize a random folder with mlx-lm itself (as ``mlx_lm.convert -q``), into ``out``.
+    """Quantize a random folder with mlx-lm itself (as ``mlx_lm.convert -q``), into ``out``
+    (``bits`` None: converted without quantizing, as ``mlx_lm.convert`` alone; the weights
+    as mlx-lm's ``sanitize`` leaves them).
 
     ``recipe``: one of mlx-lm's mixed-precision recipes (e.g. ``mixed_3_6``); ``mode``:
     MLX's quantization mode (``mxfp4``: ``--q-mode mxfp4``).
@@ -317,7 +319,10 @@ def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int, group: int,
 
     folder, out = Path(folder), Path(out)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    rope = cfg.get("rope_parameters") or {}
+    cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    if "partial_rotary_factor" in rope:  # Qwen3-Next's, at the top in its releases
+        cfg.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
     if "num_local_experts" in cfg:
         cfg.setdefault("num_experts", cfg["num_local_experts"])
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -327,8 +332,9 @@ def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int, group: int,
         from mlx_lm.convert import mixed_quant_predicate_builder
 
         pred = mixed_quant_predicate_builder(recipe, model, group)
-    model, config = quantize_model(model, config, group, bits, mode=mode,
-                                   quant_predicate=pred)
+    if bits is not None:
+        model, config = quantize_model(model, config, group, bits, mode=mode,
+                                       quant_predicate=pred)
     save_model(out, model)
     save_config(config, out / "config.json")
     return out

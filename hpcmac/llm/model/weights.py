@@ -141,6 +141,7 @@ class SafetensorsCheckpoint:
         #: X.weight_packed (with X.weight_scale)
         self._packed = {n[:-len("_packed")]: n for n in self._file_of
                         if n.endswith(".weight_packed")}
+        self._sanitized: bool | None = None  # see mlx_lm_sanitized
 
     def _header(self, f: Path) -> tuple[int, dict]:
         """(data start offset, tensor table) of one file; checks it is complete."""
@@ -224,7 +225,7 @@ class SafetensorsCheckpoint:
         if not q:
             raise UsageError(f"{self.path}: tensor {name} has scales but config.json has no "
                              "'quantization' (bits, group_size) to read them with")
-        p = q.get(base)
+        p = q.get(base, q.get(self._stored.get(name, name)[:-len(".weight")]))
         if not isinstance(p, dict):
             p = q
         # a per-layer entry is mlx.nn's to_quantized arguments: its mode defaults to affine
@@ -257,9 +258,12 @@ class SafetensorsCheckpoint:
             raise UsageError(f"{f}: tensor {name} has dtype {info['dtype']}; "
                              f"expected one of {', '.join(_ST_DTYPES)}")
         raw = self._raw(name)
-        if info["dtype"] == "BF16":
-            return bf16_to_f32(raw)
-        return np.array(raw, dtype=np.float32)
+        out = bf16_to_f32(raw) if info["dtype"] == "BF16" else np.array(raw, dtype=np.float32)
+        if name.endswith(_MLX_SHIFTED_NORMS) and self.mlx_lm_sanitized():
+            # mlx-lm stored 1 + w; Hugging Face's w (x - 1 is exact in float32 for x >= 0.5,
+            # so the forward's 1 + w is the stored value again)
+            out -= np.float32(1.0)
+        return out
 
     def _fp8(self, name: str):
         """An FP8 weight kept 8-bit (a QuantTensor of mode fp8), or float32 when its input
@@ -379,7 +383,26 @@ class SafetensorsCheckpoint:
         stored = self._stored.get(name, name)
         if stored not in table:
             raise UsageError(f"{f}: tensor {stored} is missing (the index names this file)")
-        return f, start, table[stored]
+        info = table[stored]
+        if name.endswith(_GDN_CONV) and _mlx_conv(info["shape"]):
+            # mlx-lm's sanitized conv (C, K, 1) is Hugging Face's (C, 1, K): the same bytes
+            info = {**info, "shape": [info["shape"][0], 1, info["shape"][1]]}
+        return f, start, info
+
+    def mlx_lm_sanitized(self) -> bool:
+        """Whether the folder holds a Gated DeltaNet model (Qwen3-Next, Qwen3.5) as mlx-lm's
+        ``sanitize`` leaves it: its conv1d weights (C, K, 1), and its RMSNorms (not the
+        gated one) stored as the forward multiplies by them, ``1 + w``. Both are read here
+        as the Hugging Face folder holds them: the conv as (C, 1, K) (the same bytes), each
+        such norm as ``w`` (:data:`_MLX_SHIFTED_NORMS`)."""
+        if self._sanitized is None:
+            self._sanitized = False
+            for n, f in self._file_of.items():
+                if n.endswith(_GDN_CONV):
+                    shape = self._header(f)[1][self._stored.get(n, n)]["shape"]
+                    self._sanitized = _mlx_conv(shape)
+                    break
+        return self._sanitized
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self._mxfp4:  # see _mxfp4_get: (E, in, out)
@@ -497,6 +520,18 @@ class SafetensorsCheckpoint:
                     e += 1
                 return total, self.quant_params(first)[1]
         return None
+
+
+#: a Gated DeltaNet layer's conv weight (Hugging Face (C, 1, K), mlx-lm's sanitized (C, K, 1))
+_GDN_CONV = ".linear_attn.conv1d.weight"
+#: the RMSNorms mlx-lm's sanitize of Qwen3-Next and Qwen3.5 stores as 1 + w
+_MLX_SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                      "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
+def _mlx_conv(shape) -> bool:
+    """Whether a conv1d weight's shape is mlx-lm's (C, K, 1), K > 1."""
+    return len(shape) == 3 and shape[2] == 1 and shape[1] > 1
 
 
 def open_checkpoint(path_or_name: str | os.PathLike):

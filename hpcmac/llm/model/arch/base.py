@@ -70,8 +70,6 @@ class Family:
     layouts : the parallel layouts it runs under (``tp``, ``pp``, ``tp+pp``)
     mlx_quant_tested : an MLX-quantized folder of it is checked by the tests (the reader is
         generic; ``models`` says which are checked)
-    mlx_folders : mlx-lm's folders of it are read (False: refused in one line, e.g. where
-        mlx-lm's conversion rewrites tensors, as for the linear-attention families)
     fp8_float : the linear projections its FP8 releases keep in floats (their
         ``quantization_config.modules_to_not_convert``), by the module name's tail (e.g.
         ``linear_attn.in_proj_ba``); the embedding, the head, the norms and the routers
@@ -92,5 +90,4 @@ class Family:
     quant_methods: dict = field(default_factory=dict)
     layouts: tuple = ("tp", "pp", "tp+pp")
     mlx_quant_tested: bool = False
-    mlx_folders: bool = True
     fp8_float: tuple = ()

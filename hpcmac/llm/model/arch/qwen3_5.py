@@ -60,7 +60,7 @@ FAMILY = Family(
              "text positions; nested `text_config`, tensors under `model.language_model.`"),
     model_type="qwen3_5", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _LINEAR if cfg.is_linear(i) else _FULL,
-    hf_class="Qwen3_5TextConfig", mlx_folders=False,
+    hf_class="Qwen3_5TextConfig",
     # Qwen3.5-*-FP8: every projection e4m3 but in_proj_a and in_proj_b (and the routers)
     quant_methods=FP8, fp8_float=("linear_attn.in_proj_a", "linear_attn.in_proj_b"),
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=24, num_hidden_layers=4,

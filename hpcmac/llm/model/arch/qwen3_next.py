@@ -11,10 +11,12 @@ by softmax top-k, renormalised (``norm_topk_prob``, true unless set), plus one s
 The linear layers' conv and recurrent states are per-sequence caches
 (:class:`~hpcmac.llm.model.cache.KVCache`); tensor parallelism splits them by value heads
 (:mod:`hpcmac.llm.model.spec`). The multi-token-prediction weights (``mtp.*``) are not
-run, as transformers does not. Refused in one line naming the field: a ``hidden_act``
-other than silu, a layer type other than linear or full attention, value heads not a
-multiple of key heads, an mlx-lm folder (its conversion rewrites the norms and the
-conv). No GGUF form yet.
+run, as transformers does not. mlx-lm's folders (float or quantized) are read too: its
+``sanitize`` stores the RMSNorms as ``1 + w`` and the conv as (C, K, 1), which the reader
+recognises by the conv's shape and reads back as Hugging Face's
+(``SafetensorsCheckpoint.mlx_lm_sanitized``). Refused in one line naming the field: a
+``hidden_act`` other than silu, a layer type other than linear or full attention, value
+heads not a multiple of key heads. No GGUF form yet.
 """
 
 from __future__ import annotations
@@ -39,11 +41,6 @@ _SPARSE = MoE(route=softmax_topk, shared="shared_expert", shared_gate=True)
 def hybrid_fields(raw: dict, where: str) -> dict:
     """The :class:`ModelConfig` fields Qwen3-Next and Qwen3.5 read alike: the attention,
     the linear attention's shapes, ``layer_types``, the ``1 + w`` norms (sizes checked)."""
-    q = raw.get("quantization")
-    if isinstance(q, dict) and "bits" in q:  # mlx-lm's folders
-        raise UsageError(f"{where}: field 'quantization': mlx-lm's folders of "
-                         f"{raw.get('model_type')} (norms stored as 1 + w, conv1d as "
-                         "(C, K, 1)) are not read yet; use the Hugging Face checkpoint")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UsageError(f"{where}: field 'hidden_act' = {act!r} is not supported; "
@@ -110,7 +107,7 @@ FAMILY = Family(
              "state a fixed per-sequence cache), gated full attention with a rotary quarter, "
              "`1 + w` RMSNorms, softmax top-k experts plus a sigmoid-gated shared expert"),
     model_type="qwen3_next", gguf_arch=None, from_hf=from_hf, from_gguf=None,
-    layer=layer, hf_class="Qwen3NextConfig", mlx_folders=False,
+    layer=layer, hf_class="Qwen3NextConfig", mlx_quant_tested=True,
     # Qwen3-Next-80B-A3B-*-FP8: every projection e4m3 but in_proj_ba (and the routers)
     quant_methods=FP8, fp8_float=("linear_attn.in_proj_ba",),
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=24, num_hidden_layers=4,
