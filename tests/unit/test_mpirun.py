@@ -48,8 +48,10 @@ def _env(**extra):
     # a PATH without this venv: ranks must still get this interpreter for "python"
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                            if p and os.path.abspath(p) != os.path.abspath(BIN))
+    # no thread count either (tests/conftest.py sets one): the launcher's own is checked
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCMAC_MPIRUN"))}
+           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HPCMAC_MPIRUN"))
+           and k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     env.update(PATH=path or "/usr/bin:/bin", PYTHONPATH=str(ROOT), **extra)
     env.pop("HPCMAC_VENV", None)
     return env
