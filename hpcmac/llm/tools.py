@@ -372,7 +372,7 @@ def _kimi(region: str, spec) -> list | None:
     body = body[len(sb):].rstrip().removesuffix(se)
     pat = re.escape(b) + r"\s*(.*?)\s*" + re.escape(a) + "(.*?)" + re.escape(e)
     return _blocks(pat, body, lambda ident, args: _call(
-        ident.split(":")[0].removeprefix("functions."), args.strip(), spec))
+        ident.rsplit(":", 1)[0].removeprefix("functions."), args.strip(), spec))
 
 
 def _glm(region: str, spec) -> list | None:

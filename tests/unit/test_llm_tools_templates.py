@@ -30,15 +30,17 @@ MISSING = set(_FETCH["missing"](MANIFEST))
 REASONING = "The user wants the weather and a sum: two tools."
 # a third tool whose arguments take each JSON type: the XML-like formats write a value as
 # text and the parser must give it back typed by the schema (Qwen3-Coder's and Qwen3.5's
-# templates write a boolean as Python's True)
-PLAN = {"type": "function", "function": {"name": "plan", "description": "Plan a trip",
+# templates write a boolean as Python's True); its name has the '.' and ':' a name may
+# (Kimi's call id is functions.NAME:INDEX)
+PLAN = {"type": "function", "function": {"name": "trip.plan:v2", "description": "Plan a trip",
                                          "parameters": {"type": "object", "properties": {
         "title": {"type": "string"}, "code": {"type": "string"}, "ratio": {"type": "number"},
         "dry": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}},
         "opts": {"type": "object"}}}}}
 TOOLS = TOOLS + [PLAN]
-CALLS = CALLS + [("plan", {"title": "Rome <3 days>\nthen Naples", "code": "42", "ratio": 0.5,
-                           "dry": True, "tags": ["a", "b c"], "opts": {"k": [1, 2], "x": None}})]
+CALLS = CALLS + [("trip.plan:v2", {"title": "Rome <3 days>\nthen Naples", "code": "42",
+                                   "ratio": 0.5, "dry": True, "tags": ["a", "b c"],
+                                   "opts": {"k": [1, 2], "x": None}})]
 
 
 def _spec(fam: str) -> tools.ToolSpec:
