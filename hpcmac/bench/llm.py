@@ -7,6 +7,9 @@ number of BLAS / llama.cpp threads:
 * single-sequence decode tok/s, against the bound ``bandwidth / weight bytes per token``,
 * batched decode of ``--batch`` sequences (aggregate tok/s) against the single rate,
 * llama.cpp (``xllamacpp`` wheel, if installed) on the same weights as an F32 GGUF,
+  and with ``--llamacpp-native VENV`` also a llama.cpp built for this CPU (the
+  wheel runs AVX2 kernels only): llama-cpp-python installed from source into VENV,
+  run there in a subprocess on the same GGUFs (see docs/llm.md for the build),
 * quantized rows (``--quant Q8_0,Q4_0,MXFP4,FP8``): the same model written as a GGUF of
   each type, decoded by hpcmac with the codes kept quantized, by hpcmac on the same
   weights dequantized to float32, and by llama.cpp on that GGUF, against the
@@ -69,6 +72,60 @@ def llamacpp_rate(gguf_path: Path, threads: int, steps: int, vocab: int) -> floa
     return rates[-1]
 
 
+#: what the native llama.cpp's subprocess runs (in --llamacpp-native's Python): load the
+#: GGUF, prefill 16 random tokens, then time ``steps`` one-token decode steps, greedy, twice
+#: (the first warms up); prints its rate and the build's CPU features as one JSON line
+_NATIVE = """
+import json, sys, time
+import numpy as np
+import llama_cpp
+path, threads, steps, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_threads=threads, n_threads_batch=threads,
+                      verbose=False)
+prompt = [int(x) for x in np.random.default_rng(1).integers(0, vocab, 16)]
+rates = []
+for _ in range(2):
+    llm.reset()
+    llm.eval(prompt)
+    t = time.perf_counter()
+    for _ in range(steps):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    rates.append(steps / (time.perf_counter() - t))
+print(json.dumps({"rate": rates[-1], "system": llama_cpp.llama_print_system_info().decode()}))
+"""
+
+
+def native_python(venv: str) -> str:
+    """``--llamacpp-native``'s interpreter: VENV/bin/python, which must import llama_cpp;
+    one line otherwise."""
+    import subprocess
+
+    py = Path(venv) / "bin" / "python"
+    if not py.is_file():
+        raise UsageError(f"--llamacpp-native {venv}: no {py} (expected a Python venv with "
+                         "llama-cpp-python built from source; see docs/llm.md)")
+    r = subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True, text=True)
+    if r.returncode:
+        raise UsageError(f"--llamacpp-native {venv}: its Python cannot import llama_cpp "
+                         "(expected llama-cpp-python installed there; see docs/llm.md)")
+    return str(py)
+
+
+def native_rate(python: str, gguf_path: Path, threads: int, steps: int, vocab: int
+                ) -> tuple[float, str]:
+    """(decode tok/s, the build's CPU features) of the native llama.cpp on ``gguf_path``."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    r = subprocess.run([python, "-c", _NATIVE, str(gguf_path), str(threads), str(steps),
+                        str(vocab)], capture_output=True, text=True, env=env, timeout=1800)
+    if r.returncode:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"native llama.cpp on {gguf_path.name} failed: {tail}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return float(out["rate"]), out["system"]
+
+
 #: the GGUF types the gguf package's writer quantizes (the quantized rows' files), and FP8
 #: (a safetensors folder, see the module docstring)
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "FP8")
@@ -128,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-native", default=None, metavar="VENV",
+                    help="also run llama.cpp built for this CPU: a Python venv with "
+                         "llama-cpp-python installed from source (docs/llm.md), on the same "
+                         "GGUFs (random model only)")
     ap.add_argument("--quant", default="Q8_0,Q4_0,MXFP4,FP8",
                     help="GGUF types for the quantized rows, comma-separated ('' = none; "
                          "random model only)")
@@ -158,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--contexts {args.contexts!r}: expected prompt lengths >= 1, "
                          "comma-separated (e.g. 64,4096)")
     contexts = [int(c) for c in contexts]
+    native = None
+    if args.llamacpp_native and not args.no_llamacpp and args.model is None:
+        native = native_python(args.llamacpp_native)
     from threadpoolctl import threadpool_limits
 
     from hpcmac.llm.model.stage import load_stage
@@ -176,15 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = stage.config
     per_token = stage.nbytes - cfg.vocab * cfg.hidden * 4 * (0 if cfg.tie_embeddings else 1)
     gguf_path = None
-    if not args.no_llamacpp and args.model is None:
-        try:
-            import xllamacpp  # noqa: F401
+    if not args.no_llamacpp and args.model is None and (native or find_spec("xllamacpp")):
+        from hpcmac.llm.model.fixtures import write_gguf
 
-            from hpcmac.llm.model.fixtures import write_gguf
-
-            gguf_path = write_gguf(model, work / "llama-f32.gguf", "F32")
-        except ImportError:
-            gguf_path = None
+        gguf_path = write_gguf(model, work / "llama-f32.gguf", "F32")
+    system = ""
     qtypes = [q for q in args.quant.split(",") if q] if args.model is None else []
     if "FP8" in qtypes and find_spec("torch") is None:  # its e4m3 rounding is torch's
         qtypes.remove("FP8")
@@ -218,7 +278,12 @@ def main(argv: list[str] | None = None) -> int:
                 r[f"ctx{n}"] = decode_rate(stage, 1, args.steps, prompt_len=n)
             if gguf_path is not None:
                 with _quiet_stderr():  # llama.cpp logs every load to fd 2
-                    r["llamacpp"] = llamacpp_rate(gguf_path, args.threads, args.steps, cfg.vocab)
+                    lc = llamacpp_rate(gguf_path, args.threads, args.steps, cfg.vocab)
+                if lc:
+                    r["llamacpp"] = lc
+                if native:
+                    r["native"], system = native_rate(native, gguf_path, args.threads,
+                                                      args.steps, cfg.vocab)
             for qt, q in quant.items():
                 r[f"{qt}_kept"] = decode_rate(q["kept"], 1, args.steps)
                 if args.backend == "numpy" and qt in INT8_TYPES:  # 8-bit activations
@@ -231,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                         lc = llamacpp_rate(q["path"], args.threads, args.steps, cfg.vocab)
                     if lc:
                         r[f"{qt}_llamacpp"] = lc
+                    if native:
+                        r[f"{qt}_native"] = native_rate(native, q["path"], args.threads,
+                                                        args.steps, cfg.vocab)[0]
             rounds.append(r)
     for r in rounds:  # ratios within a round: the load of a shared machine shifts between rounds
         r["single_vs_bound"] = r["single"] * per_token / r["bandwidth"]
@@ -239,10 +307,16 @@ def main(argv: list[str] | None = None) -> int:
             r[f"ctx{n}_vs_ctx{contexts[0]}"] = r[f"ctx{n}"] / r[f"ctx{contexts[0]}"]
         if r.get("llamacpp"):
             r["vs_llamacpp"] = r["single"] / r["llamacpp"]
+        if r.get("native"):
+            r["vs_native"] = r["single"] / r["native"]
         for qt in quant:
             r[f"{qt}_vs_float"] = r[f"{qt}_kept"] / r[f"{qt}_float"]
             if f"{qt}_i8" in r:
                 r[f"{qt}_i8_vs_float"] = r[f"{qt}_i8"] / r[f"{qt}_float"]
+            if f"{qt}_native" in r:
+                r[f"{qt}_vs_native"] = r[f"{qt}_kept"] / r[f"{qt}_native"]
+                if f"{qt}_i8" in r:
+                    r[f"{qt}_i8_vs_native"] = r[f"{qt}_i8"] / r[f"{qt}_native"]
             if f"{qt}_llamacpp" in r:
                 r[f"{qt}_vs_llamacpp"] = r[f"{qt}_kept"] / r[f"{qt}_llamacpp"]
                 if f"{qt}_i8" in r:
@@ -268,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"hpcmac {med['single']:.1f} tok/s", f"{med['vs_llamacpp']:.2f}"))
     else:
         rows.append(("llama.cpp", "not run", "xllamacpp not installed or --model given", ""))
+    if "vs_native" in med:
+        rows.append(("llama.cpp native F32", f"{med['native']:.1f} tok/s",
+                     f"hpcmac {med['single']:.1f} tok/s", f"{med['vs_native']:.2f}"))
     for qt, q in quant.items():
         held = q["held_bytes"]
         qbound = med["bandwidth"] / q["per_token"]
@@ -289,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"{qt}: vs llama.cpp", f"{med[qt + '_kept']:.1f} tok/s",
                          f"llama.cpp {med[qt + '_llamacpp']:.1f} tok/s",
                          f"{med[qt + '_vs_llamacpp']:.2f}"))
+        if qt + "_vs_native" in med:
+            rows.append((f"{qt}: vs llama.cpp native", f"{med[qt + '_kept']:.1f} tok/s",
+                         f"native {med[qt + '_native']:.1f} tok/s",
+                         f"{med[qt + '_vs_native']:.2f}"))
         if qt + "_i8" in med:
             rows.append((f"{qt}: int8 act. vs float32", f"{med[qt + '_i8']:.1f} tok/s",
                          f"float32 {med[qt + '_float']:.1f} tok/s",
@@ -297,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"{qt}: int8 act. vs llama.cpp", f"{med[qt + '_i8']:.1f} tok/s",
                          f"llama.cpp {med[qt + '_llamacpp']:.1f} tok/s",
                          f"{med[qt + '_i8_vs_llamacpp']:.2f}"))
+        if qt + "_i8_vs_native" in med:
+            rows.append((f"{qt}: int8 act. vs native", f"{med[qt + '_i8']:.1f} tok/s",
+                         f"native {med[qt + '_native']:.1f} tok/s",
+                         f"{med[qt + '_i8_vs_native']:.2f}"))
+    if system:
+        print(f"llama.cpp native ({args.llamacpp_native}): {system.strip()}")
     print(f"{'measure':<28}{'value':>14}  {'reference':<28}{'ratio':>6}")
     for name, val, ref, ratio in rows:
         print(f"{name:<28}{val:>14}  {ref:<28}{ratio:>6}")
@@ -305,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                "bytes_per_token": per_token, "rounds": rounds, "median": med,
                "bound_tok_s": bound, "single_vs_bound": med["single_vs_bound"],
                "batched_vs_single": med["batched_vs_single"],
-               "vs_llamacpp": med.get("vs_llamacpp"),
+               "vs_llamacpp": med.get("vs_llamacpp"), "vs_native": med.get("vs_native"),
+               "native_system": system or None,
                "quantized": {qt: {"file_bytes": q["file_bytes"], "held_bytes": q["held_bytes"],
                                   "rss": q["rss"]} for qt, q in quant.items()}}
         from hpcmac.io.outputs import write_atomic

@@ -33,6 +33,10 @@ def test_unknown_quant_type_is_a_usage_error(value):
     (["--quant", "Q4_K"], "--quant: 'Q4_K' is not a GGUF type this benchmark can write"),
     (["--steps", "0"], "--threads, --steps, --batch and --rounds must be >= 1"),
     (["--contexts", "64,4k"], "--contexts '64,4k': expected prompt lengths >= 1"),
+    (["--llamacpp-native", "/nonexistent"], "--llamacpp-native /nonexistent: no "
+                                            "/nonexistent/bin/python (expected a Python venv"),
+    (["--llamacpp-native", sys.prefix], f"--llamacpp-native {sys.prefix}: its Python cannot "
+                                        "import llama_cpp"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, argv, expect):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
