@@ -191,6 +191,40 @@ def test_mlx_lm_float_folder_of_qwen3_next(tmp_path):
     assert mlx_lm_greedy(folder, PROMPT, N_TOKENS) == want
 
 
+def test_mlx_lm_qwen3_5_moe_released_layout(tmp_path):
+    """Qwen3.5-MoE laid out as released (config under ``text_config``, tensors under
+    ``model.language_model.``, the experts fused as ``gate_up_proj`` / ``down_proj``),
+    converted by mlx-lm (q4 g64, its routers and shared-expert gates 8-bit: per-layer
+    entries named ``language_model.model.layers.N``): mlx-lm's tokens."""
+    from safetensors.numpy import load_file, save_file
+
+    text = dict(SHAPES, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                shared_expert_intermediate_size=128)
+    src = random_checkpoint("qwen3_5_moe_text", tmp_path / "text", seed=3,
+                            initializer_range=0.2, **text)
+    t = {"model.language_model." + k[len("model."):] if k.startswith("model.") else k: v
+         for k, v in load_file(src / "model.safetensors").items()}
+    for layer in range(4):
+        pre = f"model.language_model.layers.{layer}.mlp.experts"
+        parts = {p: [t.pop(f"{pre}.{e}.{p}_proj.weight") for e in range(4)]
+                 for p in ("gate", "up", "down")}
+        t[f"{pre}.gate_up_proj"] = np.concatenate([np.stack(parts["gate"]),
+                                                   np.stack(parts["up"])], axis=1)
+        t[f"{pre}.down_proj"] = np.stack(parts["down"])
+    out = tmp_path / "released"
+    out.mkdir()
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_5_moe", text_config=cfg, tie_word_embeddings=False)))
+    q = mlx_lm_quantize(out, tmp_path / "q", 4, 64)
+    st = load_stage(q, 0, 4)
+    assert set(st.formats) == {"mlx q4 g64", "mlx q8 g64"}
+    assert stage_greedy(st, PROMPT, N_TOKENS) == mlx_lm_greedy(q, PROMPT, N_TOKENS)
+
+
 def test_mixed_precision_checkpoint_keeps_each_format(quantized):
     folder = quantized("llama-mixed_3_6-g64")
     st = load_stage(folder, 0, 3, backend="numpy")

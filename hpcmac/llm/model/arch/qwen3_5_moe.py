@@ -29,7 +29,7 @@ FAMILY = Family(
              "(renormalised) plus a sigmoid-gated shared expert in every layer"),
     model_type="qwen3_5_moe", gguf_arch=None, from_hf=from_hf, from_gguf=None,
     layer=lambda cfg, i: _LINEAR if cfg.is_linear(i) else _FULL,
-    hf_class="Qwen3_5MoeTextConfig",
+    hf_class="Qwen3_5MoeTextConfig", mlx_quant_tested=True,
     quant_methods=FP8, fp8_float=qwen3_5.FAMILY.fp8_float,
     tiny=dict(vocab_size=96, hidden_size=40, num_hidden_layers=4, num_attention_heads=5,
               num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
