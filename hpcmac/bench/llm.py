@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 from importlib.util import find_spec
@@ -98,8 +99,6 @@ print(json.dumps({"rate": rates[-1], "system": llama_cpp.llama_print_system_info
 def native_python(venv: str) -> str:
     """``--llamacpp-native``'s interpreter: VENV/bin/python, which must import llama_cpp;
     one line otherwise."""
-    import subprocess
-
     py = Path(venv) / "bin" / "python"
     if not py.is_file():
         raise UsageError(f"--llamacpp-native {venv}: no {py} (expected a Python venv with "
@@ -114,8 +113,6 @@ def native_python(venv: str) -> str:
 def native_rate(python: str, gguf_path: Path, threads: int, steps: int, vocab: int
                 ) -> tuple[float, str]:
     """(decode tok/s, the build's CPU features) of the native llama.cpp on ``gguf_path``."""
-    import subprocess
-
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     r = subprocess.run([python, "-c", _NATIVE, str(gguf_path), str(threads), str(steps),
                         str(vocab)], capture_output=True, text=True, env=env, timeout=1800)
@@ -426,8 +423,6 @@ def _load_rss(path: Path, n_layers: int, backend: str) -> dict | None:
     (numpy, hpcmac, numba and LLVM), ``after_load``, ``load`` = the difference (what
     the target is judged on: the model's own memory, not the interpreter's), and
     ``step`` = what the first decode step adds (compiled kernels, LLVM's state)."""
-    import subprocess
-
     code = ("import sys, json; from hpcmac.bench.llm import _rss; "
             "from hpcmac.measure.llm import decode_rate; "
             "from hpcmac.llm.model.stage import load_stage; "
