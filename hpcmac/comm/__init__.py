@@ -6,7 +6,14 @@
 """
 
 from hpcmac.comm.base import Group, Request
-from hpcmac.comm.select import TRANSPORTS, add_transport_argument, announce, check_transport, init
+from hpcmac.comm.select import (
+    TRANSPORTS,
+    add_transport_argument,
+    announce,
+    check_transport,
+    init,
+    job_group,
+)
 
 __all__ = ["Group", "Request", "TRANSPORTS", "add_transport_argument", "announce",
-           "check_transport", "init"]
+           "check_transport", "init", "job_group"]

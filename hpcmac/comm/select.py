@@ -103,6 +103,23 @@ def init(transport: str | None = None, strict: bool | None = None,
     return group
 
 
+def job_group(transport: str | None = None, announce: bool = True, hostfile=None) -> Group:
+    """Collective: the Group a command runs on; no MPI started for one process.
+
+    A job of several ranks, or any ``transport`` asked for, goes to :func:`init`, with
+    ``hostfile()`` (a callable: the launcher's file is read only then). One
+    process without a launcher gets the local group, also through :func:`init` so that
+    its BLAS threads are set the same way (``HPCMAC_BLAS_THREADS``; once skipped there,
+    so a lone ``serve`` ran every core's worth of BLAS threads whatever was asked).
+    """
+    from hpcmac.errors import world_size
+
+    if world_size() > 1 or transport:
+        return init(transport, announce=announce,
+                    hostfile=hostfile() if hostfile is not None else None)
+    return init("local", announce=announce)
+
+
 def _configure_blas(group: Group) -> None:
     """Collective: BLAS threads per rank (``hpcmac.blas_threads``), once per process."""
     from hpcmac import blas_threads

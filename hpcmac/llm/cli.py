@@ -202,8 +202,6 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
     Returns the exit code: 0, or 130 when rank 0 was interrupted (Ctrl-C).
     """
     from hpcmac import comm
-    from hpcmac.comm.local import LocalGroup
-    from hpcmac.errors import world_size
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.generate import StopChecker
     from hpcmac.llm.model.gguf_loader import forget_readers
@@ -215,9 +213,8 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
         # the transport line waits until the input is known good: bad input is one line
         from hpcmac.launch.hostfile import job_hostfile
 
-        group = comm.init(args.transport, announce=False,
-                          hostfile=job_hostfile(getattr(args, "hostfile", None))) \
-            if world_size() > 1 or args.transport else LocalGroup()
+        group = comm.job_group(args.transport, announce=False,
+                               hostfile=lambda: job_hostfile(getattr(args, "hostfile", None)))
     agree(group, lambda: _check_output(args), ranks="root")
     agree(group, lambda: check_threads(args.threads))
     cfg = agree(group, lambda: load_config(args.model))

@@ -380,8 +380,6 @@ def run_serve(args, group=None) -> int:
     from importlib.util import find_spec
 
     from hpcmac import comm
-    from hpcmac.comm.local import LocalGroup
-    from hpcmac.errors import world_size
     from hpcmac.llm import grammar
     from hpcmac.llm.args import check_threads, context_length, draft_of
     from hpcmac.llm.model.config import load_config
@@ -405,8 +403,7 @@ def run_serve(args, group=None) -> int:
     if group is None:
         from hpcmac.launch.hostfile import job_hostfile
 
-        group = comm.init(args.transport, hostfile=job_hostfile(args.hostfile)) \
-            if world_size() > 1 or args.transport else LocalGroup()
+        group = comm.job_group(args.transport, hostfile=lambda: job_hostfile(args.hostfile))
     agree(group, lambda: check_threads(args.threads))
     cfg = agree(group, lambda: load_config(args.model))
     context = agree(group, lambda: context_length(args, cfg))

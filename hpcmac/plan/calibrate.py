@@ -116,8 +116,10 @@ class ReadProbe:
     :meth:`~hpcmac.llm.model.backend.NumpyBackend.linear` over
     :class:`~hpcmac.llm.model.backend.Panels`): the access of a decode step. Measured
     at ``k`` threads, not derived from one: a kernel that keeps fewer reads in flight
-    than a plain dot gets less of the memory at every thread count (here 0.8x a dot's
-    rate on one core, 0.9x on two). Kept to be read again: allocating and freeing a
+    than a plain dot gets less of the memory at every thread count (the streaming
+    kernel of :mod:`~hpcmac.llm.model.fvec` reads at about a dot's rate on one core
+    here: 15.5-16.1 against 15.1-16.9 GB/s; BLAS sgemv per panel reached 0.8x).
+    Kept to be read again: allocating and freeing a
     GiB between readings sets the kernel's memory threads working beside what is
     measured next."""
 
