@@ -202,8 +202,9 @@ def build_app(cfg: ServeConfig, source: LiveRequests, alive: threading.Event,
             local = ipaddress.ip_address(client).is_loopback
         except ValueError:
             local = False
-        if not local:  # no API key yet: this machine only
-            return err(ApiError(403, "/admin answers this machine's clients only"))
+        if not local and not ops.api_key:  # with a key, the key (checked by the guard)
+            return err(ApiError(403, "/admin answers this machine's clients only (or any "
+                                "client with the key, under --api-key)"))
         body, code = source.readmit(request.path_params["host"])
         return JSONResponse(body, status_code=code)
 
@@ -441,6 +442,10 @@ def run_serve(args, group=None) -> int:
         predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
     blocks, block_bytes, cache_line = agree_prefix_cache(group, cfg, placement,
                                                          args.prefix_cache_gb)
+    if channel and group.rank == 0:  # the survive front's /health: "reloading" from here
+        from hpcmac.llm.survive.channel import LOADING
+
+        print(f"{LOADING} ({group.size} ranks)", file=sys.stderr, flush=True)
     t_load = time.perf_counter()
     rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
                   quantize=args.quantize, group_size=args.q_group_size,

@@ -191,19 +191,118 @@ def test_the_front_keeps_requests_across_jobs_and_resumes_them():
     assert code == 503 and body["status"] == "error" and "does not fit" in body["error"]
 
 
+def test_a_recovery_says_its_phase_and_names_the_lost_host():
+    from hpcmac.llm.survive.front import PHASES, FrontSource
+
+    src, ev, out = FrontSource(capacity=4), [], ["mac3"]
+    src.lost_hosts = lambda: list(out)
+    src.attach(_Conn(), {})
+    src.serving("ok", "")
+    k1, k2 = src.submit(_req(ev)), src.submit(_req(ev))
+    src.on_message({"op": "tok", "key": k1, "tok": 7})  # k2 has streamed nothing yet
+    src.detach()
+    src.set_state("degraded", "recovering: the job ended (exit 137)", phase="detecting")
+    body, code = src.health()
+    assert code == 200 and body["phase"] == "detecting" and body["lost"] == ["mac3"]
+    for phase in PHASES[1:4]:
+        src.set_phase(phase)
+        assert src.health()[0]["phase"] == phase
+    src.attach(_Conn(), {})  # k1 is re-prefilled; k2 is a plain first prefill
+    src.serving("degraded", "serving without mac3 (lost); on mac1, mac2")
+    body = src.health()[0]
+    assert body["phase"] == "re-prefilling" and "re-prefilling 1 stream" in body["reason"]
+    src.on_message({"op": "tok", "key": k2, "tok": 8})
+    assert src.health()[0]["phase"] == "re-prefilling"
+    src.on_message({"op": "tok", "key": k1, "tok": 9})  # every resumed stream is back
+    body = src.health()[0]
+    assert "phase" not in body and body["reason"].startswith("serving without mac3")
+    out.clear()
+    src.set_state("ok")
+    assert "lost" not in src.health()[0]
+
+
+def test_readmit_after_checks_a_lost_host_after_s_and_again_after_a_failure():
+    from hpcmac.llm.survive.readmit import Readmits
+
+    r = Readmits(after=5.0)
+    r.lost(["mac3"], now=100.0)
+    assert r.due(104.9) == [] and r.due(105.0) == ["mac3"]
+    assert r.checked(["mac3"], bad=["mac3"], now=106.0) == []  # doctor fails it
+    assert r.due(110.9) == [] and r.due(111.0) == ["mac3"]  # S more seconds
+    r.lost(["mac2"], now=108.0)
+    assert r.due(111.0) == ["mac3"]
+    assert r.checked(["mac3"], bad=[], now=111.0) == ["mac3"]  # back: no longer due
+    assert r.due(200.0) == ["mac2"]
+    by_hand = Readmits()  # no policy: only what is asked, checked once per ask
+    by_hand.lost(["mac2"], now=0.0)
+    assert by_hand.due(1e9) == []
+    by_hand.ask("mac2")
+    assert by_hand.due(1.0) == ["mac2"]
+    assert by_hand.checked(["mac2"], bad=["mac2"], now=1.0) == [] and by_hand.due(2.0) == []
+    by_hand.ask("mac2")
+    assert by_hand.checked(["mac2"], bad=[], now=3.0) == ["mac2"]
+
+
+def test_the_survive_front_honours_the_api_key_and_keeps_health_open():
+    pytest.importorskip("starlette")
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from hpcmac.llm.ops import Ops
+    from hpcmac.llm.request import ServeConfig
+    from hpcmac.llm.server import build_app
+    from hpcmac.llm.survive.front import FrontSource
+
+    asked = []
+
+    def on_readmit(host):
+        asked.append(host)
+        return {"status": "accepted", "host": host}, 202
+
+    def app(key):
+        src = FrontSource(capacity=2)
+        src.on_readmit = on_readmit
+        return TestClient(build_app(ServeConfig("m", None, 100, 64, (0,)), src,
+                                    threading.Event(), Ops(api_key=key)))
+
+    keyed = app("sekrit")
+    assert keyed.get("/health").status_code == 503  # open (503: the first job is starting)
+    assert keyed.get("/v1/models").status_code == 401
+    assert keyed.post("/admin/hosts/mac3/readmit").status_code == 401 and asked == []
+    wrong = {"Authorization": "Bearer nope"}
+    assert keyed.post("/admin/hosts/mac3/readmit", headers=wrong).status_code == 401
+    # with the key, any client may ask (TestClient's address is not this machine's)
+    r = keyed.post("/admin/hosts/mac3/readmit", headers={"Authorization": "Bearer sekrit"})
+    assert r.status_code == 202 and asked == ["mac3"]
+    r = keyed.post("/admin/hosts/mac2/readmit", headers={"x-api-key": "sekrit"})
+    assert r.status_code == 202 and asked == ["mac3", "mac2"]
+    # without a key: this machine's clients only
+    r = app(None).post("/admin/hosts/mac3/readmit")
+    assert r.status_code == 403 and "this machine" in r.json()["error"]["message"]
+    assert asked == ["mac3", "mac2"]
+
+
 def test_job_flags_drop_what_the_front_keeps():
     argv = ["--survive", "--hostfile", "h.json", "--model", "m", "--port=9", "--tp", "2",
-            "--pp", "2", "--agent", "a", "--max-batch", "4", "--survive-heartbeat", "3"]
+            "--pp", "2", "--agent", "a", "--max-batch", "4", "--survive-heartbeat", "3",
+            "--readmit-after", "30", "--api-key", "sekrit", "--cors=*"]
+    # the key never reaches a rank's command line (ps on every host); no rank serves HTTP
     assert job_flags(argv) == ["--model", "m", "--max-batch", "4"]
 
 
-def test_survive_needs_a_hostfile():
+@pytest.mark.parametrize("flags, says", [
+    ([], "--survive needs --hostfile"),
+    (["--hostfile", "none.json", "--readmit-after", "0"],
+     "--readmit-after 0: expected seconds > 0"),
+])
+def test_survive_flags_are_checked_before_anything_starts(flags, says):
     import subprocess
 
     r = subprocess.run([sys.executable, "-m", "hpcmac.llm", "serve", "--survive", "--model",
-                        "smollm2"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--survive needs --hostfile" in r.stderr
-    assert "Traceback" not in r.stderr
+                        "smollm2", *flags], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 # -- one real front over a local mpirun ------------------------------------------------------

@@ -21,4 +21,8 @@ def add_survive_args(s) -> None:
                         "recovery (the job's HPCMAC_HEARTBEAT_TIMEOUT; default 8)")
     g.add_argument("--survive-start-timeout", type=float_arg, default=300.0, metavar="S",
                    help="--survive: seconds a job may take to load (default 300)")
+    g.add_argument("--readmit-after", type=float_arg, default=None, metavar="S",
+                   help="--survive: re-admit a lost host S seconds after it was lost when "
+                        "launch doctor passes it, retrying every S seconds (default: only "
+                        "when asked, POST /admin/hosts/HOST/readmit)")
     g.add_argument("--channel", default=None, help=argparse.SUPPRESS)

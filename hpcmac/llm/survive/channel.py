@@ -26,6 +26,9 @@ from hpcmac.comm import wire
 TOKEN_ENV = "HPCMAC_SURVIVE_TOKEN"
 CHANNEL_ENV = "HPCMAC_SURVIVE_CHANNEL"
 BEAT_S = 0.5
+#: the line rank 0 prints under --channel when it starts loading the weights (the
+#: front's /health then says "reloading")
+LOADING = "serve: loading the weights"
 MAX_FRAME = 64 * 2**20  # a prompt of a few million ids at most
 
 

@@ -51,6 +51,13 @@ def _ended(h: Held) -> str:
     return "length" if len(h.toks) >= h.req.max_tokens else ""
 
 
+#: a recovery's phases, in order (/health's ``phase``): the job is ended and its last
+#: lines read; the lost host is named, doctor checks the rest, the model is placed
+#: on the hosts left; the job is launched; rank 0 loads the weights; every resumed
+#: stream's prompt + tokens so far is prefilled again (until each has a token back)
+PHASES = ("detecting", "replacing", "relaunching", "reloading", "re-prefilling")
+
+
 class FrontSource:
     """Requests held by the front (thread-safe; see the module doc).
 
@@ -67,10 +74,15 @@ class FrontSource:
         self.error: str | None = None
         self.refusal: str | None = None  # why no job can run (the model does not fit)
         self.state, self.reason = "starting", "the first job is starting"
+        #: where a recovery is (PHASES), None when none runs
+        self.phase: str | None = None
+        self._prefill: set[int] = set()  # resumed requests with no token back yet
+        self._then: tuple[str, str] | None = None  # the state once they all have one
         self.info: dict = {}  # the job's hello: placement line, ranks, load seconds
         self.recoveries: list[dict] = []  # one per recovery: what was lost, its seconds
         self.resumed = 0  # requests resubmitted to a new job, all recoveries together
         self._t_attach: float | None = None  # a recovery's first token is not back yet
+        self._t_attach_all: float | None = None  # ... nor every resumed request's
         self.on_readmit = None  # the supervisor's: host -> (body, status)
         self.lost_hosts = None  # the supervisor's: () -> the hosts out now
 
@@ -120,9 +132,14 @@ class FrontSource:
         with self._lock:
             rec = {"count": len(self.recoveries), "resumed_requests": self.resumed,
                    "seconds": [r["seconds"] for r in self.recoveries],
+                   "each": [{k: r.get(k) for k in ("why", "lost", "seconds")}
+                            for r in self.recoveries[-50:]],
                    "last": self.recoveries[-1] if self.recoveries else None}
+            lost = self.lost_hosts() if self.lost_hosts is not None else []
             body = {"status": self.state, "load": len(self._held), "recoveries": rec,
                     **({"reason": self.reason} if self.reason else {}),
+                    **({"phase": self.phase} if self.phase else {}),
+                    **({"lost": lost} if lost else {}),
                     **({k: self.info[k] for k in ("placement", "hosts", "ranks")
                         if k in self.info})}
             if self.closed or self.refusal:
@@ -155,6 +172,10 @@ class FrontSource:
             held = list(self._held.items())
         for _, h, reason in gone:
             self._end(h, reason, None)
+        with self._lock:
+            self._prefill = {key for key, h in held if h.toks}
+            if self._prefill:
+                self.phase = "re-prefilling"
         for key, h in held:
             if h.toks:
                 h.resumed += 1
@@ -164,10 +185,33 @@ class FrontSource:
             self.resumed += n
             return n
 
+    def serving(self, state: str, reason: str) -> None:
+        """The job attached is serving: ``state`` now, or once every resumed request has
+        its first token back (until then /health says ``re-prefilling``)."""
+        with self._lock:
+            if self._prefill:
+                self._then = (state, reason)
+                self.reason = f"recovering: re-prefilling {len(self._prefill)} stream(s)"
+                return
+            self.state, self.reason, self.phase = state, reason, None
+
+    def _prefilled(self, key: int) -> None:
+        """``key`` has a token back (or ended): the re-prefill may be over (lock held)."""
+        if key in self._prefill:
+            self._prefill.discard(key)
+            if not self._prefill:
+                if self.recoveries and self._t_attach_all is not None:
+                    self.recoveries[-1]["reprefill_s"] = round(
+                        time.monotonic() - self._t_attach_all, 3)
+                if self._then is not None:
+                    (self.state, self.reason), self._then = self._then, None
+                self.phase = None
+
     def detach(self) -> None:
         """The job is lost: requests wait for the next one."""
         with self._lock:
             self._conn = None
+            self._prefill, self._then = set(), None
 
     def on_message(self, msg: dict) -> None:
         """A frame from the job (the supervisor's reader thread)."""
@@ -175,6 +219,7 @@ class FrontSource:
         if op == "tok":
             with self._lock:
                 h = self._held.get(int(msg["key"]))
+                self._prefilled(int(msg["key"]))
             if self._t_attach is not None:  # the first token after a recovery
                 with self._lock:
                     if self._t_attach is not None and self.recoveries:
@@ -193,6 +238,7 @@ class FrontSource:
         elif op == "end":
             with self._lock:
                 h = self._held.pop(int(msg["key"]), None)
+                self._prefilled(int(msg["key"]))
             if h is not None:
                 self._end(h, str(msg["reason"]), msg.get("error"))
 
@@ -203,15 +249,22 @@ class FrontSource:
             return {"error": {"message": "no supervisor"}}, 503
         return self.on_readmit(host)
 
-    def set_state(self, state: str, reason: str = "") -> None:
+    def set_state(self, state: str, reason: str = "", phase: str | None = None) -> None:
+        """The front's state, its reason and where a recovery is (``phase``, one of
+        PHASES; None: no recovery runs)."""
         with self._lock:
-            self.state, self.reason = state, reason
+            self.state, self.reason, self.phase = state, reason, phase
+            self._then = None
+
+    def set_phase(self, phase: str | None) -> None:
+        with self._lock:
+            self.phase = phase
 
     def refuse(self, why: str) -> None:
         """No job can run (the model does not fit the hosts left): every held request
         ends with ``why``, and new ones get 503 naming it."""
         with self._lock:
-            self.refusal, self.state, self.reason = why, "error", why
+            self.refusal, self.state, self.reason, self.phase = why, "error", why, None
             held, self._held = list(self._held.values()), {}
         for h in held:
             self._end(h, "error", why)
@@ -230,6 +283,7 @@ class FrontSource:
         with self._lock:
             self.recoveries.append(recovery)
             self._t_attach = t_attach
+            self._t_attach_all = t_attach if self._prefill else None
 
     # -- helpers --------------------------------------------------------------------------
     def _send(self, conn: Conn, msg: dict) -> None:

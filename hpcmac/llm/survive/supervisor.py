@@ -34,13 +34,17 @@ from collections import deque
 from pathlib import Path
 
 from hpcmac.errors import UsageError
+from hpcmac.llm.survive.channel import LOADING
+from hpcmac.llm.survive.readmit import Readmits
 
 #: launches in a row that never reached "hello" before the front gives up
 MAX_FAILED_STARTS = 3
 #: flags of the front that the job must not get (with their values)
 _FRONT_ONLY = {"--host": 1, "--port": 1, "--hostfile": 1, "--tp": 1, "--pp": 1, "--split": 1,
                "--tp-split": 1, "--agent": 1, "--survive-heartbeat": 1,
-               "--survive-start-timeout": 1, "--channel": 1, "--survive": 0}
+               "--survive-start-timeout": 1, "--channel": 1, "--survive": 0,
+               "--readmit-after": 1, "--api-key": 1, "--cors": 1}
+
 
 
 def job_flags(argv: list[str]) -> list[str]:
@@ -60,8 +64,9 @@ def job_flags(argv: list[str]) -> list[str]:
 class Job:
     """One launch of the MPI job: its process group and its last stderr lines."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]):
+    def __init__(self, argv: list[str], env: dict[str, str], on_line=None):
         self.lines: deque[str] = deque(maxlen=400)
+        self.on_line = on_line
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, errors="replace",
                                      start_new_session=True)
@@ -71,6 +76,8 @@ class Job:
     def _relay(self) -> None:
         for line in self.proc.stderr:
             self.lines.append(line.rstrip("\n"))
+            if self.on_line is not None:
+                self.on_line(line)
             sys.stderr.write(line)
             sys.stderr.flush()
 
@@ -121,8 +128,8 @@ class Supervisor:
         self.token = secrets.token_hex(16)
         self.lost: list[str] = []
         self.evidence: list[str] = []  # the job's lines that named the last lost host
-        self.readmits: list[str] = []  # hosts asked back (POST /admin/hosts/HOST/readmit)
-        self._rlock = threading.Lock()
+        self.readmits = Readmits(args.readmit_after)  # hosts to check for re-admission
+        self._check: tuple[threading.Thread, list[str], list] | None = None  # doctor, running
         self.all_hosts = list(self.hosts)  # the hostfile's, in its order
         self.work = tempfile.mkdtemp(prefix="hpcmac-survive-")
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -135,23 +142,33 @@ class Supervisor:
             return {"error": {"message": f"no host {host!r} in {self.args.hostfile}"}}, 404
         if host not in self.lost:
             return {"error": {"message": f"host {host!r} is not lost"}}, 409
-        with self._rlock:
-            if host not in self.readmits:
-                self.readmits.append(host)
+        self.readmits.ask(host)
         return {"status": "accepted", "host": host,
                 "note": "doctor checks it; /health says when it is back"}, 202
 
     def _readmittable(self) -> list[str]:
-        """The asked-back hosts doctor finds good now (the others are told in the log)."""
-        with self._rlock:
-            asked, self.readmits = list(self.readmits), []
-        names = [h.name for h in self.hosts] + asked
-        bad = set(self._doctor(names))
-        for h in asked:
+        """The lost hosts to bring back now: asked by hand or due by --readmit-after, and
+        passed by doctor (with the hosts in use), whose checks run in a thread so the
+        watch loop goes on; [] while they run. A host doctor fails is told in the log."""
+        now = time.monotonic()
+        if self._check is None:
+            due = [h for h in self.readmits.due(now) if h in self.lost]
+            if due:
+                names, bad = [h.name for h in self.hosts] + due, []
+                t = threading.Thread(target=lambda: bad.extend(self._doctor(names)),
+                                     name="hpcmac-survive-doctor", daemon=True)
+                t.start()
+                self._check = (t, due, bad)
+            return []
+        t, due, bad = self._check
+        if t.is_alive():
+            return []
+        self._check = None
+        for h in due:
             if h in bad:
                 print(f"serve --survive: {h} not readmitted: launch doctor fails it",
                       file=sys.stderr, flush=True)
-        return [h for h in asked if h not in bad]
+        return [h for h in self.readmits.checked(due, bad, now) if h in self.lost]
 
     # -- one job ----------------------------------------------------------------------------
     def _place(self):
@@ -187,7 +204,13 @@ class Supervisor:
         argv = list(plan.argv)
         cut = argv.index("--")
         argv[cut:cut] = ["-x", TOKEN_ENV]  # by name: the value stays out of ps
-        return Job(argv, {**os.environ, **plan.env, TOKEN_ENV: self.token})
+
+        def on_line(line: str) -> None:  # rank 0 starts loading: the launch is done
+            if LOADING in line and self.source.phase == "relaunching":
+                self.source.set_phase("reloading")
+
+        self.source.set_phase("relaunching" if self.source.phase else None)
+        return Job(argv, {**os.environ, **plan.env, TOKEN_ENV: self.token}, on_line)
 
     def _accept(self, job: Job):
         """The job's hello over the channel; None when it ended, was stopped or timed out."""
@@ -235,7 +258,7 @@ class Supervisor:
         threading.Thread(target=read, name="hpcmac-survive-read", daemon=True).start()
         limit = self.args.survive_heartbeat
         while not self.stop.is_set():
-            if self.readmits:
+            if self.lost:
                 back = self._readmittable()
                 if back:
                     return f"readmitting {', '.join(back)}", time.monotonic()
@@ -300,10 +323,10 @@ class Supervisor:
                       file=sys.stderr, flush=True)
                 recovering = None
             if self.lost:
-                self.source.set_state("degraded", f"serving without {', '.join(self.lost)} "
-                                      f"(lost); on {', '.join(names)}")
+                self.source.serving("degraded", f"serving without {', '.join(self.lost)} "
+                                    f"(lost); on {', '.join(names)}")
             else:
-                self.source.set_state("ok", "")
+                self.source.serving("ok", "")
             why, t_last = self._watch(job, conn)
             if self.stop.is_set():
                 self._stop_job(job, conn)
@@ -315,7 +338,7 @@ class Supervisor:
                 back = why.split(" ", 1)[1].split(", ")
                 self.lost = [h for h in self.lost if h not in back]
                 self.hosts = [h for h in self.all_hosts if h.name not in self.lost]
-                self.source.set_state("degraded", f"recovering: {why}")
+                self.source.set_state("degraded", f"recovering: {why}", phase="replacing")
                 job.end(grace=1.0)
                 lost = []
             else:
@@ -330,20 +353,24 @@ class Supervisor:
         """The job is lost: end it, name and drop the lost host; the hosts dropped."""
         from hpcmac.llm.survive.replace import evidence, lost_hosts
 
-        self.source.set_state("degraded", f"recovering: {why}")
+        self.source.set_state("degraded", f"recovering: {why}", phase="detecting")
         job.end(grace=1.0)
         pairs = [(n, self.ssh[n]) for n in names]
         blamed = lost_hosts(list(job.lines), pairs)
         front = self.hosts[0].name if self.hosts else None
         drop = [h for h in blamed if h != front]  # the front's own host is alive: it is us
+        self.lost += [h for h in drop if h not in self.lost]  # /health names them now
+        self.source.set_state("degraded", f"recovering: {why}"
+                              + (f"; lost {', '.join(drop)}" if drop else ""), phase="replacing")
         drop += [h for h in self._doctor([n for n in names if n not in drop]) if h != front]
         drop = list(dict.fromkeys(drop))
         said = f"; lost {', '.join(drop)}" if drop else "; no host lost"
         print(f"serve --survive: {why}{said}", file=sys.stderr, flush=True)
         self.evidence = [ln for h in drop for ln in evidence(list(job.lines), h, pairs)[:2]]
-        self.lost += drop
+        self.lost += [h for h in drop if h not in self.lost]
+        self.readmits.lost(drop, time.monotonic())
         self.hosts = [h for h in self.hosts if h.name not in drop]
-        self.source.set_state("degraded", f"recovering: {why}{said}")
+        self.source.set_state("degraded", f"recovering: {why}{said}", phase="replacing")
         return drop
 
     def _doctor(self, names: list[str]) -> list[str]:
@@ -417,6 +444,8 @@ def run_survive(args, argv: list[str]) -> int:
         raise UsageError("--survive needs --hostfile (the hosts to serve on and fall back to)")
     if args.survive_heartbeat <= 0 or args.survive_start_timeout <= 0:
         raise UsageError("--survive-heartbeat and --survive-start-timeout: expected seconds > 0")
+    if args.readmit_after is not None and not args.readmit_after > 0:
+        raise UsageError(f"--readmit-after {args.readmit_after:g}: expected seconds > 0")
     check_serve_args(args)
     cfg = load_config(args.model)
     context = context_length(args, cfg)
