@@ -386,6 +386,7 @@ def result_json(res: PipelineResult, tok, stop, plan: Placement | None) -> dict:
         "stages": [{"rank": st.rank, "host": st.host, "layers": list(st.layers),
                     "busy": st.busy, "micro_batches": st.micro_batches} for st in res.stats],
         "bytes_per_token": res.link_bytes_per_token(),
+        "host": res.host_per_token(),
         "interrupted": res.interrupted,
         "prefix_cache": res.prefix,
     })

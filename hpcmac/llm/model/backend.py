@@ -177,6 +177,13 @@ class NumpyBackend:
     def eval(self, *arrays) -> None:
         pass
 
+    #: what crossed from the device to the host (see :meth:`MLXBackend.host`): nothing here
+    syncs = host_bytes = 0
+
+    def host(self, a, *wait) -> np.ndarray:
+        """``a`` as numpy: it is already (the numpy backend has no device)."""
+        return a
+
 
 #: weight bits and group sizes MLX's affine quantization takes
 QUANT_BITS, QUANT_GROUPS = BITS, GROUPS  # the format's own (hpcmac.llm.model.quant)
@@ -262,8 +269,31 @@ class MLXBackend:
         self.mx = mx
         self.xp = mx
         self.bits, self.group_size = bits, group_size
+        #: blocking evaluations (each a host sync) and the bytes they brought to the host,
+        #: counted by :meth:`host` and :meth:`eval`, the only places the model leaves MLX
+        self.syncs = 0
+        self.host_bytes = 0
+
+    def host(self, a, *wait) -> np.ndarray:
+        """The one counting point of what crosses to the host: evaluates ``a`` with
+        ``wait`` (arrays that must be computed too, e.g. the KV cache a step wrote) in one
+        blocking evaluation, and returns ``a`` copied into numpy. One sync, ``a.nbytes``
+        bytes. A numpy ``a`` is returned as it is, uncounted."""
+        if isinstance(a, np.ndarray):
+            if wait:
+                self.eval(*wait)
+            return a
+        self.mx.eval(a, *wait)
+        out = np.array(a)
+        self.syncs += 1
+        self.host_bytes += out.nbytes
+        return out
 
     def asarray(self, a):
+        """numpy (or a list) -> float32 MLX array, a copy to the device (not a sync); an
+        MLX array stays where it is (float32)."""
+        if isinstance(a, self.mx.array):
+            return a if a.dtype == self.mx.float32 else a.astype(self.mx.float32)
         return self.mx.array(np.ascontiguousarray(a, dtype=np.float32))
 
     def index(self, a):
@@ -271,7 +301,7 @@ class MLXBackend:
 
     def to_numpy(self, a) -> np.ndarray:
         return np.array(a, dtype=np.float32, copy=False) if isinstance(a, np.ndarray) \
-            else np.array(a)
+            else self.host(a)
 
     def zeros(self, shape):
         return self.mx.zeros(shape, dtype=self.mx.float32)
@@ -295,7 +325,10 @@ class MLXBackend:
 
     def rows(self, w: QWeight, idx: np.ndarray) -> np.ndarray:
         """Rows ``idx`` of a quantized (out, in) weight, dequantized: (len(idx), in) float32."""
-        i = self.mx.array(np.asarray(idx, dtype=np.int32))
+        return self.host(self.rows_lazy(w, self.mx.array(np.asarray(idx, dtype=np.int32))))
+
+    def rows_lazy(self, w: QWeight, i):
+        """:meth:`rows` of an MLX index array ``i``, left in MLX's graph (not evaluated)."""
         f32 = self.mx.float32  # dequantized in float32 (16-bit scales would round the result)
         if w.mode == "fp8":
             out = w.fp8_float(self.mx, i)
@@ -305,7 +338,7 @@ class MLXBackend:
         else:
             out = self.mx.dequantize(w.wq[i], w.scales[i].astype(f32),
                                      w.biases[i].astype(f32), group_size=w.group, bits=w.bits)
-        return np.array(out, dtype=np.float32)
+        return out.astype(f32)
 
     def linear(self, x, wt):
         if isinstance(wt, Blocks):
@@ -340,7 +373,9 @@ class MLXBackend:
         return arr
 
     def eval(self, *arrays) -> None:
+        """A blocking evaluation with nothing copied out: counted as a sync (:meth:`host`)."""
         self.mx.eval(*arrays)
+        self.syncs += 1
 
 
 #: glibc mallopt parameters (malloc.h)

@@ -108,18 +108,28 @@ class Stage:
         be = self.backend
         return be.asarray(self.reduce(np.ascontiguousarray(be.to_numpy(a), dtype=np.float32)))
 
-    def embed(self, tokens) -> np.ndarray:
+    def embed(self, tokens):
         """(T_total,) int token ids -> (T_total, hidden) float32 [first stage].
 
         Under tensor parallelism each rank looks up the ids in its vocabulary
-        rows and the group sums (collective over the tensor group).
+        rows and the group sums (collective over the tensor group). On the MLX
+        backend the lookup is an MLX op, left in the graph (not evaluated), and
+        ``tokens`` may be an MLX array (a step's greedy tokens, still on the device:
+        they are in the vocabulary by construction, unchecked).
         """
         if "embed" not in self.extra:
             raise RuntimeError("embed() called on a stage without the embedding")
-        tok = np.asarray(tokens, dtype=np.int64)
-        if tok.size and (tok.min() < 0 or tok.max() >= self.config.vocab):
-            raise UsageError(f"token id {int(tok.max() if tok.max() >= 0 else tok.min())} "
-                             f"is outside the vocabulary [0, {self.config.vocab})")
+        be = self.backend
+        device = be.name == "mlx" and isinstance(tokens, be.mx.array)
+        if not device:
+            tok = np.asarray(tokens, dtype=np.int64)
+            if tok.size and (tok.min() < 0 or tok.max() >= self.config.vocab):
+                raise UsageError(f"token id {int(tok.max() if tok.max() >= 0 else tok.min())} "
+                                 f"is outside the vocabulary [0, {self.config.vocab})")
+        if be.name == "mlx":
+            mx = be.mx
+            tok = tokens.astype(mx.int32) if device else mx.array(tok.astype(np.int32))
+            return self._mlx_embed(tok)
         v0, v1 = self.vocab
         if self.reduce is not None:
             loc = tok - v0
@@ -130,13 +140,34 @@ class Stage:
             return self.reduce(out)
         return self._rows(tok)
 
+    def _mlx_embed(self, tok):
+        """The MLX lookup of int32 ids ``tok`` (this rank's vocabulary rows, summed over
+        the tensor group), in the graph."""
+        mx = self.backend.mx
+        v0, v1 = self.vocab
+        if self.reduce is not None:
+            loc = tok - v0
+            mine = (loc >= 0) & (tok < v1)
+            rows = self._mlx_rows(mx.where(mine, loc, 0)) * mine[:, None].astype(mx.float32)
+            return self._sum(rows)
+        return self._mlx_rows(tok)
+
+    def _mlx_rows(self, idx):
+        if "embed_q" in self.extra:
+            return self.backend.rows_lazy(self.extra["embed_q"], idx)
+        return self.extra["embed_mx"][idx]
+
     def _rows(self, idx: np.ndarray) -> np.ndarray:
         if "embed_q" in self.extra:  # kept quantized: dequantize the rows looked up
             return self.backend.rows(self.extra["embed_q"], idx)
         return np.ascontiguousarray(self.extra["embed_np"][idx])
 
-    def forward(self, h, batch: Batch, cache: KVCache) -> np.ndarray:
-        """Run this stage's layers on packed ``h`` (T_total, hidden); appends to ``cache``."""
+    def forward(self, h, batch: Batch, cache: KVCache, lazy: bool = False):
+        """Run this stage's layers on packed ``h`` (T_total, hidden); appends to ``cache``.
+
+        Returns numpy, after one evaluation of the step and its cache writes (one host
+        sync on MLX); with ``lazy`` (MLX) the output is left in the graph, unevaluated:
+        the caller evaluates it with the cache (:meth:`cache_arrays`) in its own sync."""
         be = self.backend
         if h.shape[0] != batch.total:
             raise ValueError(f"forward: h has {h.shape[0]} rows, the batch {batch.total} tokens")
@@ -160,24 +191,32 @@ class Stage:
         step = Step(seqs, cos, sin, self._scale, self._sum)
         for j, (layer, w) in enumerate(zip(self._blocks, self.layers)):
             x = layer.forward(be, cfg, w, x, step, cache.k[j], cache.v[j], cache.index[j])
-        be.eval(x, *cache.k, *cache.v)
         for slot, _, n, pos in seqs:
             cache.lengths[slot] = pos + n
-        return be.to_numpy(x)
+        if lazy:
+            return x
+        return be.host(x, *self.cache_arrays(cache))
 
-    def logits(self, h) -> np.ndarray:
+    def cache_arrays(self, cache: KVCache) -> list:
+        """The backend arrays a step writes into ``cache`` (to evaluate with its output)."""
+        be = self.backend
+        if be.name != "mlx":
+            return []
+        return [a for a in (*cache.k, *cache.v) if isinstance(a, be.mx.array)]
+
+    def logits(self, h, lazy: bool = False):
         """(n, hidden) -> (n, vocab) float32: final norm and head [last stage].
 
         Under tensor parallelism: the logits of this rank's vocabulary rows
         (:attr:`vocab`), (n, hi - lo); the caller combines the ranks' parts.
+        ``lazy`` (MLX): left in the graph, unevaluated (see :meth:`forward`).
         """
         if "norm" not in self.extra:
             raise RuntimeError("logits() called on a stage without the head")
         be = self.backend
         x = be.rms_norm(be.asarray(h), self.extra["norm"], self.config.norm_eps)
         out = be.linear(x, self.extra["head"])
-        be.eval(out)
-        return be.to_numpy(out)
+        return out if lazy else be.host(out)
 
 
 # -- loading ------------------------------------------------------------------
@@ -325,6 +364,9 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
             extra["embed"] = True
             if isinstance(packed, (QWeight, NQWeight)):  # one quantized copy: lookup, tied head
                 extra["embed_q"] = packed
+            elif be.name == "mlx":  # looked up in MLX's graph (Stage.embed)
+                emb = as_float(emb)
+                extra["embed_mx"] = be.mx.array(np.ascontiguousarray(emb))
             else:
                 emb = as_float(emb)
                 extra["embed_np"] = emb

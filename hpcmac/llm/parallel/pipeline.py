@@ -77,7 +77,7 @@ from hpcmac.llm.parallel.plan import StageSpec
 from hpcmac.llm.parallel.prefix import BLOCK, ROOT, PrefixIndex
 from hpcmac.llm.parallel.results import PipelineResult, RankStats, SeqResult
 from hpcmac.llm.parallel.tags import TAG_FWD, TAG_LOGP, TAG_RET
-from hpcmac.llm.parallel.tensor import GATHER, MAXLOC, logit_rows
+from hpcmac.llm.parallel.tensor import GATHER, MAXLOC, logit_rows, step_phase
 
 FWD, CTRL, STOP, PING = 1, 2, 3, 4
 HDR = 4
@@ -236,34 +236,49 @@ class _StageState:
         """Run this stage on a micro-batch; on the last stage also sample.
 
         ``x`` is int64 token ids (T,) on the first stage, else float32 (T, hidden).
-        Returns (hidden states (T, hidden), sampled token ids or None).
-        """
-        from hpcmac.llm.model.stage import Batch
+        Returns (hidden states (T, hidden), sampled token ids or None); on the last stage
+        the hidden states are not used (on MLX they are left unevaluated).
 
+        MLX backend: one host sync per step (:meth:`MLXBackend.host`): the step's graph,
+        its cache writes and, on the last stage, the head are evaluated together; what
+        crosses is the hidden states (to the next stage), the greedy ids (argmax on the
+        device: every sampled sequence greedy, no grammar, no logprobs, no kept logits),
+        or else the logits rows the host samples from.
+        """
         c0 = time.process_time()
         t0 = time.perf_counter()
+        be = self.stage.backend
+        s0, b0 = be.syncs, be.host_bytes
         idxs = [int(i) for i in meta[meta[:, 4] != 0, 0]]
         nrows = [int(n) for n in meta[meta[:, 4] != 0, 4]]  # 1 + draft tokens
         mode = self._head_mode(idxs)
         self.logp = np.empty(0)
         masks = self._masks(idxs, nrows) if self.spec.last else None
         ks = self._logprob_ks(idxs, nrows) if self.spec.last else []
+        if self.tensor is None and mode == MAXLOC and (masks is not None or max(ks, default=-1) >= 0):
+            mode = GATHER  # one rank: the host masks, and takes logprobs, from the logits
         topk = max(ks, default=-1) if mode == MAXLOC else -1
         if self.tensor is not None:  # first: the followers wait for it
             self.tensor.send_step(meta, x, mode, masks if mode == MAXLOC else None, topk)
-        slots = [int(s) for s in meta[:, 1]]
-        lengths = [int(n) for n in meta[:, 2]]
-        batch = Batch(slots=slots, lengths=lengths, positions=[int(p) for p in meta[:, 3]])
-        self.used_slots.update(slots)
-        h = self.stage.embed(x) if self.spec.first else x
-        h = self.stage.forward(h, batch, self.cache)
+        h = self._forward(x, meta)
         toks = None
         if self.spec.last:
             rows = logit_rows(meta)
             toks = np.full(len(rows), NONE, dtype=np.int64)
-            if len(rows):
-                logits = np.asarray(self.stage.logits(h[rows]), dtype=np.float32)
+            wait = self.stage.cache_arrays(self.cache)
+            if not len(rows):
+                if self.lazy:
+                    be.eval(h, *wait)
+            else:
                 stats = None
+                if self.lazy:
+                    lg = self.stage.logits(h[be.index(rows)], lazy=True)
+                    if self.tensor is None and mode == MAXLOC:  # greedy on the device
+                        logits = be.host(be.mx.argmax(lg, axis=-1), *wait).astype(np.int64)
+                    else:
+                        logits = be.host(lg, *wait)
+                else:
+                    logits = np.asarray(self.stage.logits(h[rows]), dtype=np.float32)
                 if self.tensor is not None:
                     logits = self.tensor.head(logits, self.stage.vocab[0], mode,
                                               masks if mode == MAXLOC else None, topk)
@@ -278,11 +293,67 @@ class _StageState:
                         self.logits[idx].extend(r.copy() for r in logits[off : off + len(got)])
                     off += n
                 self.logp = _logprob_rows(ks, logits, toks, stats, mode)
-        self.stats.busy_s += time.perf_counter() - t0
-        self.stats.cpu_s += time.process_time() - c0
-        self.stats.micro_batches += 1
+        self._count(meta, be, s0, b0, t0, c0)
         return h, toks
 
+    @property
+    def lazy(self) -> bool:
+        """The last stage on MLX: its forward stays in the graph until the head's sync."""
+        return self.spec.last and self.stage.backend.name == "mlx"
+
+    def _forward(self, x, meta: np.ndarray):
+        """This stage's layers on a micro-batch (the embedding first on the first stage):
+        numpy hidden states, or on the last MLX stage the unevaluated output."""
+        from hpcmac.llm.model.stage import Batch
+
+        slots = [int(s) for s in meta[:, 1]]
+        batch = Batch(slots=slots, lengths=[int(n) for n in meta[:, 2]],
+                      positions=[int(p) for p in meta[:, 3]])
+        self.used_slots.update(slots)
+        h = self.stage.embed(x) if self.spec.first else x
+        return self.stage.forward(h, batch, self.cache, lazy=self.lazy)
+
+    def _count(self, meta: np.ndarray, be, s0: int, b0: int, t0: float, c0: float) -> None:
+        """A micro-batch's time, and the host syncs and bytes its backend counted."""
+        phase = _phase(meta)
+        st = self.stats
+        st.host_syncs[phase] = st.host_syncs.get(phase, 0) + be.syncs - s0
+        st.host_bytes[phase] = st.host_bytes.get(phase, 0) + be.host_bytes - b0
+        if self.tensor is not None and phase == "decode":  # as its followers count theirs
+            self.tensor.stats.host_syncs += be.syncs - s0
+            self.tensor.stats.host_bytes += be.host_bytes - b0
+        st.busy_s += time.perf_counter() - t0
+        st.cpu_s += time.process_time() - c0
+        st.micro_batches += 1
+
+    # -- one rank on MLX: decode steps back to back (the scheduler's burst) -----------
+
+    def device_step(self, x, meta: np.ndarray):
+        """One rank holding the whole model on MLX, every row greedy: the step's greedy
+        ids (one per sequence), left in the graph. ``x``: the fed tokens, numpy or the
+        previous step's ids still on the device."""
+        h = self._forward(x, meta)
+        be = self.stage.backend
+        return be.mx.argmax(self.stage.logits(h[be.index(logit_rows(meta))], lazy=True),
+                            axis=-1)
+
+    def start(self, y) -> None:
+        """Evaluate a :meth:`device_step`'s ids and its cache writes in the background."""
+        self.stage.backend.mx.async_eval(y, *self.stage.cache_arrays(self.cache))
+
+    def read(self, y, meta: np.ndarray) -> np.ndarray:
+        """A :meth:`device_step`'s ids on the host (its one sync), each taken by its
+        sequence's sampler (int64)."""
+        c0, t0 = time.process_time(), time.perf_counter()
+        be = self.stage.backend
+        s0, b0 = be.syncs, be.host_bytes
+        # y alone: its cache writes are its inputs, and the cache's arrays may be the next
+        # step's by now (waiting on them would wait for that step too)
+        ids = be.host(y).astype(np.int64)
+        toks = np.array([self.samplers[int(i)].take(int(t)) for i, t in zip(meta[:, 0], ids)],
+                        dtype=np.int64)
+        self._count(meta, be, s0, b0, t0, c0)
+        return toks
 
     def _logprob_ks(self, idxs: list[int], nrows: list[int]) -> list[int]:
         """Top logprobs each sampled row asked for (-1: none; a sequence asking for
@@ -338,9 +409,11 @@ class _StageState:
             return [FAILED]
 
     def _head_mode(self, idxs: list[int]) -> int:
-        """MAXLOC when a tensor-parallel head needs only each row's best id: every
-        sampled sequence greedy without a repetition penalty, no logits kept."""
-        if self.tensor is None or not self.spec.last or self.plan.keep_logits:
+        """MAXLOC when a tensor-parallel head (or one MLX rank's, on the device) needs
+        only each row's best id: every sampled sequence greedy without a repetition
+        penalty, no logits kept."""
+        if not self.spec.last or self.plan.keep_logits or \
+                (self.tensor is None and not self.lazy):
             return GATHER
         for i in idxs:
             s = self.samplers.get(i)
@@ -379,15 +452,19 @@ def _logprob_rows(ks: list[int], logits: np.ndarray, toks: np.ndarray, stats, mo
     return np.concatenate(parts) if parts else np.empty(0)
 
 
+def _device_greedy(p: SamplingParams) -> bool:
+    """Sampling that one MLX rank does on the device: greedy, no penalty, grammar or
+    logprobs."""
+    return p.temperature == 0.0 and p.repetition_penalty == 1.0 and p.grammar is None and \
+        p.logprobs < 0
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text[:300]
 
 
-def _phase(meta: np.ndarray) -> str:
-    """Decode: every row one token, or one token and its drafts (all rows scored)."""
-    return "decode" if bool(np.all((meta[:, 2] == 1) | (meta[:, 2] == meta[:, 4]))) \
-        else "prefill"
+_phase = step_phase
 
 
 def _ctrl_to_wire(ctrl: dict) -> bytes:
@@ -753,6 +830,61 @@ class _Scheduler:
             lp = (lp, self.st.group.irecv(lp, self.size - 1, TAG_LOGP))
         self.inflight.append((mb_id, sampled, buf, req, lp))
 
+    def burst(self) -> bool:
+        """One rank holding the whole model on MLX (generate), every active sequence
+        decoding greedily: decode steps back to back as mlx-lm's generator does. Step
+        t + 1's graph is built on step t's ids while they are still on the device and
+        evaluated in the background (``async_eval``) while step t's ids are read: one
+        host sync per step, and the host's work overlaps the device's. It ends when a
+        sequence does (a step built past an EOS or stop string is dropped: its cache
+        writes are at positions the next step overwrites, so families with recurrent
+        states or indexer keys never burst). False when the conditions do not hold
+        (the ordinary loop then runs the step)."""
+        st = self.st
+        if (self.size != 1 or st.tensor is not None or not st.lazy or self.source is not None
+                or self.drafter is not None or self.prefix is not None or self.queue
+                or self.inflight or self.stopping or st.plan.keep_logits or st.cache.recurrent
+                or any(a is not None for a in st.cache.index)):
+            return False
+        seqs = list(self.active)
+        if not seqs or any(not s.ready or s.fed + 1 != len(s.tokens) or
+                           len(s.tokens) == s.n_prompt or not _device_greedy(s.req.sampling)
+                           for s in seqs):
+            return False
+        self.send_ctrl()
+        if any(st.samplers.get(s.idx) is None or st.samplers[s.idx].error for s in seqs):
+            return False  # the ordinary path fails it alone
+        meta = self._decode_meta(seqs)
+        y = st.device_step(np.asarray([s.tokens[-1] for s in seqs], dtype=np.int64), meta)
+        st.start(y)
+        while True:
+            self._fed(seqs)
+            nxt = None
+            if not self.stopping and all(  # every sequence goes on unless its token ends it
+                    len(s.tokens) - s.n_prompt + 1 < s.req.max_tokens and
+                    s.fed + 1 <= st.plan.max_len for s in seqs):
+                nmeta = self._decode_meta(seqs)
+                nxt = st.device_step(y, nmeta)
+                st.start(nxt)  # queued behind y: the device goes on while y is read
+            toks = st.read(y, meta)
+            self.receive([(s, 0) for s in seqs], toks)
+            if nxt is None or any(s.finish for s in seqs):
+                return True  # a step built for a sequence that ended is dropped
+            y, meta = nxt, nmeta
+
+    def _decode_meta(self, seqs: list[_Seq]) -> np.ndarray:
+        """The meta rows of one decode step of ``seqs`` (one token each, at ``fed``)."""
+        return np.array([(s.idx, s.slot, 1, s.fed, 1) for s in seqs], dtype=WIRE)
+
+    def _fed(self, seqs: list[_Seq]) -> None:
+        """A decode step of ``seqs`` issued (what :meth:`issue` records)."""
+        for s in seqs:
+            s.fed += 1
+            s.last_mb = self.mb_id
+            s.waiting = True
+        self.decode_tokens += len(seqs)
+        self.mb_id += 1
+
     def collect(self, block: bool) -> bool:
         """Take the oldest returned micro-batch; False when none was ready (non-blocking)."""
         if not self.inflight:
@@ -873,6 +1005,8 @@ class _Scheduler:
             self.admit()
             while self.collect(block=False):
                 pass
+            if self.burst():
+                continue
             if len(self.inflight) < plan.micro_batches:
                 mb = self.form()
                 if mb:

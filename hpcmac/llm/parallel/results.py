@@ -46,6 +46,10 @@ class RankStats:
     sent: dict[str, int] = field(default_factory=dict)  # "decode"/"prefill"/"ctrl" -> bytes
     sent_to: int = -1
     ret_sent: dict[str, int] = field(default_factory=dict)  # last stage -> rank 0
+    #: "decode"/"prefill" -> blocking evaluations, and bytes brought to the host, counted
+    #: by the backend (MLX: MLXBackend.host; always 0 on numpy, which has no device)
+    host_syncs: dict[str, int] = field(default_factory=dict)
+    host_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def busy(self) -> float:
@@ -109,3 +113,21 @@ class PipelineResult:
                 out.append({"link": f"{st.rank}->0 (tokens)",
                             "bytes_per_token": st.ret_sent.get("decode", 0) / n})
         return out
+
+    def host_per_token(self) -> list[dict]:
+        """Per rank: the backend's host syncs and bytes to the host per decoded token
+        (decode steps only; one per sequence per step), counted by the backend
+        (:meth:`~hpcmac.llm.model.backend.MLXBackend.host`). The pipeline's ranks, then
+        each tensor group's other ranks (``tensor``), by job rank."""
+        n = max(self.decode_tokens, 1)
+        out = {}
+        for t in self.tensor:  # every rank of a tensor group, its leader included
+            if "host_syncs" in t:
+                out[t["rank"]] = (t["host_syncs"], t["host_bytes"])
+        for st in self.stats:
+            rank = st.rank if not self.tensor else None
+            if rank is not None:
+                out[rank] = (st.host_syncs.get("decode", 0), st.host_bytes.get("decode", 0))
+        return [{"rank": r, "host_syncs_per_token": s / n, "host_bytes_per_token": b / n}
+                for r, (s, b) in sorted(out.items())]
+

@@ -62,6 +62,9 @@ class TensorStats:
     wait_s: float = 0.0  # wall time inside allreduce (communication and waiting)
     head_bytes: int = 0  # logits (or max-loc pairs) sent to the leader
     steps: int = 0
+    #: decode steps' host syncs and bytes to the host, counted by this rank's backend
+    host_syncs: int = 0
+    host_bytes: int = 0
 
 
 @dataclass
@@ -305,6 +308,12 @@ def _combine_logprobs(parts: list[np.ndarray], best: np.ndarray, topk: int) -> n
     return out
 
 
+def step_phase(meta: np.ndarray) -> str:
+    """Decode: every row one token, or one token and its drafts (all rows scored)."""
+    return "decode" if bool(np.all((meta[:, 2] == 1) | (meta[:, 2] == meta[:, 4]))) \
+        else "prefill"
+
+
 def logit_rows(meta: np.ndarray) -> np.ndarray:
     """The packed rows whose logits a step needs: the last ``sample`` rows of each
     sequence's tokens (meta column 4: 0 none, 1 its last token, 1 + k with k draft
@@ -364,16 +373,26 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
             masks = tg._recv(np.empty((k, (sum(tg._slices) + 31) // 32), dtype=np.int32),
                              TAG_STEP, 0, "to send a step")
         t0, c0 = time.perf_counter(), time.process_time()
+        be = stage.backend
+        s0, b0 = be.syncs, be.host_bytes
         lengths = [int(v) for v in meta[:, 2]]
         batch = Batch(slots=[int(v) for v in meta[:, 1]], lengths=lengths,
                       positions=[int(v) for v in meta[:, 3]])
         h = stage.embed(x) if first else x
-        h = stage.forward(h, batch, cache)
+        lazy = last and be.name == "mlx"  # its one sync: the head's (or the step's)
+        h = stage.forward(h, batch, cache, lazy=lazy)
         if last:
             rows = logit_rows(meta)
+            wait = stage.cache_arrays(cache)
             if len(rows):
-                tg.head(np.asarray(stage.logits(h[rows]), dtype=np.float32), v0, mode, masks,
-                        topk)
+                lg = stage.logits(h[be.index(rows)] if lazy else h[rows], lazy=lazy)
+                tg.head(be.host(lg, *wait) if lazy else np.asarray(lg, dtype=np.float32), v0,
+                        mode, masks, topk)
+            elif lazy:
+                be.eval(h, *wait)
+        if step_phase(meta) == "decode":
+            tg.stats.host_syncs += be.syncs - s0
+            tg.stats.host_bytes += be.host_bytes - b0
         busy_s += time.perf_counter() - t0
         cpu_s += time.process_time() - c0
 

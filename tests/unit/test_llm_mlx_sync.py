@@ -1,0 +1,124 @@
+"""The MLX backend's host syncs, counted by the backend (``MLXBackend.host``), and its tokens.
+
+One rank: a decode step is one evaluation (the step's graph, its KV cache writes and
+the greedy argmax together), and only the chosen ids cross (4 bytes a token); a
+sampled step brings its logits row instead, still one sync. Greedy tokens equal the
+numpy backend's (float folder) and mlx-lm's own generation (a folder mlx-lm
+quantized, 4-bit affine). Several ranks through ``tools/mpirun``: a pipeline of two
+stages is one sync per stage per hand-over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("transformers")
+
+from hpcmac.comm.local import LocalGroup  # noqa: E402
+from hpcmac.llm.model.fixtures import random_checkpoint  # noqa: E402
+from hpcmac.llm.model.sampling import SamplingParams  # noqa: E402
+from hpcmac.llm.model.stage import load_stage  # noqa: E402
+from hpcmac.llm.parallel.pipeline import Request, run_pipeline  # noqa: E402
+from hpcmac.llm.parallel.plan import StageSpec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [[3, 17, 42, 5, 9], [7, 8], [50, 51, 52, 53, 54, 55]]
+N = 10
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return random_checkpoint("llama", tmp_path_factory.mktemp("ck") / "llama", seed=4,
+                             num_hidden_layers=3, eos_token_id=None)
+
+
+def one_rank(folder, backend: str, reqs: list[Request]):
+    st = load_stage(folder, 0, 3, backend=backend)
+    res = run_pipeline(LocalGroup(), st, StageSpec(0, 0, 3, True, True), st.config.hidden,
+                       reqs)
+    return [s.tokens for s in res.seqs], [s.finish for s in res.seqs], res.host_per_token()
+
+
+def test_one_rank_greedy_is_one_sync_per_token_and_numpy_tokens(llama):
+    ref, _, host = one_rank(llama, "numpy", [Request(PROMPTS[0], N)])
+    assert host == [{"rank": 0, "host_syncs_per_token": 0.0, "host_bytes_per_token": 0.0}]
+    got, finish, host = one_rank(llama, "mlx", [Request(PROMPTS[0], N)])
+    assert got == ref and finish == ["length"]
+    assert host == [{"rank": 0, "host_syncs_per_token": 1.0, "host_bytes_per_token": 4.0}]
+
+
+def test_one_rank_batch_and_an_eos_mid_burst(llama):
+    """Three sequences of different lengths, one ending on an EOS while the next step was
+    already built on the device (that step is dropped): numpy's tokens, one sync a step."""
+    first = one_rank(llama, "numpy", [Request(PROMPTS[0], N)])[0][0]
+    eos = first[4]  # its 5th token: a step past it is already queued when it arrives
+    reqs = [Request(PROMPTS[0], N, eos_ids=(eos,)), Request(PROMPTS[1], N - 2),
+            Request(PROMPTS[2], N + 1)]
+    ref, ref_finish, _ = one_rank(llama, "numpy", reqs)
+    got, finish, host = one_rank(llama, "mlx", reqs)
+    assert got == ref and finish == ref_finish and finish[0] == "eos"
+    steps = max(len(t) for t in got) - 1  # decode steps: one sync each, whoever is in them
+    decoded = sum(len(t) - 1 for t in got)
+    assert host[0]["host_syncs_per_token"] == pytest.approx(steps / decoded)
+    assert host[0]["host_bytes_per_token"] == 4.0
+
+
+def test_one_rank_sampled_step_is_one_sync_of_the_logits(llama):
+    reqs = [Request(PROMPTS[0], N, SamplingParams(temperature=0.7, seed=3))]
+    got, _, host = one_rank(llama, "mlx", reqs)
+    assert len(got[0]) == N
+    assert host[0]["host_syncs_per_token"] == 1.0
+    assert host[0]["host_bytes_per_token"] == 4 * 96  # one float32 row of the vocabulary
+
+
+def test_one_rank_mlx_lm_quantized_folder_gives_mlx_lm_tokens(tmp_path):
+    pytest.importorskip("mlx_lm")
+    from hpcmac.llm.model.fixtures import mlx_lm_greedy, mlx_lm_quantize
+
+    src = random_checkpoint("llama", tmp_path / "hf", seed=5, initializer_range=0.2,
+                            hidden_size=128, intermediate_size=256, vocab_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    q = mlx_lm_quantize(src, tmp_path / "q4", 4, 64)
+    st = load_stage(q, 0, st_layers(q), backend="mlx")
+    assert st.formats == {"mlx q4 g64": sum(st.formats.values())}
+    res = run_pipeline(LocalGroup(), st, StageSpec(0, 0, st.end, True, True),
+                       st.config.hidden, [Request(PROMPTS[0], N)])
+    assert res.seqs[0].tokens == mlx_lm_greedy(q, PROMPTS[0], N)
+    assert res.host_per_token()[0]["host_syncs_per_token"] == 1.0
+
+
+def st_layers(folder) -> int:
+    return json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
+
+
+def generate(np_: int, folder, *args: str, tmp: Path) -> dict:
+    out = tmp / f"g{np_}-{abs(hash(args))}.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HPCMAC_QUIET_TRANSPORT="1",
+               HPCMAC_MPIRUN_TIMEOUT="200")
+    cmd = [str(ROOT / "tools" / "mpirun"), str(np_), sys.executable, "-m", "hpcmac.llm",
+           "generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+           "--max-tokens", str(N), "--quiet", "--json", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    doc["stderr"] = proc.stderr
+    return doc
+
+
+def test_pipeline_of_two_stages_is_one_sync_per_stage(llama, tmp_path):
+    ref = one_rank(llama, "numpy", [Request(PROMPTS[0], N)])[0][0]
+    doc = generate(2, llama, "--pp", "2", "--backend", "mlx", tmp=tmp_path)
+    assert doc["tokens"] == ref
+    assert [h["host_syncs_per_token"] for h in doc["host"]] == [1.0, 1.0]
+    hidden = json.loads((Path(llama) / "config.json").read_text())["hidden_size"]
+    assert doc["host"][0]["host_bytes_per_token"] == 4 * hidden  # the hand-over
+    assert doc["host"][1]["host_bytes_per_token"] == 4.0  # the greedy id
