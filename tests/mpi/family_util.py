@@ -84,9 +84,10 @@ def write_cases(model_type: str, cases: dict, vocab: int, build=build_checkpoint
             shutil.rmtree(root, ignore_errors=True)
 
 
-def run(path, tp, prompts, n_new=N_NEW, group=None, chunk=3, **kw):
+def run(path, tp, prompts, n_new=N_NEW, group=None, chunk=3, backend="numpy", **kw):
     """Collective over ``group`` (the world): the prompts together through ``tp`` x
-    ``size/tp`` ranks, prefilled in chunks of ``chunk`` tokens (``kw``: run_pipeline's)."""
+    ``size/tp`` ranks on ``backend``, prefilled in chunks of ``chunk`` tokens (``kw``:
+    run_pipeline's)."""
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.model.spec import make_shards
     from hpcmac.llm.model.stage import load_stage
@@ -106,7 +107,8 @@ def run(path, tp, prompts, n_new=N_NEW, group=None, chunk=3, **kw):
         tg = TensorGroup(groups.tensor, [groups.hosts[r] for r in members], 60.0, members)
         tg.set_vocab_slices([s.vocab[1] - s.vocab[0] for s in shards])
     stage = load_stage(path, spec.start, spec.end, spec.first, spec.last,
-                       shard=shards[groups.tp_rank], reduce=tg.allreduce if tg else None)
+                       shard=shards[groups.tp_rank], reduce=tg.allreduce if tg else None,
+                       backend=backend)
     reqs = [Request(list(p), n_new) for p in prompts] if g.rank == 0 else None
     return run_tensor_pipeline(groups, tg, stage, spec, cfg.hidden, reqs, keep_logits=True,
                                prefill_chunk=chunk, **kw)

@@ -308,18 +308,15 @@ class MLXBackend:
 
     def weight(self, w):
         """A weight (..., out, in) stored transposed, (..., in, out), or quantized
-        (:class:`QWeight`; a stack (E, out, in) gives a list). A :class:`QuantTensor`
-        is kept as stored (never quantized a second time)."""
+        (:class:`QWeight`; an expert stack (E, out, in) stays one stack, for
+        :meth:`gather_linear`). A :class:`QuantTensor` is kept as stored (never quantized
+        a second time)."""
         if isinstance(w, RowBlocks):
             return Blocks([self.weight(p) for p in w])
         if isinstance(w, QuantTensor):
-            if w.ndim == 3:
-                return [QWeight(self.mx, w[e], w.bits, w.group) for e in range(w.shape[0])]
             return QWeight(self.mx, w, w.bits, w.group)
         w = np.asarray(w, np.float32)
         if self.bits and w.shape[-1] % self.group_size == 0:
-            if w.ndim == 3:
-                return [QWeight(self.mx, we, self.bits, self.group_size) for we in w]
             return QWeight(self.mx, w, self.bits, self.group_size)
         return self.mx.array(np.ascontiguousarray(np.swapaxes(w, -1, -2)))
 
@@ -349,6 +346,26 @@ class MLXBackend:
             return self.mx.quantized_matmul(x, wt.wq, wt.scales, wt.biases, transpose=True,
                                             group_size=wt.group, bits=wt.bits, mode=wt.mode)
         return x @ wt
+
+    def gather_linear(self, x, wt, idx, sorted_indices: bool = False):
+        """``x @ W[idx].T`` for an expert stack: x (..., 1, in), idx expert ids whose shape
+        is x's leading axes (or broadcasts with them) -> (..., 1, out). One gathered matmul
+        (``mx.gather_mm`` on floats, ``mx.gather_qmm`` on a quantized stack); FP8 (no
+        quantized matmul in MLX): the chosen experts dequantized, or all of them when at
+        least as many are chosen. ``sorted_indices``: ``idx`` is flat and ascending."""
+        mx = self.mx
+        if not isinstance(wt, QWeight):
+            return mx.gather_mm(x, wt, rhs_indices=idx, sorted_indices=sorted_indices)
+        if wt.mode == "fp8":
+            if idx.size < wt.wq.shape[0]:  # (n, in, out) the chosen experts, in idx's order
+                w = wt.fp8_float(mx, idx.reshape(-1)).swapaxes(-1, -2)
+                idx = mx.arange(idx.size, dtype=mx.uint32).reshape(idx.shape)
+            else:
+                w = wt.fp8_float(mx).swapaxes(-1, -2)
+            return mx.gather_mm(x, w, rhs_indices=idx, sorted_indices=sorted_indices)
+        return mx.gather_qmm(x, wt.wq, wt.scales, wt.biases, rhs_indices=idx, transpose=True,
+                             group_size=wt.group, bits=wt.bits, mode=wt.mode,
+                             sorted_indices=sorted_indices)
 
     def sigmoid(self, x):
         return self.mx.sigmoid(x)

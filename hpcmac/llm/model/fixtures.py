@@ -84,6 +84,40 @@ def mxfp4_checkpoint(folder: str | Path, out: str | Path, seed: int = 0) -> Path
     return out
 
 
+def mlx_quantized_copy(folder: str | Path, out: str | Path, bits: int = 4, group: int = 32,
+                       mode: str = "affine") -> Path:
+    """A copy of ``folder`` in MLX's quantized format, as ``mx.quantize`` writes it (any
+    family, the names kept; mlx-lm's converter covers only some): every 2-D ``.weight``
+    whose input size is a multiple of ``group`` becomes ``.weight`` (uint32 words),
+    ``.scales`` and ``.biases`` (affine) or ``.scales`` (uint8 E8M0, ``mode="mxfp4"``);
+    ``quantization`` in config.json. Latent attention's ``kv_b_proj`` stays float (it is
+    absorbed per head, never multiplied as stored); so do tensors that are not ``.weight``
+    (gpt-oss's experts: :func:`mxfp4_checkpoint` for theirs)."""
+    import mlx.core as mx
+    from safetensors.numpy import load_file, save_file
+
+    folder, out = Path(folder), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if not (name.endswith(".weight") and t.ndim == 2 and t.shape[-1] % group == 0
+                    and "kv_b_proj" not in name):
+                tensors[name] = t
+                continue
+            wq, *sb = mx.quantize(mx.array(t.astype(np.float32)), group_size=group, bits=bits,
+                                  mode=mode)
+            base = name[:-len("weight")]
+            tensors[name] = np.array(wq)
+            for part, a in zip(("scales", "biases"), sb):
+                tensors[base + part] = np.array(a)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization"] = {"group_size": group, "bits": bits, "mode": mode}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
 #: config.json's quantization_config of the FP8 releases (DeepSeek V3's own)
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
               "weight_block_size": [128, 128]}

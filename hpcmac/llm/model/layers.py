@@ -295,63 +295,92 @@ def mlp(be, w: dict, x, pre: str = ""):
     return y
 
 
-def route_softmax(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Qwen3-MoE routing: softmax over experts, top-k, optionally renormalised."""
-    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+def top_k(xp, a, k: int):
+    """Indices (T, k) of each row's ``k`` largest values, largest first; a tie goes to the
+    lower index (numpy's stable sort; MLX's sort is stable on its CPU build, checked by
+    test_mlx_moe; on a GPU build exact ties may order otherwise)."""
+    if xp is np:
+        return np.argsort(-a, axis=-1, kind="stable")[:, :k]
+    return xp.argsort(-a, axis=-1)[:, :k]
+
+
+def route_softmax(xp, logits, k: int, norm: bool):
+    """Qwen3-MoE routing: softmax over experts, top-k, optionally renormalised. ``xp``: numpy
+    or mlx.core (the logits' own: the routing stays where they are)."""
+    e = xp.exp(logits - logits.max(axis=-1, keepdims=True))
     probs = e / e.sum(axis=-1, keepdims=True)
-    idx = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-    wts = np.take_along_axis(probs, idx, axis=-1)
+    idx = top_k(xp, probs, k)
+    wts = xp.take_along_axis(probs, idx, axis=-1)
     if norm:
         wts = wts / wts.sum(axis=-1, keepdims=True)
-    return idx, wts.astype(np.float32)
+    return idx, wts.astype(xp.float32)
 
 
-def route_grouped_sigmoid(logits: np.ndarray, bias: np.ndarray, cfg: ModelConfig):
-    """DeepSeek-V3 routing: sigmoid scores, correction bias for choice only, group-limited top-k."""
+def route_grouped_sigmoid(xp, logits, bias, cfg: ModelConfig):
+    """DeepSeek-V3 routing: sigmoid scores, correction bias for choice only, group-limited
+    top-k (``n_group``, ``topk_group``: each group scored by its two best), optionally
+    renormalised, times ``routed_scaling_factor``."""
     T, E = logits.shape
     G = cfg.n_group
-    scores = 0.5 * np.tanh(0.5 * logits) + 0.5
+    scores = 0.5 * xp.tanh(0.5 * logits) + 0.5
     choice = scores + bias
-    grouped = np.sort(choice.reshape(T, G, E // G), axis=-1)[..., -2:].sum(axis=-1)  # (T, G)
-    keep = np.argsort(-grouped, axis=-1, kind="stable")[:, :cfg.topk_group]
-    gmask = np.zeros((T, G), dtype=bool)
-    np.put_along_axis(gmask, keep, True, axis=-1)
-    choice = np.where(np.repeat(gmask, E // G, axis=-1), choice, NEG_INF)
-    idx = np.argsort(-choice, axis=-1, kind="stable")[:, :cfg.n_experts_per_tok]
-    wts = np.take_along_axis(scores, idx, axis=-1)
+    if G > 1:
+        grouped = xp.sort(choice.reshape(T, G, E // G), axis=-1)[..., -2:].sum(axis=-1)  # (T, G)
+        keep = top_k(xp, grouped, cfg.topk_group)  # (T, topk_group)
+        gmask = (keep[:, :, None] == xp.arange(G)[None, None, :]).any(axis=1)  # (T, G)
+        choice = xp.where(xp.repeat(gmask, E // G, axis=-1), choice, NEG_INF)
+    idx = top_k(xp, choice, cfg.n_experts_per_tok)
+    wts = xp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob:
         wts = wts / (wts.sum(axis=-1, keepdims=True) + 1e-20)
-    return idx, (wts * cfg.routed_scaling_factor).astype(np.float32)
+    return idx, (wts * cfg.routed_scaling_factor).astype(xp.float32)
 
 
 def swiglu(be, gu, limit: float = 0.0, alpha: float = 1.702):
-    """``silu(gate) * up`` of a fused (T, 2I) gate/up product (gate first); with ``limit``,
+    """``silu(gate) * up`` of a fused (..., 2I) gate/up product (gate first); with ``limit``,
     gpt-oss's clamped form: gate clamped above and up on both sides at ``limit``, then
     ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-    i = gu.shape[1] // 2
+    i = gu.shape[-1] // 2
     if not limit:
-        return be.silu(gu[:, :i]) * gu[:, i:]
+        return be.silu(gu[..., :i]) * gu[..., i:]
     xp = be.xp
-    gate = xp.minimum(gu[:, :i], limit)
-    up = xp.clip(gu[:, i:], -limit, limit)
+    gate = xp.minimum(gu[..., :i], limit)
+    up = xp.clip(gu[..., i:], -limit, limit)
     return (up + 1.0) * (gate * be.sigmoid(alpha * gate))
 
 
-def route_topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def route_topk_softmax(xp, logits, k: int):
     """gpt-oss (and Mixtral) routing: the top-k logits, softmax over those k."""
-    idx = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
-    top = np.take_along_axis(logits, idx, axis=-1)
-    e = np.exp(top - top[:, :1])
-    return idx, (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+    idx = top_k(xp, logits, k)
+    top = xp.take_along_axis(logits, idx, axis=-1)
+    e = xp.exp(top - top[:, :1])
+    return idx, (e / e.sum(axis=-1, keepdims=True)).astype(xp.float32)
 
 
 def moe(be, cfg: ModelConfig, w: dict, x, route):
     """Routed experts (plus shared experts, ``s_*`` weights) over packed tokens (T, hidden);
-    ``route(logits, w, cfg) -> (expert ids (T, k), weights (T, k))`` chooses them.
-    Optional per-expert biases ``e_b_gu`` (E, 2I) and ``e_b_down`` (E, hidden), and the
-    clamped SwiGLU when ``cfg.swiglu_limit`` (gpt-oss)."""
-    logits = be.to_numpy(be.linear(x, w["router"]))
-    idx, wts = route(logits, w, cfg)
+    ``route(xp, logits, w, cfg) -> (expert ids (T, k), weights (T, k))`` chooses them, on
+    the backend's arrays. Optional per-expert biases ``e_b_gu`` (E, 2I) and ``e_b_down``
+    (E, hidden), and the clamped SwiGLU when ``cfg.swiglu_limit`` (gpt-oss).
+
+    numpy: each chosen expert's rows through its own matrices. MLX: the chosen experts in
+    one gathered matmul per projection (:func:`gathered_experts`), nothing leaves the
+    graph."""
+    idx, wts = route(be.xp, be.linear(x, w["router"]), w, cfg)
+    if be.name == "mlx":
+        out = gathered_experts(be, cfg, w, x, idx, wts)
+    else:
+        out = _experts_per_expert(be, cfg, w, x, idx, wts)
+    if "s_w_gu" in w:
+        shared = mlp(be, w, x, pre="s_")
+        if "s_gate" in w:  # (T, 1) a gate logit per token
+            shared = shared * be.sigmoid(be.linear(x, w["s_gate"]))
+        out = out + shared
+    return out
+
+
+def _experts_per_expert(be, cfg: ModelConfig, w: dict, x, idx, wts):
+    """numpy: each chosen expert once, over the rows that chose it."""
     out = be.zeros(x.shape)
     e_gu, e_down = w["e_gu"], w["e_down"]
     b_gu, b_down = w.get("e_b_gu"), w.get("e_b_down")
@@ -367,9 +396,35 @@ def moe(be, cfg: ModelConfig, w: dict, x, route):
             ye = ye + b_down[int(e)]
         ye = ye * be.asarray(wts[rows, which][:, None])
         out = be.index_add(out, ri, ye)
-    if "s_w_gu" in w:
-        shared = mlp(be, w, x, pre="s_")
-        if "s_gate" in w:  # (T, 1) a gate logit per token
-            shared = shared * be.sigmoid(be.linear(x, w["s_gate"]))
-        out = out + shared
     return out
+
+
+#: from this many (token, expert) pairs on, the pairs are sorted by expert before the
+#: gathered matmuls, so each expert's weights are read once for all its rows (prefill)
+SORT_PAIRS = 64
+
+
+def gathered_experts(be, cfg: ModelConfig, w: dict, x, idx, wts):
+    """MLX: the (T, k) chosen experts of each token as one gathered matmul per projection
+    (``be.gather_linear``: ``mx.gather_mm`` on floats, ``mx.gather_qmm`` on quantized
+    stacks), biases gathered alike, summed with the routing weights; no host round trip."""
+    mx = be.xp
+    T, D = x.shape
+    k = idx.shape[1]
+    pairs = T * k >= SORT_PAIRS
+    if pairs:  # (T*k, 1, D) one row per (token, expert) pair, grouped by expert
+        flat = idx.reshape(-1)
+        order = mx.argsort(flat)
+        ids, xs = flat[order], x[order // k][:, None, :]
+    else:  # (T, 1, 1, D) against (T, k) experts
+        ids, xs = idx, x.reshape(T, 1, 1, D)
+    gu = be.gather_linear(xs, w["e_gu"], ids, pairs)  # (..., 1, 2I)
+    if "e_b_gu" in w:
+        gu = gu + w["e_b_gu"][ids][..., None, :]
+    y = be.gather_linear(swiglu(be, gu, cfg.swiglu_limit, cfg.swiglu_alpha), w["e_down"],
+                         ids, pairs)  # (..., 1, D)
+    if "e_b_down" in w:
+        y = y + w["e_b_down"][ids][..., None, :]
+    if pairs:
+        y = y[mx.argsort(order)]  # back to (token, expert) order
+    return (y.reshape(T, k, D) * wts[:, :, None]).sum(axis=1)

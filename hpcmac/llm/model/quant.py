@@ -325,11 +325,10 @@ def float_mode_nbytes(numel: int, mode: str, backend: str = "numpy") -> int:
 
 def mlx_held_nbytes(t: QuantTensor) -> int:
     """Bytes the MLX backend holds for ``t``: the packed words, and scales and biases both
-    (``mx.quantized_matmul`` needs biases) in the narrowest exact storage."""
+    (``mx.quantized_matmul`` needs biases) in the narrowest exact storage, one for a whole
+    expert stack (``mx.gather_qmm`` takes the stack as one array)."""
     if t.mode in FLOAT_MODES:
         return float_mode_nbytes(int(np.prod(t.shape)), t.mode, "mlx")
-    if t.ndim == 3:
-        return sum(mlx_held_nbytes(t[e]) for e in range(t.shape[0]))
     s, b = narrowest(np.asarray(t.scales, np.float32), np.asarray(t.biases, np.float32))
     return int(t.words.nbytes + s.nbytes + b.nbytes)
 

@@ -332,22 +332,22 @@ class MLP:
         return layers.mlp(be, w, x)
 
 
-def softmax_topk(logits: np.ndarray, w: dict, cfg: ModelConfig):
+def softmax_topk(xp, logits, w: dict, cfg: ModelConfig):
     """Softmax over the experts, top ``n_experts_per_tok``, renormalised if
     ``norm_topk_prob`` (Qwen3-MoE)."""
-    return layers.route_softmax(logits, cfg.n_experts_per_tok, cfg.norm_topk_prob)
+    return layers.route_softmax(xp, logits, cfg.n_experts_per_tok, cfg.norm_topk_prob)
 
 
-def sigmoid_grouped(logits: np.ndarray, w: dict, cfg: ModelConfig):
+def sigmoid_grouped(xp, logits, w: dict, cfg: ModelConfig):
     """Sigmoid scores, the correction bias for the choice only, group-limited top-k
     (``n_group``, ``topk_group``), ``routed_scaling_factor`` (DeepSeek-V3)."""
-    return layers.route_grouped_sigmoid(logits, w["router_bias"], cfg)
+    return layers.route_grouped_sigmoid(xp, logits, w["router_bias"], cfg)
 
 
-def topk_softmax(logits: np.ndarray, w: dict, cfg: ModelConfig):
+def topk_softmax(xp, logits, w: dict, cfg: ModelConfig):
     """The router's bias added (``router_b``), the top ``n_experts_per_tok`` logits,
     softmax over those (gpt-oss)."""
-    return layers.route_topk_softmax(logits + w["router_b"], cfg.n_experts_per_tok)
+    return layers.route_topk_softmax(xp, logits + w["router_b"], cfg.n_experts_per_tok)
 
 
 @dataclass(frozen=True)
@@ -355,7 +355,8 @@ class MoE:
     """Routed experts (one (E, out, in) stack per projection) chosen by ``route``,
     plus ``cfg.n_shared_experts`` shared experts (one SwiGLU of their summed width).
 
-    route : ``(router logits (T, E) float32, weights, cfg) -> (expert ids, weights)``
+    route : ``(xp, router logits (T, E) float32, weights, cfg) -> (expert ids (T, k),
+        weights (T, k))`` on the backend's arrays (``xp``: numpy or mlx.core)
     correction_bias : the router has ``e_score_correction_bias`` (read as ``router_bias``)
     module : the layer's submodule the tensors are under (``mlp``; Mixtral and MiniMax:
         ``block_sparse_moe``, experts ``w1``/``w3``/``w2``)
@@ -402,7 +403,7 @@ class MoE:
         be, m = ld.be, _p(i) + self.module + "."
         w["router"] = ld.w(m + "gate.weight")
         if self.correction_bias:
-            w["router_bias"] = ld.np(m + self.bias_name)
+            w["router_bias"] = ld(m + self.bias_name)
         gate = ld.raw(m + "experts.gate")
         up = ld.raw(m + "experts.up")
         w["e_gu"] = be.weight(concat_rows([gate, up], axis=1))  # (E, 2I, D)
@@ -445,7 +446,7 @@ class InterleavedMoE:
     def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
         be, m = ld.be, _p(i) + "mlp."
         w["router"] = ld.w(m + "router.weight")
-        w["router_b"] = ld.np(m + "router.bias")
+        w["router_b"] = ld(m + "router.bias")
         gu = ld.raw_t(m + "experts.gate_up_proj")  # kept MXFP4: (E, 2I, D), rows pairs
         if gu is not None:
             w["e_gu"] = be.weight(concat_rows([gu.map(lambda a: a[:, 0::2]),
