@@ -6,14 +6,17 @@ turned into the chat request :func:`hpcmac.llm.request.parse_request` checks for
 everything else (lengths, the context, sampling bounds, tools), so one set of
 rules holds for both APIs. Blocks: ``text``, an assistant's ``tool_use`` and a
 user's ``tool_result``; any other (an image, a document) is a 400 naming the
-block. ``tools`` (``name``, ``description``, ``input_schema``) and
+block. ``thinking`` switches the template's reasoning on or off (:func:`_thinking`);
+reasoning comes back as ``thinking`` blocks. ``tools`` (``name``, ``description``,
+``input_schema``) and
 ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``) become OpenAI's, so
 calls are rendered, parsed and (``any``, ``tool``) enforced by
 :mod:`hpcmac.llm.tools`; a call comes back as a ``tool_use`` block with
 ``stop_reason: tool_use``. Errors are Anthropic's
 ``{"type": "error", "error": {"type", "message"}}``; a stream is Anthropic's
 event sequence (``message_start``, then per block ``content_block_start``,
-``content_block_delta`` (``text_delta``, ``input_json_delta``)...,
+``content_block_delta`` (``thinking_delta``, ``text_delta``, ``input_json_delta`` as
+a call's arguments are written)...,
 ``content_block_stop``, then ``message_delta``, ``message_stop``).
 """
 
@@ -28,9 +31,9 @@ from hpcmac.llm.request import _STOP_CHARS, ApiError, load_body, parse_request
 
 #: fields honoured; others Anthropic defines are refused by name
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream",
-          "temperature", "top_p", "top_k", "metadata", "tools", "tool_choice"}
+          "temperature", "top_p", "top_k", "metadata", "tools", "tool_choice", "thinking"}
 #: why a known field is refused
-REFUSED = {"thinking": "extended thinking is not supported"}
+REFUSED: dict[str, str] = {}
 #: error types by HTTP status (Anthropic's names)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -139,6 +142,27 @@ def _tools(body: dict) -> dict:
     return out
 
 
+def _thinking(body: dict) -> dict:
+    """``thinking`` as the chat template's switch: ``enabled`` sets ``enable_thinking``
+    (Qwen3's name) and ``thinking`` (DeepSeek V3.1's) true, ``disabled`` false; the
+    reasoning comes back as thinking blocks. ``budget_tokens`` is checked, not enforced
+    (the model ends its reasoning itself; ``max_tokens`` bounds the whole answer)."""
+    t = body.get("thinking")
+    if t is None:
+        return {}
+    kind = t.get("type") if isinstance(t, dict) else None
+    budget = t.get("budget_tokens") if isinstance(t, dict) else None
+    if kind == "enabled" and isinstance(budget, int) and not isinstance(budget, bool) \
+            and budget > 0:
+        on = True
+    elif kind == "disabled":
+        on = False
+    else:
+        raise ApiError(400, "'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": "
+                            "N > 0} or {\"type\": \"disabled\"}", "thinking")
+    return {"chat_template_kwargs": {"enable_thinking": on, "thinking": on}}
+
+
 def to_chat(body) -> tuple[dict, tuple[str, ...]]:
     """The OpenAI chat body of an Anthropic Messages body, and its stop sequences (400
     naming the field)."""
@@ -176,7 +200,7 @@ def to_chat(body) -> tuple[dict, tuple[str, ...]]:
         raise ApiError(400, f"'stop_sequences' must be a list of at most {_STOPS} strings "
                             f"of at most {_STOP_CHARS} characters", "stop_sequences")
     out = {"messages": chat, "max_tokens": body["max_tokens"],
-           "stream": body.get("stream", False), **_tools(body)}
+           "stream": body.get("stream", False), **_tools(body), **_thinking(body)}
     for k in ("model", "temperature", "top_p", "top_k"):
         if body.get(k) is not None:
             out[k] = body[k]
@@ -210,6 +234,62 @@ def tool_block(call: dict) -> dict:
         args = {}
     return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
             "name": fn["name"], "input": args if isinstance(args, dict) else {}}
+
+
+def thinking_block(text: str) -> dict:
+    """Reasoning as a thinking block (no signature: nothing here signs it)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+class Blocks:
+    """A stream's chat deltas (:class:`hpcmac.llm.tools.StreamParser`'s) as Anthropic's
+    content blocks, each opened as its first piece comes and stopped when another kind
+    begins: reasoning as a ``thinking`` block (``thinking_delta``), content as a ``text``
+    block (``text_delta``), each tool call as a ``tool_use`` block, started with its id
+    and name, its arguments in ``input_json_delta`` pieces as they are written."""
+
+    def __init__(self, event):
+        self.event, self.n, self.kind = event, -1, None
+
+    def _start(self, kind, block: dict) -> list[str]:
+        out = self._stop()
+        self.n, self.kind = self.n + 1, kind
+        return out + [self.event("content_block_start", {"index": self.n,
+                                                         "content_block": block})]
+
+    def _stop(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [self.event("content_block_stop", {"index": self.n})]
+
+    def _piece(self, kind, block: dict, delta: dict) -> list[str]:
+        out = self._start(kind, block) if self.kind != kind else []
+        return out + [self.event("content_block_delta", {"index": self.n, "delta": delta})]
+
+    def delta(self, d: dict) -> list[str]:
+        out = []
+        if d.get("reasoning_content"):
+            out += self._piece("thinking", thinking_block(""), {
+                "type": "thinking_delta", "thinking": d["reasoning_content"]})
+        if d.get("content"):
+            out += self._piece("text", {"type": "text", "text": ""},
+                               {"type": "text_delta", "text": d["content"]})
+        for c in d.get("tool_calls", ()):
+            kind, fn = ("tool_use", c["index"]), c["function"]
+            if "id" in c:
+                out += self._start(kind, {"type": "tool_use", "id": "toolu_" + c["id"]
+                                          .removeprefix("call_"), "name": fn["name"],
+                                          "input": {}})
+            if fn.get("arguments") and self.kind == kind:
+                out.append(self.event("content_block_delta", {"index": self.n, "delta": {
+                    "type": "input_json_delta", "partial_json": fn["arguments"]}}))
+        return out
+
+    def close(self) -> list[str]:
+        """The last block stopped (an answer of nothing is one empty text block)."""
+        out = self._start("text", {"type": "text", "text": ""}) if self.n < 0 else []
+        return out + self._stop()
 
 
 def routes(gw) -> list:
@@ -246,53 +326,32 @@ def routes(gw) -> list:
                 return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
             sp = tools.StreamParser(**reader) if reader else None
+            blocks = Blocks(event)
 
-            def texts(piece: str) -> list[str]:
+            def deltas(piece: str) -> list[dict]:
                 if sp is None:
-                    return [piece] if piece else []
-                return [d["content"] for d in sp.feed(piece) if d.get("content")]
-
-            opened = []  # the text block (index 0), once its first text is known
-
-            def text_delta(piece: str):
-                if not opened:
-                    opened.append(True)
-                    yield event("content_block_start", {"index": 0, "content_block": {
-                        "type": "text", "text": ""}})
-                if piece:
-                    yield event("content_block_delta", {"index": 0, "delta": {
-                        "type": "text_delta", "text": piece}})
+                    return [{"content": piece}] if piece else []
+                return sp.feed(piece)
 
             async def sse():
                 yield event("message_start", {"message": message([], None, None, 0)})
                 yield event("ping", {})
                 async for what in run.events():
-                    for piece in texts(run.delta(final=what == "end")):
-                        for e in text_delta(piece):
+                    for d in deltas(run.delta(final=what == "end")):
+                        for e in blocks.delta(d):
                             yield e
                 if run.failed:
                     yield event("error", {"error": error_body(run.error())["error"]})
                     return
-                calls = []
+                called = False
                 if sp is not None:
-                    rest, _ = sp.close()
+                    rest, called = sp.close()
                     for d in rest:
-                        for e in text_delta(d["content"]) if d.get("content") else ():
+                        for e in blocks.delta(d):
                             yield e
-                        calls += d.get("tool_calls", [])
-                if not opened and not calls:  # an empty answer is one empty text block
-                    for e in text_delta(""):
-                        yield e
-                if opened:
-                    yield event("content_block_stop", {"index": 0})
-                for i, call in enumerate(calls, start=len(opened)):
-                    b = tool_block(call)
-                    yield event("content_block_start", {"index": i, "content_block": dict(
-                        b, input={})})
-                    yield event("content_block_delta", {"index": i, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(b["input"])}})
-                    yield event("content_block_stop", {"index": i})
-                reason, seq = stop_of(run, bool(calls))
+                for e in blocks.close():
+                    yield e
+                reason, seq = stop_of(run, called)
                 yield event("message_delta", {"delta": {"stop_reason": reason,
                                                         "stop_sequence": seq},
                                               "usage": {"output_tokens": len(run.ids)}})
@@ -303,11 +362,12 @@ def routes(gw) -> list:
         await run.whole(request)
         if run.failed:
             return err(run.error())
-        text, calls = run.visible(final=True), []
+        text, calls, thought = run.visible(final=True), [], None
         if reader:
             answer = tools.parse(text, **reader)
-            text, calls = answer.content, answer.tool_calls or []
-        content = ([{"type": "text", "text": text}] if text or not calls else []) + \
+            text, calls, thought = answer.content, answer.tool_calls or [], answer.reasoning
+        content = ([thinking_block(thought)] if thought else []) + \
+            ([{"type": "text", "text": text}] if text or not (calls or thought) else []) + \
             [tool_block(c) for c in calls]
         reason, seq = stop_of(run, bool(calls))
         return JSONResponse(message(content, reason, seq, len(run.ids)))

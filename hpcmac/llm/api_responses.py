@@ -7,13 +7,15 @@ the chat request :func:`hpcmac.llm.request.parse_request` checks, so the rules
 are chat's; function ``tools``, ``tool_choice`` and ``parallel_tool_calls``
 become chat's too (:mod:`hpcmac.llm.tools` renders, parses and, for
 ``required`` or a named function, enforces the calls), and a call comes back as
-a ``function_call`` output item. Nothing is stored (``store`` true is refused;
+a ``function_call`` output item; reasoning (``reasoning.effort`` switches the
+template's) comes back as a ``reasoning`` item. Nothing is stored (``store`` true is refused;
 so is ``previous_response_id``). A stream is the Responses event sequence:
 ``response.created``, ``response.in_progress``, then per output item
-``response.output_item.added``, for a message ``response.content_part.added``,
+``response.output_item.added``, for reasoning ``response.reasoning_text.delta``...,
+for a message ``response.content_part.added``,
 ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``, for a call
-``response.function_call_arguments.delta`` / ``.done``, then
+``response.function_call_arguments.delta`` pieces as they are written / ``.done``, then
 ``response.output_item.done``; last ``response.completed`` (or
 ``response.incomplete`` at ``max_output_tokens``), each event with its
 ``sequence_number``.
@@ -31,10 +33,11 @@ from hpcmac.llm.request import ApiError, load_body, parse_request
 
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
           "stream", "store", "metadata", "user", "text", "truncation", "parallel_tool_calls",
-          "tools", "tool_choice"}
+          "tools", "tool_choice", "reasoning"}
 REFUSED = {"previous_response_id": "responses are not stored (store: false)",
-           "background": "background responses are not supported",
-           "reasoning": "reasoning options are not supported"}
+           "background": "background responses are not supported"}
+#: reasoning efforts (``none``: the template's reasoning off)
+EFFORTS = ("none", "minimal", "low", "medium", "high")
 _ROLES = ("user", "assistant", "system", "developer")
 _PARTS = ("input_text", "output_text", "text")
 
@@ -106,13 +109,35 @@ def to_chat(body) -> dict:
         raise ApiError(400, "'input' must be a string or a non-empty list of messages",
                        "input")
     chat = [m for m in chat if m is not None]
-    out = {"messages": chat, "stream": body.get("stream", False), **_tools(body)}
+    out = {"messages": chat, "stream": body.get("stream", False), **_tools(body),
+           **_reasoning(body)}
     for k in ("model", "temperature", "top_p", "user", "parallel_tool_calls"):
         if body.get(k) is not None:
             out[k] = body[k]
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     return out
+
+
+def _reasoning(body: dict) -> dict:
+    """``reasoning.effort`` as the chat template's variables: ``none`` turns reasoning
+    off (``enable_thinking``, ``thinking`` false), any other on, and is gpt-oss's
+    ``reasoning_effort``; the reasoning comes back as a ``reasoning`` output item."""
+    r = body.get("reasoning")
+    if r is None:
+        return {}
+    effort = r.get("effort") if isinstance(r, dict) else None
+    if not isinstance(r, dict) or set(r) - {"effort", "summary"} or \
+            effort not in (None, *EFFORTS):
+        raise ApiError(400, "'reasoning' must be {\"effort\": " + " | ".join(EFFORTS) +
+                       "}", "reasoning")
+    if effort is None:
+        return {}
+    on = effort != "none"
+    kw = {"enable_thinking": on, "thinking": on}
+    if on:
+        kw["reasoning_effort"] = "low" if effort == "minimal" else effort
+    return {"chat_template_kwargs": kw}
 
 
 def _call_item(i: int, item: dict, chat: list) -> dict | None:
@@ -171,6 +196,130 @@ def _parse(raw: bytes, cfg):
         raise
 
 
+def message_item(mid: str, text: str, done: bool) -> dict:
+    return {"type": "message", "id": mid, "role": "assistant",
+            "status": "completed" if done else "in_progress",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]
+            if done else []}
+
+
+def reasoning_item(rid: str, text: str, done: bool) -> dict:
+    return {"type": "reasoning", "id": rid, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if done else [],
+            "status": "completed" if done else "in_progress"}
+
+
+def call_item(call: dict, done: bool = True) -> dict:
+    fn = call["function"]
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+            "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"] if done else "",
+            "status": "completed" if done else "in_progress"}
+
+
+class Items:
+    """A stream's chat deltas (:class:`hpcmac.llm.tools.StreamParser`'s) as Responses
+    output items, each added as its first piece comes and done when another begins:
+    reasoning as a ``reasoning`` item (``response.reasoning_text.delta``), content as
+    a ``message`` (``response.output_text.delta``), each tool call as a
+    ``function_call`` item, added with its name and call id, its arguments in
+    ``response.function_call_arguments.delta`` pieces as they are written. ``done``:
+    the finished items, for the last event's response."""
+
+    def __init__(self, event, mid: str):
+        self.event, self.mid = event, mid
+        self.done: list[dict] = []
+        self.kind, self.text, self.call = None, "", None
+
+    def _where(self) -> dict:
+        return {"item_id": self._id(), "output_index": len(self.done)}
+
+    def _id(self) -> str:
+        if self.kind == "reasoning":
+            return "rs_" + self.mid.removeprefix("msg_")
+        if self.kind == "message":
+            return self.mid
+        return call_item(self.call)["id"]
+
+    def _start(self, kind, call: dict | None = None) -> list[str]:
+        out = self._finish()
+        self.kind, self.text, self.call = kind, "", call
+        i = len(self.done)
+        if kind == "reasoning":
+            out.append(self.event("response.output_item.added", {
+                "output_index": i, "item": reasoning_item(self._id(), "", False)}))
+            out.append(self.event("response.content_part.added", {
+                **self._where(), "content_index": 0,
+                "part": {"type": "reasoning_text", "text": ""}}))
+        elif kind == "message":
+            out.append(self.event("response.output_item.added", {
+                "output_index": i, "item": message_item(self.mid, "", False)}))
+            out.append(self.event("response.content_part.added", {
+                **self._where(), "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": []}}))
+        else:
+            out.append(self.event("response.output_item.added", {
+                "output_index": i, "item": call_item(call, False)}))
+        return out
+
+    def _finish(self) -> list[str]:
+        if self.kind is None:
+            return []
+        where, t, out = self._where(), self.text, []
+        if self.kind == "reasoning":
+            part = {"type": "reasoning_text", "text": t}
+            out.append(self.event("response.reasoning_text.done", {
+                **where, "content_index": 0, "text": t}))
+            out.append(self.event("response.content_part.done", {
+                **where, "content_index": 0, "part": part}))
+            item = reasoning_item(where["item_id"], t, True)
+        elif self.kind == "message":
+            out.append(self.event("response.output_text.done", {
+                **where, "content_index": 0, "text": t, "logprobs": []}))
+            out.append(self.event("response.content_part.done", {
+                **where, "content_index": 0,
+                "part": {"type": "output_text", "text": t, "annotations": []}}))
+            item = message_item(self.mid, t, True)
+        else:
+            call = dict(self.call, function=dict(self.call["function"], arguments=t))
+            out.append(self.event("response.function_call_arguments.done", {
+                **where, "name": call["function"]["name"], "arguments": t}))
+            item = call_item(call)
+        out.append(self.event("response.output_item.done", {
+            "output_index": len(self.done), "item": item}))
+        self.done.append(item)
+        self.kind = None
+        return out
+
+    def _piece(self, kind, name: str, piece: str, **extra) -> list[str]:
+        out = self._start(kind) if self.kind != kind else []
+        self.text += piece
+        return out + [self.event(name, {**self._where(), **extra, "delta": piece})]
+
+    def delta(self, d: dict) -> list[str]:
+        out = []
+        if d.get("reasoning_content"):
+            out += self._piece("reasoning", "response.reasoning_text.delta",
+                               d["reasoning_content"], content_index=0)
+        if d.get("content"):
+            out += self._piece("message", "response.output_text.delta", d["content"],
+                               content_index=0, logprobs=[])
+        for c in d.get("tool_calls", ()):
+            kind, fn = ("call", c["index"]), c["function"]
+            if "id" in c:
+                out += self._start(kind, {"id": c["id"], "type": "function",
+                                          "function": {"name": fn["name"], "arguments": ""}})
+            if fn.get("arguments") and self.kind == kind:
+                out += self._piece(kind, "response.function_call_arguments.delta",
+                                   fn["arguments"])
+        return out
+
+    def close(self) -> list[str]:
+        """The last item done (an answer of nothing is one empty message)."""
+        out = self._start("message") if not self.done and self.kind is None else []
+        return out + self._finish()
+
+
 def routes(gw) -> list:
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -195,28 +344,18 @@ def routes(gw) -> list:
         rid, mid = "resp_" + uuid.uuid4().hex[:24], "msg_" + uuid.uuid4().hex[:24]
         created = int(time.time())
 
-        def item(text: str, done: bool) -> dict:
-            return {"type": "message", "id": mid, "role": "assistant",
-                    "status": "completed" if done else "in_progress",
-                    "content": [{"type": "output_text", "text": text, "annotations": []}]
-                    if done else []}
-
-        def call_item(call: dict, done: bool = True) -> dict:
-            fn = call["function"]
-            return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
-                    "call_id": call["id"], "name": fn["name"],
-                    "arguments": fn["arguments"] if done else "",
-                    "status": "completed" if done else "in_progress"}
-
-        def answer() -> tuple[str, list[dict]]:
+        def answer() -> tuple[str, list[dict], str | None]:
             text = run.visible(final=True)
             if not reader:
-                return text, []
+                return text, [], None
             a = tools.parse(text, **reader)
-            return a.content, a.tool_calls or []
+            return a.content, a.tool_calls or [], a.reasoning
 
-        def output(text: str, calls: list[dict]) -> list[dict]:
-            return ([item(text, True)] if text or not calls else []) + \
+        def output(text: str, calls: list[dict], thought: str | None) -> list[dict]:
+            return ([reasoning_item("rs_" + mid.removeprefix("msg_"), thought, True)]
+                    if thought else []) + \
+                ([message_item(mid, text, True)] if text or not (calls or thought)
+                 else []) + \
                 [call_item(c) for c in calls]
 
         def response(status: str, output: list) -> dict:
@@ -255,77 +394,44 @@ def routes(gw) -> list:
                 seq[0] += 1
                 return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-            where = {"item_id": mid, "output_index": 0, "content_index": 0}
             sp = tools.StreamParser(**reader) if reader else None
-            opened = []  # the message item, once its first text is known
+            items = Items(event, mid)
 
-            def texts(piece: str) -> list[str]:
+            def deltas(piece: str) -> list[dict]:
                 if sp is None:
-                    return [piece] if piece else []
-                return [d["content"] for d in sp.feed(piece) if d.get("content")]
-
-            def open_message():
-                opened.append(True)
-                yield event("response.output_item.added", {"output_index": 0,
-                                                           "item": item("", False)})
-                yield event("response.content_part.added", {**where, "part": {
-                    "type": "output_text", "text": "", "annotations": []}})
-
-            def text_delta(piece: str):
-                if not opened:
-                    yield from open_message()
-                yield event("response.output_text.delta", {**where, "delta": piece,
-                                                           "logprobs": []})
+                    return [{"content": piece}] if piece else []
+                return sp.feed(piece)
 
             async def sse():
                 yield event("response.created", {"response": response("in_progress", [])})
                 yield event("response.in_progress", {"response": response("in_progress",
                                                                           [])})
                 async for what in run.events():
-                    for piece in texts(run.delta(final=what == "end")):
-                        for e in text_delta(piece):
+                    for d in deltas(run.delta(final=what == "end")):
+                        for e in items.delta(d):
                             yield e
                 if run.failed:
                     e = run.error()
                     yield event("error", {"code": "server_error", "message": e.message,
                                           "param": None})
                     return
+                called = False
                 if sp is not None:
-                    rest, _ = sp.close()
+                    rest, called = sp.close()
                     for d in rest:
-                        for e in text_delta(d["content"]) if d.get("content") else ():
+                        for e in items.delta(d):
                             yield e
-                text, calls = answer()
-                if opened or not calls:
-                    if not opened:
-                        for e in open_message():
-                            yield e
-                    yield event("response.output_text.done", {**where, "text": text,
-                                                              "logprobs": []})
-                    yield event("response.content_part.done", {**where, "part": {
-                        "type": "output_text", "text": text, "annotations": []}})
-                    yield event("response.output_item.done", {"output_index": 0,
-                                                              "item": item(text, True)})
-                for i, call in enumerate(calls, start=len(opened)):
-                    it = call_item(call)
-                    yield event("response.output_item.added", {"output_index": i,
-                                                               "item": call_item(call, False)})
-                    yield event("response.function_call_arguments.delta", {
-                        "item_id": it["id"], "output_index": i, "delta": it["arguments"]})
-                    yield event("response.function_call_arguments.done", {
-                        "item_id": it["id"], "output_index": i, "arguments": it["arguments"]})
-                    yield event("response.output_item.done", {"output_index": i, "item": it})
-                st = status(calls)
-                out = ([item(text, True)] if opened or not calls else []) + \
-                    [call_item(c) for c in calls]
-                yield event(f"response.{st}", {"response": response(st, out)})
+                for e in items.close():
+                    yield e
+                st = status([True] if called else [])
+                yield event(f"response.{st}", {"response": response(st, items.done)})
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         await run.whole(request)
         if run.failed:
             return err(run.error())
-        text, calls = answer()
-        return JSONResponse(response(status(calls), output(text, calls)))
+        text, calls, thought = answer()
+        return JSONResponse(response(status(calls), output(text, calls, thought)))
 
     return [Route("/v1/responses", responses, methods=["POST"])]

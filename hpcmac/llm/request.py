@@ -32,7 +32,7 @@ _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p
            "seed", "stop", "n", "stream", "stream_options", "user", "logprobs",
            "repetition_penalty", "draft_k"}
 FIELDS = {"chat": _COMMON | {"messages", "response_format", "tools", "tool_choice",
-                             "parallel_tool_calls", "top_logprobs"},
+                             "parallel_tool_calls", "top_logprobs", "chat_template_kwargs"},
           "completion": _COMMON | {"prompt", "response_format"}}
 #: deepest JSON nesting a body may have (a chat request needs 4)
 MAX_DEPTH = 32
@@ -475,6 +475,29 @@ def template_input(clean: list[dict], spec, template: str | None
     return tools_mod.template_messages(clean), given
 
 
+#: what a chat template is handed itself: a chat_template_kwargs key may not be one
+_TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+_KWARGS = 16
+
+
+def template_kwargs(body: dict) -> dict:
+    """``chat_template_kwargs``: more variables for the chat template (``enable_thinking``
+    for Qwen3's, ``thinking`` for DeepSeek V3.1's, ``reasoning_effort`` for gpt-oss's),
+    at most 16, each a name and a JSON value; 400 naming the field otherwise."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or len(kw) > _KWARGS or not all(
+            isinstance(k, str) and k.isidentifier() for k in kw):
+        raise ApiError(400, f"'chat_template_kwargs' must be an object of at most {_KWARGS} "
+                            "variables, each named like an identifier", "chat_template_kwargs")
+    clash = sorted(set(kw) & _TEMPLATE_OWN)
+    if clash:
+        raise ApiError(400, f"'chat_template_kwargs': '{clash[0]}' is the template's own "
+                            "variable", "chat_template_kwargs")
+    return kw
+
+
 def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig, spec=None) -> list[int]:
     tok = cfg.tok
     if endpoint == "chat":
@@ -501,8 +524,10 @@ def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig, spec=None) -> list[
                                                                    ensure_ascii=False)
                                                    for t in tok.specials) else "messages")
         messages, shown_tools = template_input(clean, spec, tok.chat_template)
+        kwargs = template_kwargs(body)
         try:
-            return chat_ids(tok, messages, limit=cfg.context, tools=shown_tools)
+            return chat_ids(tok, messages, limit=cfg.context, tools=shown_tools,
+                            variables=kwargs)
         except TooLong as exc:
             raise _too_long(None, endpoint, cfg, exc.args[0]) from None
         except ValueError as exc:
@@ -541,7 +566,7 @@ class TooLong(ValueError):
 
 
 def chat_ids(tok, messages: list[dict], limit: int | None = None,
-             tools: list[dict] | None = None) -> list[int]:
+             tools: list[dict] | None = None, variables: dict | None = None) -> list[int]:
     """Token ids of ``messages`` through the checkpoint's chat template, as transformers'
     ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``: a template
     that writes ``bos_token`` itself is encoded without another BOS.
@@ -552,13 +577,16 @@ def chat_ids(tok, messages: list[dict], limit: int | None = None,
     between markers are encoded with special tokens, the contents without, but for
     the server's own text, a message marked :data:`SERVER_TEXT`.)
     With ``limit``, a rendered prompt of more tokens is :class:`TooLong`, found before
-    it is tokenized whole.
+    it is tokenized whole. ``variables``: more variables for the template
+    (``chat_template_kwargs``).
     """
     writes_bos = bool(tok.bos_token) and "bos_token" in (tok.chat_template or "")
+    kwargs = variables or {}
     specials = tok.specials
     ours = [bool(m.get(SERVER_TEXT)) for m in messages]  # the server's own text: special
     if not any(s in m["content"] for m, o in zip(messages, ours) if not o for s in specials):
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                       **kwargs)
         if limit is not None and _surely_over(tok, text, limit, True):
             raise TooLong(len(text.encode("utf-8")))
         return tok.encode(text, add_bos=False) if writes_bos else tok.encode(text)
@@ -567,7 +595,7 @@ def chat_ids(tok, messages: list[dict], limit: int | None = None,
         raise ValueError("a message holds a special-token string and the character "
                          "U+E000; refused")
     text = tok.apply_chat_template([dict(m, content=k) for m, k in zip(messages, marks)],
-                                   add_generation_prompt=True, tools=tools)
+                                   add_generation_prompt=True, tools=tools, **kwargs)
     if limit is not None and _surely_over(tok, text, limit, True):
         raise TooLong(len(text.encode("utf-8")))
     pos = [text.find(k) for k in marks]

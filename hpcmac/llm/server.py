@@ -301,6 +301,9 @@ def add_serve_args(s) -> None:
                    help="require this key (Authorization: Bearer KEY, or x-api-key: KEY) on "
                         "every route but /health and the page (default: $HPCMAC_API_KEY; "
                         "none: open)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the checkpoint's own "
+                        "(as transformers renders it; default: the checkpoint's)")
     g.add_argument("--cors", default=None, metavar="ORIGINS",
                    help="comma-separated origins browsers may call from (* for any; "
                         "default: none)")
@@ -332,6 +335,35 @@ def check_serve_args(args) -> None:
                          "above 0 and at most 4096")
     api_key_of(args)
     cors_of(args)
+    chat_template_of(args)
+
+
+def chat_template_of(args) -> str | None:
+    """``--chat-template``'s text (checked to compile), or None; UsageError naming the
+    file otherwise."""
+    from hpcmac.errors import UsageError
+
+    path = getattr(args, "chat_template", None)
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read((1 << 20) + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--chat-template {path}: cannot read it "
+                         f"({getattr(exc, 'strerror', None) or exc})") from None
+    if len(text) > 1 << 20 or not text.strip():
+        raise UsageError(f"--chat-template {path}: expected a Jinja template of at most "
+                         "1 MiB")
+    import jinja2
+    import jinja2.sandbox
+
+    try:
+        jinja2.sandbox.SandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise UsageError(f"--chat-template {path}: line {exc.lineno}: {exc.message}") \
+            from None
+    return text
 
 
 def api_key_of(args) -> str | None:
@@ -366,6 +398,9 @@ def serve_config(args, cfg, tok, context: int) -> ServeConfig:
     from hpcmac.llm.args import draft_of
     from hpcmac.llm.model.config import resolve_model
 
+    template = chat_template_of(args)
+    if template is not None and tok is not None:
+        tok.chat_template = template
     eos = tuple(tok.eos_ids if tok is not None and tok.eos_ids else cfg.eos_token_ids)
     name = args.model_name or Path(str(resolve_model(args.model))).name
     return ServeConfig(name, tok, cfg.vocab, context, eos,

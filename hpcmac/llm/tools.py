@@ -530,15 +530,183 @@ def _cut_open(text: str) -> str:
     return text[:i] if i >= 0 and "|>" not in text[i:] and len(text) - i < 16 else text
 
 
+def _object_end(text: str, i: int) -> int | None:
+    """The end of the JSON object or array that opens at ``text[i]``, or None while it
+    is still open (brackets counted outside strings; no parsing: the whole answer's
+    parser judges it)."""
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(text)):
+        ch = text[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def _json_args(text: str, i: int = 0) -> tuple[str, bool, int] | None:
+    """(the arguments object's text so far, whole?, where it ends) from ``text[i:]``,
+    or None when they are not an object (then only the whole answer's parser reads them)."""
+    while i < len(text) and text[i].isspace():
+        i += 1
+    if i == len(text):
+        return "", False, i
+    if text[i] != "{":
+        return None
+    end = _object_end(text, i)
+    return (text[i:], False, len(text)) if end is None else (text[i:end], True, end)
+
+
+def _xml_args(pairs: list[tuple[str, str]], props: dict, whole: bool) -> str:
+    """The arguments of an XML-like call as JSON text, one whole parameter at a time (as
+    :func:`_call` writes them, so the pieces join to the whole answer's arguments)."""
+    items = [f"{json.dumps(k, ensure_ascii=False)}: "
+             f"{json.dumps(_value(v, props.get(k)), ensure_ascii=False)}" for k, v in pairs]
+    return "{" + ", ".join(items) + ("}" if whole else "")
+
+
+#: a JSON call's head: its name, then its arguments' key (Hermes' and Llama 3.x's)
+_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+                        r'"(?:arguments|parameters)"\s*:')
+
+
+def _json_head(text: str, i: int) -> tuple[str, int] | None:
+    m = _JSON_HEAD.match(text, i)
+    if m is None:
+        return None
+    try:
+        return json.loads('"' + m.group(1) + '"'), m.end()
+    except ValueError:
+        return None
+
+
+def _partial_calls(text: str, fam: str, spec) -> list[tuple[str, str, bool]]:
+    """The calls of an answer so far, in order, as (name, arguments' text so far, whole?),
+    up to the first whose name is not yet known (``text``: the answer after its
+    reasoning; the whole text for harmony)."""
+    out: list[tuple[str, str, bool]] = []
+    if fam == "harmony":
+        for to, body in _harmony(text)[2]:
+            got = _json_args(body)
+            if got is None:
+                break
+            out.append((to.removeprefix("functions."), got[0], got[1]))
+            if not got[1]:
+                break
+        return out
+    head, region = _region(text, fam)
+    if region is None:
+        return out
+    if fam == "llama3":
+        r, i = region.replace("<|python_tag|>", ""), 0
+        while True:
+            while i < len(r) and (r[i].isspace() or r[i] == ";"):
+                i += 1
+            h = _json_head(r, i)
+            got = _json_args(r, h[1]) if h else None
+            if got is None:
+                return out
+            out.append((h[0], got[0], got[1]))
+            end = r.find("}", got[2]) if got[1] else -1
+            if end < 0 or r[got[2]:end].strip():
+                return out
+            i = end + 1
+    if fam in ("hermes", "glm"):
+        for block in region.split("<tool_call>")[1:]:
+            body, closed = block.partition("</tool_call>")[0], "</tool_call>" in block
+            if fam == "glm":
+                lead = body.lstrip()
+                if not ("\n" in lead or "<arg_key>" in lead or closed):
+                    return out  # the name is still arriving
+                name = re.split(r"\n|<arg_key>", lead, maxsplit=1)[0].strip()
+                pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
+                                   body, re.S)
+                out.append((name, _xml_args([(k.strip(), v) for k, v in pairs],
+                                            _props(spec, name), closed), closed))
+            elif body.lstrip().startswith("<function="):
+                m = re.match(r"\s*<function=([^>\n]+)>", body)
+                if m is None:
+                    return out
+                name, rest = m.group(1).strip(), body[m.end():]
+                pairs = [(k, v.strip("\n")) for k, v in
+                         re.findall(r"<parameter=([^>\n]+)>(.*?)</parameter>", rest, re.S)]
+                whole = "</function>" in rest
+                out.append((name, _xml_args(pairs, _props(spec, name), whole), whole))
+            else:
+                h = _json_head(body, 0)
+                got = _json_args(body, h[1]) if h else None
+                if got is None:
+                    return out
+                out.append((h[0], got[0], got[1]))
+            if not out[-1][2]:
+                return out
+        return out
+    if fam in ("deepseek", "kimi"):
+        begin, mid = (_DS[2], _DS[4]) if fam == "deepseek" else (_KIMI[2], _KIMI[3])
+        for item in region.split(begin)[1:]:
+            if mid not in item:
+                return out
+            ident, tail = item.split(mid, 1)
+            if fam == "kimi":
+                name = ident.strip().rsplit(":", 1)[0].removeprefix("functions.")
+            elif ident.strip() == "function":  # V3: function<sep>NAME\n```json\n{...}\n```
+                name, nl, rest = tail.partition("\n")
+                m = re.match(r"\s*```(?:json)?", rest)
+                if not nl or m is None:
+                    return out
+                name, tail = name.strip(), rest[m.end():]
+            else:
+                name = ident.strip()
+            got = _json_args(tail)
+            if got is None:
+                return out
+            out.append((name, got[0], got[1]))
+            if not got[1]:
+                return out
+        return out
+    if fam == "minimax":
+        for item in region.split('<invoke name="')[1:]:
+            name, q, rest = item.partition('">')
+            if not q:
+                return out
+            pairs = [(k, v.strip("\n")) for k, v in
+                     re.findall(r'<parameter name="([^"]+)">(.*?)</parameter>', rest, re.S)]
+            whole = "</invoke>" in rest
+            out.append((name, _xml_args(pairs, _props(spec, name), whole), whole))
+            if not whole:
+                return out
+    return out
+
+
 class StreamParser:
-    """An answer as it streams: OpenAI delta dicts for each piece of text (rank 0)."""
+    """An answer as it streams: OpenAI delta dicts for each piece of text (rank 0).
+
+    A tool call streams as OpenAI's do: a ``tool_calls`` delta with its index, id and
+    name once the name is known (and is one of the request's tools), then its
+    ``arguments`` text in pieces as the model writes them (a JSON family's object as
+    written, an XML-like family's one whole parameter at a time); :meth:`close` sends
+    what is left and the calls the pieces could not show (arguments that are not an
+    object)."""
 
     def __init__(self, fam: str, spec: ToolSpec | None, style: str | None,
                  think_open: bool = False):
         self.fam, self.spec, self.style, self.think_open = fam, spec, style, think_open
+        self.harmony = style == "harmony" or fam == "harmony"
         self.text = ""
         self.sent_r = self.sent_c = 0
-        self.calls = 0
+        self.sent: list[dict] = []  # each call streamed: its id, name, arguments sent
+        self.stuck = False  # a call's name is none of the tools: the rest waits for close
 
     def _hold(self, content: str) -> str:
         """Content safe to show: before a call region, less a tail that may begin one."""
@@ -558,10 +726,10 @@ class StreamParser:
 
     def feed(self, piece: str) -> list[dict]:
         self.text += piece
-        if self.style == "harmony" or self.fam == "harmony":
+        if self.harmony:
             r, content, _, _ = _harmony(self.text)
             # a special token may be arriving: hold a tail from its "<|" (or "<")
-            return self._out(_cut_open(r), _cut_open(content))
+            return self._out(_cut_open(r), _cut_open(content)) + self._calls(self.text)
         if self.style == "think" and not self.think_open and \
                 "<think>".startswith(self.text.lstrip()[:7]) and len(self.text.lstrip()) < 7:
             return []  # "<think>" may be arriving
@@ -575,7 +743,29 @@ class StreamParser:
                     lead = lead[:-k]
                     break
             return self._out(lead.rstrip("\n"), "")
-        return self._out(r or "", self._hold(rest))
+        return self._out(r or "", self._hold(rest)) + self._calls(rest)
+
+    def _calls(self, text: str) -> list[dict]:
+        """tool_calls deltas for what the calls have grown by."""
+        if self.spec is None or self.stuck:
+            return []
+        out = []
+        fam = "harmony" if self.harmony else self.fam
+        for i, (name, args, _) in enumerate(_partial_calls(text, fam, self.spec)):
+            if i and not self.spec.parallel:
+                break
+            if i == len(self.sent):
+                if name not in self.spec.names:
+                    self.stuck = True
+                    break
+                self.sent.append({"id": new_call_id(), "name": name, "args": ""})
+                out.append({"index": i, "id": self.sent[i]["id"], "type": "function",
+                            "function": {"name": name, "arguments": ""}})
+            sent = self.sent[i]
+            if len(args) > len(sent["args"]) and args.startswith(sent["args"]):
+                out.append({"index": i, "function": {"arguments": args[len(sent["args"]):]}})
+                sent["args"] = args
+        return [{"tool_calls": [d]} for d in out]
 
     def _out(self, r: str, c: str) -> list[dict]:
         out = []
@@ -588,12 +778,33 @@ class StreamParser:
         return out
 
     def close(self) -> tuple[list[dict], bool]:
-        """The last deltas, and whether the answer was tool calls."""
+        """The last deltas, and whether the answer was tool calls (the whole answer's
+        parse decides: a call streamed that it does not read stays sent, and the text
+        follows as content)."""
         p = parse(self.text, self.fam, self.spec, self.style, self.think_open)
         out = self._out(p.reasoning or "", p.content)
-        if p.tool_calls:
-            out.append({"tool_calls": [dict(c, index=i) for i, c in enumerate(p.tool_calls)]})
-        return out, bool(p.tool_calls)
+        if not p.tool_calls:
+            return out, False
+        if self.harmony:
+            raw = _partial_calls(self.text, "harmony", self.spec)
+        else:
+            raw = _partial_calls(split_reasoning(self.text, self.style, self.think_open)[1],
+                                 self.fam, self.spec)
+        for i, c in enumerate(p.tool_calls):
+            fn = c["function"]
+            if i >= len(self.sent):
+                out.append({"tool_calls": [dict(c, index=i)]})
+                self.sent.append({"id": c["id"], "name": fn["name"], "args": fn["arguments"]})
+                continue
+            sent = self.sent[i]
+            whole = raw[i][1] if i < len(raw) and raw[i][2] else fn["arguments"]
+            if not whole.startswith(sent["args"]):
+                whole = fn["arguments"] if not sent["args"] else sent["args"]
+            if len(whole) > len(sent["args"]):
+                out.append({"tool_calls": [{"index": i, "function": {
+                    "arguments": whole[len(sent["args"]):]}}]})
+                sent["args"] = whole
+        return out, True
 
 
 # -- the grammar of a forced call ---------------------------------------------------------

@@ -30,10 +30,25 @@ MESSAGES = [{"role": "user", "content": QUESTION}]
 GREEDY = {"temperature": 0}
 
 
+#: SmolLM2's own chat template (the one its GGUF carries) with one clause added: with
+#: ``chat_template_kwargs: {"enable_thinking": true}`` the generation prompt opens
+#: ``<think>``, as Qwen3's does, so the answer up to ``</think>`` is reasoning. Without
+#: it, prompts are SmolLM2's own, token for token.
+THINK_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+    "Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% if enable_thinking %}{{ '<think>\n' }}{% endif %}"
+    "{% endif %}")
+
+
 @pytest.fixture(scope="module", params=[(1, ()), (2, ("--tp", "2"))], ids=["np1", "np2-tp2"])
-def keyed(request):
+def keyed(request, tmp_path_factory):
     np_, flags = request.param
-    s = Server(np_, *flags, key=KEY)
+    template = tmp_path_factory.mktemp("template") / "think.jinja"
+    template.write_text(THINK_TEMPLATE, encoding="utf-8")
+    s = Server(np_, *flags, "--chat-template", str(template), key=KEY)
     s.np, s.tp, s.pp = np_, np_, 1
     yield s
     s.stop()
@@ -93,11 +108,15 @@ def test_cors_origins_and_preflight_without_the_key():
     assert "access-control-allow-origin" not in other.headers
 
 
-def test_bad_key_and_cors_flags_are_one_line():
+def test_bad_key_cors_and_template_flags_are_one_line(tmp_path):
     import subprocess
     import sys
 
-    for flag, value in (("--api-key", "a b"), ("--cors", " , ")):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }}", encoding="utf-8")
+    for flag, value in (("--api-key", "a b"), ("--cors", " , "),
+                        ("--chat-template", str(tmp_path / "none.jinja")),
+                        ("--chat-template", str(broken))):
         r = subprocess.run([sys.executable, "-m", "hpcmac.llm", "serve", "--model", "smollm2",
                             flag, value], capture_output=True, text=True, timeout=120)
         lines = r.stderr.strip().splitlines()
@@ -212,6 +231,57 @@ def test_slots_show_the_running_sequence(keyed):
     assert s["prompt_tokens"] == n_prompt and s["max_tokens"] == 400
 
 
+def test_slots_snapshot_never_sees_a_half_updated_request():
+    """/v1/slots' rows come from LiveRequests.snapshot on the HTTP thread while the
+    scheduler admits requests (a slot and its cached prompt tokens) and counts their
+    tokens. The window between a request's slot and its cached tokens is held open (a
+    slot that takes 2 ms to set): every row read is still one the scheduler wrote whole
+    (waiting with nothing cached, or in its slot with its cached tokens), and counts()
+    agrees with the rows."""
+    import threading
+
+    from hpcmac.llm.model.sampling import SamplingParams
+    from hpcmac.llm.parallel.live import LiveRequest, LiveRequests
+
+    class SlowSlot(LiveRequest):
+        @property
+        def slot(self):
+            return self._slot
+
+        @slot.setter
+        def slot(self, v):
+            self._slot = v
+            time.sleep(0.002 if v >= 0 else 0)  # the scheduler is mid-update here
+
+    src, n = LiveRequests(capacity=64), 24
+    keys = [src.submit(SlowSlot(prompt=[1] * (10 + i), max_tokens=8,
+                                sampling=SamplingParams())) for i in range(n)]
+    done, bad, seen = threading.Event(), [], [0]
+
+    def scheduler():  # rank 0's main thread: admit each, then its tokens
+        for k in keys:
+            src.admitted(k, k % 16, cached=8)
+            for t in range(3):
+                src.token(k, t)
+        done.set()
+
+    t = threading.Thread(target=scheduler)
+    t.start()
+    while not done.is_set():
+        for row in src.snapshot():
+            seen[0] += row["slot"] >= 0
+            if not ((row["slot"] < 0 and row["cached_tokens"] == 0) or
+                    (row["slot"] == row["id"] % 16 and row["cached_tokens"] == 8)):
+                bad.append(row)
+        time.sleep(0.0005)
+    t.join(30)
+    assert not bad, bad[:3]
+    assert seen[0] > n  # the reads did overlap the admissions
+    rows = src.snapshot()
+    assert [r["generated"] for r in rows] == [3] * n
+    assert src.counts() == (0, n, sum(r["prompt_tokens"] + 3 for r in rows))
+
+
 def test_anthropic_message_and_stream_equal_chat(keyed):
     want = greedy_chat(keyed, 12)
     a = anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0)
@@ -284,6 +354,15 @@ def test_anthropic_tool_use_streamed_and_not_and_its_result_fed_back(keyed):
     streamed = [b for b in final.content if b.type == "tool_use"]
     assert final.stop_reason == "tool_use"
     assert [(b.name, b.input) for b in streamed] == [(use[0].name, use[0].input)]
+    # as it was written: the tool_use block started with its name, its input in pieces
+    with a.messages.stream(model=keyed.model(), max_tokens=40, messages=ask, tools=[WEATHER],
+                           tool_choice=ONE_CALL, extra_body=GREEDY) as stream:
+        events = list(stream)
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [s.content_block.type for s in starts] == ["tool_use"], starts
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+              and e.delta.type == "input_json_delta"]
+    assert len(pieces) >= 3 and json.loads("".join(pieces)) == use[0].input, pieces
     back = a.messages.create(model=keyed.model(), max_tokens=4, tools=[WEATHER],
                              extra_body=GREEDY, messages=[
         *ask, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
@@ -302,6 +381,74 @@ def test_anthropic_tool_use_streamed_and_not_and_its_result_fed_back(keyed):
     assert back.usage.input_tokens == ref.usage.prompt_tokens > m.usage.input_tokens
     assert "".join(b.text for b in back.content if b.type == "text") == \
         (ref.choices[0].message.content or "")
+
+
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+def test_reasoning_in_chat_anthropic_and_responses(keyed):
+    """The prompt opens <think> (chat_template_kwargs; Anthropic's thinking; Responses'
+    reasoning.effort): SmolLM2's greedy answer, the same tokens as /v1/completions gives
+    for the prompt's ids, is all reasoning (it writes no </think> in 10 tokens). It comes
+    back as chat's reasoning_content (streamed as reasoning_content deltas), Anthropic's
+    thinking block (thinking_delta pieces), Responses' reasoning item
+    (response.reasoning_text.delta pieces); never as content."""
+    from hpcmac.llm.model.tokenizer import load_tokenizer
+    from hpcmac.llm.request import chat_ids
+
+    c, model, n = keyed.client(), keyed.model(), 10
+    tok = load_tokenizer("smollm2")
+    tok.chat_template = THINK_TEMPLATE
+    ids = chat_ids(tok, MESSAGES, variables={"enable_thinking": True})
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n<think>\n")
+    want = c.completions.create(model=model, prompt=ids, max_tokens=n,
+                                temperature=0).choices[0].text.lstrip("\n")
+    assert want and "</think>" not in want
+    r = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=n,
+                                  temperature=0, extra_body=THINK)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == want and not msg.content, msg
+    assert r.usage.prompt_tokens == len(ids)
+    pieces, content = [], ""
+    for ch in c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=n,
+                                        temperature=0, extra_body=THINK, stream=True):
+        d = ch.choices[0].delta
+        pieces += [d.reasoning_content] if getattr(d, "reasoning_content", None) else []
+        content += d.content or ""
+    assert len(pieces) > 1 and "".join(pieces) == want and not content
+    # without the switch: SmolLM2's own prompt, no reasoning
+    plain = greedy_chat(keyed, n).choices[0].message
+    assert plain.content and getattr(plain, "reasoning_content", None) is None
+    a = anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0)
+    on = {"type": "enabled", "budget_tokens": 1024}
+    m = a.messages.create(model=model, max_tokens=n, messages=MESSAGES, thinking=on,
+                          extra_body=GREEDY)
+    assert [(b.type, b.thinking) for b in m.content] == [("thinking", want)], m.content
+    with a.messages.stream(model=model, max_tokens=n, messages=MESSAGES, thinking=on,
+                           extra_body=GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    thought = [e.delta.thinking for e in events if e.type == "content_block_delta"
+               and e.delta.type == "thinking_delta"]
+    assert len(thought) > 1 and "".join(thought) == want
+    assert [b.type for b in final.content] == ["thinking"] and final.content[0].thinking == want
+    off = a.messages.create(model=model, max_tokens=n, messages=MESSAGES, extra_body=GREEDY,
+                            thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text"] and off.content[0].text == plain.content
+    rr = c.responses.create(model=model, input=QUESTION, max_output_tokens=n, temperature=0,
+                            reasoning={"effort": "low"})
+    assert [o.type for o in rr.output] == ["reasoning"] and rr.output_text == ""
+    assert rr.output[0].content[0].text == want
+    events = list(c.responses.create(model=model, input=QUESTION, max_output_tokens=n,
+                                     temperature=0, reasoning={"effort": "low"}, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert events[2].item.type == "reasoning"
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == want
+    assert next(e.text for e in events if e.type == "response.reasoning_text.done") == want
+    assert events[-1].response.output[0].content[0].text == want
+    assert "response.output_text.delta" not in kinds
 
 
 def test_responses_text_and_stream_equal_chat(keyed):
@@ -344,9 +491,20 @@ def test_responses_function_call_streamed_and_not_and_its_output_fed_back(keyed)
                                      temperature=0, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     done = [e.item for e in events if e.type == "response.output_item.done"]
-    assert [(d.type, d.name, d.arguments) for d in done if d.type == "function_call"] == \
-        [("function_call", "get_weather", calls[0].arguments)]
+    assert [(d.type, d.name, json.loads(d.arguments)) for d in done
+            if d.type == "function_call"] == [("function_call", "get_weather", args)]
+    # the call streamed as it was written: added with its name, then its arguments in
+    # pieces that join to what .done and the item say
+    kinds = [e.type for e in events]
+    added = kinds.index("response.output_item.added")
+    assert events[added].item.type == "function_call" and \
+        events[added].item.name == "get_weather"
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) >= 3 and kinds.index("response.function_call_arguments.delta") > added
+    fin = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert "".join(pieces) == fin.arguments == done[-1].arguments
     assert events[-1].type == "response.completed"
+    assert events[-1].response.output[-1].arguments == fin.arguments
     back = c.responses.create(model=keyed.model(), max_output_tokens=4, temperature=0,
                               tools=[fn], input=[
         {"role": "user", "content": ask},

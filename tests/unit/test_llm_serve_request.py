@@ -88,6 +88,42 @@ def test_other_fields_are_checked(cfg):
         assert refused(body, cfg, "chat").param == "messages", body
 
 
+def test_chat_template_kwargs_reach_the_template_and_are_checked(cfg):
+    """chat_template_kwargs are the template's variables (a clause that reads one writes
+    its text into the prompt); a non-object, a bad name, too many, or the template's own
+    variable (messages) is a 400 naming the field; the other APIs' switches map to it."""
+    from hpcmac.llm import api_anthropic, api_responses
+    from hpcmac.llm.request import parse_request
+
+    tok = cfg.tok
+    keep = tok.chat_template
+    tok.chat_template = keep + "{% if enable_thinking %}<think>\n{% endif %}"
+    try:
+        ask = {"messages": [{"role": "user", "content": "Hi"}]}
+        on = parse_request(dict(ask, chat_template_kwargs={"enable_thinking": True}), "chat",
+                           cfg)
+        off = parse_request(ask, "chat", cfg)
+        assert tok.decode(on.ids) == tok.decode(off.ids) + "<think>\n"
+        assert on.think_open and not off.think_open
+    finally:
+        tok.chat_template = keep
+    for kw in (3, {"a b": 1}, {f"k{i}": i for i in range(17)}, {"messages": []}):
+        e = refused(json.dumps(dict(ask, chat_template_kwargs=kw)), cfg, "chat")
+        assert e.param == "chat_template_kwargs", (kw, e.message)
+    body, _ = api_anthropic.to_chat({"max_tokens": 4, "messages": ask["messages"],
+                                     "thinking": {"type": "enabled", "budget_tokens": 9}})
+    assert body["chat_template_kwargs"]["enable_thinking"] is True
+    with pytest.raises(ApiError) as e:
+        api_anthropic.to_chat({"max_tokens": 4, "messages": ask["messages"],
+                               "thinking": {"type": "enabled"}})
+    assert e.value.param == "thinking"
+    body = api_responses.to_chat({"input": "Hi", "reasoning": {"effort": "none"}})
+    assert body["chat_template_kwargs"]["enable_thinking"] is False
+    with pytest.raises(ApiError) as e:
+        api_responses.to_chat({"input": "Hi", "reasoning": {"effort": "max"}})
+    assert e.value.param == "reasoning"
+
+
 def test_deep_nesting_is_refused_before_parsing(cfg):
     """200 000 brackets: one 400 from the byte scan, at once; no RecursionError. Brackets
     inside strings do not count."""

@@ -135,11 +135,18 @@ def test_required_tool_call_streaming_and_not(server):
         d = chunk.choices[0].delta
         assert not d.content, d
         for tc in d.tool_calls or []:
-            got = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            if tc.index not in calls:  # OpenAI's order: id and name first, no arguments yet
+                assert tc.id and tc.function.name == "add" and not tc.function.arguments, tc
+            else:
+                assert not tc.id and not tc.function.name, tc
+            got = calls.setdefault(tc.index, {"name": "", "arguments": "", "pieces": 0})
             got["name"] += tc.function.name or ""
             got["arguments"] += tc.function.arguments or ""
+            got["pieces"] += bool(tc.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and calls, calls
+    # the arguments came as the model wrote them, not in one chunk at the end
+    assert all(got["pieces"] >= 3 for got in calls.values()), calls
     for got in calls.values():
         assert got["name"] == "add"
         _valid("add", got["arguments"])

@@ -135,16 +135,30 @@ def test_parser_reads_each_familys_answers(case):
     assert _calls(got) == want
     assert (got.reasoning or None) == case["reasoning"]
     assert got.content == case["content"]
-    # streamed a few characters at a time: the same reasoning, content and calls
+    # streamed a few characters at a time: the same reasoning, content and calls, each
+    # call's id and name first, then its arguments in pieces as they are written
     sp = tools.StreamParser(fam, _spec(fam), style, open_)
-    deltas = [d for i in range(0, len(case["text"]), 3) for d in sp.feed(case["text"][i:i + 3])]
+    fed = [d for i in range(0, len(case["text"]), 3) for d in sp.feed(case["text"][i:i + 3])]
     last, called = sp.close()
-    deltas += last
+    deltas = fed + last
     assert "".join(d.get("reasoning_content", "") for d in deltas) == (case["reasoning"] or "")
     assert "".join(d.get("content", "") for d in deltas) == case["content"]
-    streamed = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                for d in deltas for c in d.get("tool_calls", [])]
-    assert streamed == want and called == bool(want)
+    calls: dict = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            if c["index"] not in calls:  # a call's first delta: its id and name
+                assert c["id"].startswith("call_") and c["function"]["name"], c
+                calls[c["index"]] = [c["function"]["name"], "", 0, d in fed]
+            else:
+                assert "id" not in c and "name" not in c["function"], c
+            got = calls[c["index"]]
+            got[1] += c["function"].get("arguments", "")
+            got[2] += d in fed and bool(c["function"].get("arguments"))
+    assert [(n, json.loads(a)) for n, a, _, _ in calls.values()] == want and called == bool(want)
+    # every call of two arguments was under way before the answer ended: its name and
+    # at least two pieces of its arguments came from feed (the last call may finish in
+    # close, when its end arrives with the answer's)
+    assert all(early and pieces >= 2 for _, _, pieces, early in calls.values()), calls
 
 
 def test_malformed_call_under_auto_is_content():
@@ -154,6 +168,15 @@ def test_malformed_call_under_auto_is_content():
                       ("kimi", "<|tool_calls_section_begin|><|tool_call_begin|>functions.add")]:
         got = tools.parse(text, fam, _spec(fam))
         assert got.tool_calls is None and got.content == text
+        # streamed: whatever call pieces went out, the text follows as content and the
+        # answer is not tool calls (the server's finish_reason stays stop or length)
+        sp = tools.StreamParser(fam, _spec(fam), None)
+        deltas = [d for i in range(0, len(text), 4) for d in sp.feed(text[i:i + 4])]
+        last, called = sp.close()
+        assert not called
+        assert "".join(d.get("content", "") for d in deltas + last) == text
+        if "nope" in text:  # a name that is none of the tools never starts a call
+            assert not any("tool_calls" in d for d in deltas + last)
 
 
 def test_bad_tools_fields_name_the_field():

@@ -90,9 +90,11 @@ class Tokenizer:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, **kwargs) -> str:
         """The prompt text for chat ``messages`` ([{"role": ..., "content": ...}]); ``tools``
-        as transformers passes them (OpenAI's ``[{"type": "function", ...}]``)."""
+        as transformers passes them (OpenAI's ``[{"type": "function", ...}]``); ``kwargs``:
+        more variables (``enable_thinking``), as transformers' ``apply_chat_template``
+        hands its extra keyword arguments to the template."""
         import jinja2
         import jinja2.sandbox
 
@@ -122,7 +124,8 @@ class Tokenizer:
         env.globals["strftime_now"] = strftime_now
         try:  # a template that refuses its input (raise_exception, a missing field): one line
             tmpl = env.from_string(self.chat_template or CHATML)
-            return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return tmpl.render(**kwargs, messages=messages,
+                               add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
         except jinja2.TemplateError as exc:
             raise UsageError(f"chat template: {exc}") from None

@@ -103,22 +103,24 @@ class LiveRequests:
     def counts(self) -> tuple[int, int, int]:
         """(waiting for a slot, running, tokens they hold in the KV cache)."""
         with self._lock:
-            reqs = list(self._live.values())
-        running = [r for r in reqs if r.slot >= 0]
-        return (len(reqs) - len(running), len(running),
-                sum(len(r.prompt) + r.generated for r in running))
+            running = [len(r.prompt) + r.generated for r in self._live.values() if r.slot >= 0]
+            return len(self._live) - len(running), len(running), sum(running)
 
     def snapshot(self) -> list[dict]:
-        """Each open request: its key, slot, prompt tokens, tokens generated, state
-        (``waiting`` for a slot, ``prefill`` until its first token, then ``decode``) and
-        age in seconds; as of the last step (the scheduler updates them between steps)."""
-        with self._lock:
-            reqs = sorted(self._live.values(), key=lambda r: r.key)
+        """Each open request: its key, slot, prompt tokens, tokens reused from the prefix
+        cache, tokens generated, state (``waiting`` for a slot, ``prefill`` until its
+        first token, then ``decode``) and age in seconds. Read under the lock the
+        scheduler writes them under, so a request is never seen half-admitted (a slot
+        without its cached tokens) or between its count and its state."""
         now = time.monotonic()
-        return [{"id": r.key, "slot": r.slot, "prompt_tokens": len(r.prompt),
-                 "generated": r.generated, "max_tokens": r.max_tokens,
-                 "state": "waiting" if r.slot < 0 else "prefill" if not r.generated
-                 else "decode", "age_s": round(now - r.t_submit, 3)} for r in reqs]
+        with self._lock:
+            rows = [(r.key, r.slot, len(r.prompt), r.cached_tokens, r.generated, r.max_tokens,
+                     r.t_submit) for r in self._live.values()]
+        rows.sort()
+        return [{"id": k, "slot": slot, "prompt_tokens": n, "cached_tokens": cached,
+                 "generated": gen, "max_tokens": most,
+                 "state": "waiting" if slot < 0 else "prefill" if not gen else "decode",
+                 "age_s": round(now - t, 3)} for k, slot, n, cached, gen, most, t in rows]
 
     # -- the scheduler side (rank 0's main thread) ---------------------------------------
     def take(self, wait: float = 0.0) -> list[LiveRequest]:
@@ -135,30 +137,26 @@ class LiveRequests:
             out, self._cancel = self._cancel, set()
             return out
 
-    def admitted(self, key: int, slot: int) -> None:
-        """The scheduler gave request ``key`` cache slot ``slot``."""
-        req = self._live.get(key)
-        if req is not None:
-            req.slot = slot
+    def admitted(self, key: int, slot: int, cached: int = 0) -> None:
+        """The scheduler gave request ``key`` cache slot ``slot``, its first ``cached``
+        prompt tokens reused from the prefix cache (one update: a snapshot sees both)."""
+        with self._lock:
+            req = self._live.get(key)
+            if req is not None:
+                req.slot, req.cached_tokens = slot, cached
 
     def token(self, key: int, tok: int) -> None:
-        req = self._live.get(key)
-        if req is not None:
-            req.generated += 1
-            if req.on_token is not None:
-                req.on_token(tok)  # raising ends this request alone (the scheduler catches)
+        with self._lock:
+            req = self._live.get(key)
+            if req is not None:
+                req.generated += 1
+        if req is not None and req.on_token is not None:
+            req.on_token(tok)  # raising ends this request alone (the scheduler catches)
 
     def logprob(self, key: int, row) -> None:
         req = self._live.get(key)
         if req is not None and req.on_logprob is not None:
             req.on_logprob(row)
-
-    def cached(self, key: int, n: int) -> None:
-        """Request ``key`` reuses ``n`` prompt tokens from the prefix cache (before any of
-        its tokens is handed over)."""
-        req = self._live.get(key)
-        if req is not None:
-            req.cached_tokens = n
 
     def stop_check(self, key: int, generated: list[int]) -> bool:
         """Whether a stop string has appeared in the text so far (incremental decoding)."""

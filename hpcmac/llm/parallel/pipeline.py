@@ -656,11 +656,11 @@ class _Scheduler:
             s.slot = self.free_slots.pop()
             s.t_admit = self.now()
             self.active.append(s)
-            if self.source is not None:
-                self.source.admitted(s.idx, s.slot)
             self.ctrl["add"].append((s.idx, list(s.req.prompt), s.req.sampling))
             if self.prefix is not None:
                 self.reuse(s, hit)
+            if self.source is not None:  # its slot and cached tokens, in one update
+                self.source.admitted(s.idx, s.slot, s.cached)
         self.queue.extendleft(reversed(waiting))
 
     # -- the prefix cache (rank 0 decides; every rank follows the "kv" instructions) -----
@@ -692,8 +692,6 @@ class _Scheduler:
             px.hits += 1
             px.tokens_reused += s.cached
             self.ctrl["kv"].append((LOAD, s.slot, *(px.bid(n) for n in hit)))
-            if self.source is not None:
-                self.source.cached(s.idx, s.cached)
         self.expect(s)
 
     def expect(self, s: _Seq) -> None:
