@@ -15,6 +15,9 @@ templates write a call:
 * ``deepseek`` (V3.x): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`` (V3's ``function<｜tool▁sep｜>N\\n```json ...```
   too);
+* ``dsml`` (DeepSeek V3.2): ``<｜DSML｜function_calls>\\n<｜DSML｜invoke name="N">\\n
+  <｜DSML｜parameter name="K" string="true">V</｜DSML｜parameter>\\n</｜DSML｜invoke>\\n
+  </｜DSML｜function_calls>`` (``string="false"``: the value is JSON);
 * ``kimi`` (K2): ``<|tool_calls_section_begin|><|tool_call_begin|>functions.N:0
   <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>``;
 * ``glm`` (4.5 to 4.7): ``<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>
@@ -36,7 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-FAMILIES = ("hermes", "llama3", "harmony", "deepseek", "kimi", "glm", "minimax")
+FAMILIES = ("hermes", "llama3", "harmony", "deepseek", "dsml", "kimi", "glm", "minimax")
 
 
 class ToolError(ValueError):
@@ -125,6 +128,8 @@ def family(template: str | None) -> str:
     t = template or ""
     if "<|channel|>" in t:
         return "harmony"
+    if _DSML_TAG in t:
+        return "dsml"
     if "tool\u2581calls\u2581begin" in t:
         return "deepseek"
     if "tool_calls_section_begin" in t or "tool_call_argument_begin" in t:
@@ -360,6 +365,49 @@ def _deepseek(region: str, spec) -> list | None:
     return _blocks(re.escape(b) + "(.*?)" + re.escape(e), body, one)
 
 
+#: DeepSeek V3.2's markup: its tag, then the calls' block, a call and a parameter as its
+#: template writes them (the tag after each "<" and "</"). The model also writes them
+#: without the tag (as deepseek-ai/DeepSeek-V3.2's discussion #29 records): the parser
+#: reads an answer with the tag taken out (:func:`_untag`), the grammar writes it.
+_DSML_TAG = "\uff5cDSML\uff5c"
+_DSML_PLAIN = ("<function_calls>", "</function_calls>", '<invoke name="', "</invoke>",
+               '<parameter name="', "</parameter>")
+_DSML = tuple(m.replace("<", "<" + _DSML_TAG).replace("<" + _DSML_TAG + "/",
+                                                      "</" + _DSML_TAG) for m in _DSML_PLAIN)
+_DSML_PARAM = re.compile(re.escape(_DSML_PLAIN[4]) + r'([^"]+)"\s+string="(true|false)"\s*>'
+                         r"(.*?)" + re.escape(_DSML_PLAIN[5]), re.S)
+
+
+def _untag(text: str, fam: str) -> str:
+    """DeepSeek V3.2's answer with its markup's tag taken out (other families': as is)."""
+    return text.replace(_DSML_TAG, "") if fam == "dsml" else text
+
+
+def _dsml_args(inner: str, props: dict) -> dict:
+    """A V3.2 call's parameters: ``string="true"`` ones as their text, the others JSON
+    (read by the schema when they are not)."""
+    out = {}
+    for k, is_text, v in _DSML_PARAM.findall(inner):
+        if is_text == "true":
+            out[k] = v
+            continue
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = _value(v, props.get(k))
+    return out
+
+
+def _dsml(region: str, spec) -> list | None:
+    body = region.strip()
+    if not body.startswith(_DSML_PLAIN[0]):
+        return None
+    body = body[len(_DSML_PLAIN[0]):].rstrip().removesuffix(_DSML_PLAIN[1])
+    pat = re.escape(_DSML_PLAIN[2]) + r'([^"]+)">(.*?)' + re.escape(_DSML_PLAIN[3])
+    return _blocks(pat, body, lambda name, inner: _call(
+        name, _dsml_args(inner, _props(spec, name)), spec))
+
+
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
          "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 
@@ -408,9 +456,12 @@ def _minimax(region: str, spec) -> list | None:
 
 #: each family's first marker of a call region, and its parser of the region
 STARTS = {"hermes": "<tool_call>", "llama3": None, "harmony": None, "deepseek": _DS[0],
-          "kimi": _KIMI[0], "glm": "<tool_call>", "minimax": "<minimax:tool_call>"}
+          "kimi": _KIMI[0], "glm": "<tool_call>", "minimax": "<minimax:tool_call>",
+          "dsml": _DSML_PLAIN[0]}
+#: what else may begin a call region as it streams (held back from content until known)
+_ALSO_STARTS = {"dsml": (_DSML[0],)}
 _PARSERS = {"hermes": _hermes, "llama3": _llama3, "deepseek": _deepseek, "kimi": _kimi,
-            "glm": _glm, "minimax": _minimax}
+            "glm": _glm, "minimax": _minimax, "dsml": _dsml}
 
 
 def _harmony(text: str) -> tuple[str, str, list[tuple[str, str]], bool]:
@@ -475,6 +526,7 @@ def parse(text: str, fam: str, spec: ToolSpec | None, style: str | None = None,
           think_open: bool = False) -> Parsed:
     """A whole answer: its reasoning, its content and its tool calls. Under ``auto`` a call
     that does not parse (or names no tool) stays content."""
+    text = _untag(text, fam)
     if style == "harmony" or fam == "harmony":
         r, content, raw, _ = _harmony(text)
         calls = [_call(to.removeprefix("functions."), body.strip(), spec) for to, body in raw]
@@ -499,7 +551,8 @@ def parse(text: str, fam: str, spec: ToolSpec | None, style: str | None = None,
 #: where a call ends, and what closes the calls' section, per family
 _ENDS = {"hermes": ("</tool_call>", ""), "glm": ("</tool_call>", ""), "llama3": ("}", ""),
          "deepseek": (_DS[3], _DS[1]), "kimi": (_KIMI[4], _KIMI[1]),
-         "minimax": ("</invoke>\n", "</minimax:tool_call>")}
+         "minimax": ("</invoke>\n", "</minimax:tool_call>"),
+         "dsml": (_DSML_PLAIN[3] + "\n", _DSML_PLAIN[1])}
 
 
 def _truncated(region: str, fam: str, spec) -> list | None:
@@ -576,9 +629,10 @@ def _xml_args(pairs: list[tuple[str, str]], props: dict, whole: bool) -> str:
     return "{" + ", ".join(items) + ("}" if whole else "")
 
 
-#: a JSON call's head: its name, then its arguments' key (Hermes' and Llama 3.x's)
-_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
-                        r'"(?:arguments|parameters)"\s*:')
+#: a JSON call's head: its name, then its arguments' key (Hermes' and Llama 3.x's; Llama
+#: 3.1 may write "type": "function" first)
+_JSON_HEAD = re.compile(r'\s*\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:\s*'
+                        r'"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:')
 
 
 def _json_head(text: str, i: int) -> tuple[str, int] | None:
@@ -675,6 +729,18 @@ def _partial_calls(text: str, fam: str, spec) -> list[tuple[str, str, bool]]:
             if not got[1]:
                 return out
         return out
+    if fam == "dsml":
+        for item in region.split(_DSML_PLAIN[2])[1:]:
+            name, q, rest = item.partition('">')
+            if not q:
+                return out
+            props = _props(spec, name)
+            args = json.dumps(_dsml_args(rest, props), ensure_ascii=False)
+            whole = _DSML_PLAIN[3] in rest
+            out.append((name, args if whole else args[:-1], whole))
+            if not whole:
+                return out
+        return out
     if fam == "minimax":
         for item in region.split('<invoke name="')[1:]:
             name, q, rest = item.partition('">')
@@ -717,23 +783,26 @@ class StreamParser:
         head, region = _region(content, self.fam)
         if region is not None:
             return head.rstrip()
-        start = STARTS[self.fam]
-        for k in range(min(len(start) - 1, len(head)), 0, -1):
-            if start.startswith(head[-k:]):
-                head = head[:-k]
-                break
-        return head.rstrip()  # the whole answer's content loses what precedes a call
+        cut = 0
+        for start in (STARTS[self.fam], *_ALSO_STARTS.get(self.fam, ())):
+            for k in range(min(len(start) - 1, len(head)), 0, -1):
+                if start.startswith(head[-k:]):
+                    cut = max(cut, k)
+                    break
+        # the whole answer's content loses what precedes a call
+        return head[:len(head) - cut].rstrip()
 
     def feed(self, piece: str) -> list[dict]:
         self.text += piece
+        text = _untag(self.text, self.fam)
         if self.harmony:
-            r, content, _, _ = _harmony(self.text)
+            r, content, _, _ = _harmony(text)
             # a special token may be arriving: hold a tail from its "<|" (or "<")
-            return self._out(_cut_open(r), _cut_open(content)) + self._calls(self.text)
+            return self._out(_cut_open(r), _cut_open(content)) + self._calls(text)
         if self.style == "think" and not self.think_open and \
-                "<think>".startswith(self.text.lstrip()[:7]) and len(self.text.lstrip()) < 7:
+                "<think>".startswith(text.lstrip()[:7]) and len(text.lstrip()) < 7:
             return []  # "<think>" may be arriving
-        r, rest, done = split_reasoning(self.text, self.style, self.think_open)
+        r, rest, done = split_reasoning(text, self.style, self.think_open)
         if r is not None and not done:
             lead = r
             # "</think>" may be arriving: hold a tail that begins it, and the newlines
@@ -788,7 +857,8 @@ class StreamParser:
         if self.harmony:
             raw = _partial_calls(self.text, "harmony", self.spec)
         else:
-            raw = _partial_calls(split_reasoning(self.text, self.style, self.think_open)[1],
+            raw = _partial_calls(split_reasoning(_untag(self.text, self.fam), self.style,
+                                                 self.think_open)[1],
                                  self.fam, self.spec)
         for i, c in enumerate(p.tool_calls):
             fn = c["function"]
@@ -835,6 +905,20 @@ def _xml_params(params: dict, key: str, mid: str, end: str, tok) -> str:
     return " ".join(parts) if parts else '""'
 
 
+def _dsml_params(params: dict, tok) -> str:
+    """DeepSeek V3.2's required parameters, in order: a string's as text without '<'
+    (``string="true"``), any other as JSON (``string="false"``)."""
+    props = params.get("properties") or {}
+    parts = []
+    for k in params.get("required") or []:
+        sub = props.get(k, {})
+        text = isinstance(sub, dict) and sub.get("type") == "string"
+        head = f'{_DSML[4]}{k}" string="{"true" if text else "false"}">'
+        v = '/[^<]*/' if text else _json(sub if isinstance(sub, dict) else {})
+        parts.append(f"{_lit(head, tok)} {v} {_lit(_DSML[5] + chr(10), tok)}")
+    return " ".join(parts) if parts else '""'
+
+
 def call_lark(spec: ToolSpec, tok) -> str:
     """A Lark grammar (llguidance's dialect) of the answers that are only calls of
     ``spec``'s tools (the named one, or any for ``required``), one or, when parallel,
@@ -865,6 +949,9 @@ def call_lark(spec: ToolSpec, tok) -> str:
         elif fam == "deepseek":
             body = f'{_lit(_DS[2], tok)} {json.dumps(n)} {_lit(_DS[4], tok)} {_json(params)} ' \
                    f'{_lit(_DS[3], tok)}'
+        elif fam == "dsml":
+            body = (f'{_lit(_DSML[2] + n + chr(34) + ">" + chr(10), tok)} '
+                    f'{_dsml_params(params, tok)} {_lit(_DSML[3] + chr(10), tok)}')
         elif fam == "kimi":
             body = (f'{_lit(_KIMI[2], tok)} "functions.{n}:" /[0-9]/ {_lit(_KIMI[3], tok)} '
                     f'{_json(params)} {_lit(_KIMI[4], tok)}')
@@ -884,6 +971,8 @@ def call_lark(spec: ToolSpec, tok) -> str:
         calls = f"{_lit(_DS[0], tok)} {calls} {_lit(_DS[1], tok)}"
     elif fam == "kimi":
         calls = f"{_lit(_KIMI[0], tok)} {calls} {_lit(_KIMI[1], tok)}"
+    elif fam == "dsml":
+        calls = f"{_lit(_DSML[0] + chr(10), tok)} {calls} {_lit(_DSML[1], tok)}"
     elif fam == "minimax":
         calls = f'{_lit("<minimax:tool_call>", tok)} "\\n" {calls} ' \
                 f'{_lit("</minimax:tool_call>", tok)}'

@@ -57,6 +57,14 @@ TEMPLATES = {
                 "<｜tool▁call▁begin｜>{{ f.name }}<｜tool▁sep｜>{{ f.arguments | tojson }}"
                 "<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
                 "{% endif %}{% endfor %}",
+    "dsml": "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+            "<｜Assistant｜></think>{% else %}{{ m.content }}{% if m.tool_calls %}\n\n"
+            "<｜DSML｜function_calls>\n" + _LOOP + "<｜DSML｜invoke name=\"{{ f.name }}\">\n"
+            "{% for k, v in f.arguments.items() %}<｜DSML｜parameter name=\"{{ k }}\" "
+            "string=\"{{ 'true' if v is string else 'false' }}\">{{ v if v is string else "
+            "v | tojson }}</｜DSML｜parameter>\n{% endfor %}</｜DSML｜invoke>\n{% endfor %}"
+            "</｜DSML｜function_calls>{% endif %}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+            "{# tools #}",
     "kimi": "{% for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>"
             "{{ m.content }}{% if m.tool_calls %}<|tool_calls_section_begin|>" + _LOOP +
             "<|tool_call_begin|>functions.{{ f.name }}:{{ loop.index0 }}"
@@ -74,7 +82,8 @@ TEMPLATES = {
                "{% endif %}[e~[\n{% endfor %}",
 }
 ENDS = {"hermes": "<|im_end|>\n", "llama3": "<|eot_id|>", "harmony": "<|call|>",
-        "deepseek": "<｜end▁of▁sentence｜>", "kimi": "<|im_end|>", "glm": "",
+        "deepseek": "<｜end▁of▁sentence｜>", "dsml": "<｜end▁of▁sentence｜>",
+        "kimi": "<|im_end|>", "glm": "",
         "minimax": "[e~[\n"}
 
 
@@ -114,7 +123,7 @@ def test_parser_reads_what_the_template_writes(fam):
     answer = full[len(head):]
     if fam == "harmony":
         answer = answer.removeprefix("<|start|>assistant")
-    elif fam != "deepseek":
+    elif fam not in ("deepseek", "dsml"):
         answer = answer[answer.index("\n") + 1:] if fam in ("hermes", "glm", "minimax") \
             else answer.split("<|end_header_id|>\n\n", 1)[-1].split("<|im_middle|>", 1)[-1]
     answer = answer.removesuffix(ENDS[fam]) if ENDS[fam] else answer

@@ -1,5 +1,5 @@
 """Each family's tool-call parser against its checkpoints' OWN chat templates (Qwen2.5,
-Qwen3, Qwen3-Coder, Qwen3.5, Llama 3.1/3.2/3.3, gpt-oss, DeepSeek V3.1 and V3's form,
+Qwen3, Qwen3-Coder, Qwen3.5, Llama 3.1/3.2/3.3, gpt-oss, DeepSeek V3.1 and V3's form, V3.2,
 Kimi K2, GLM-4.6/4.7, MiniMax M2), as llama.cpp keeps copies of them;
 tools/chat-templates fetches them (tests/unit/data/chat_templates.json pins each file's
 sha256) and keeps them outside the repository.
@@ -155,6 +155,10 @@ def test_parser_reads_what_the_checkpoints_template_writes(name, smol):
     if same.rfind("<") > same.rfind(">"):  # not inside a marker both begin alike
         same = same[:same.rfind("<")]
     answer = after[len(same):]
+    if gen.endswith("</think>") and answer.startswith("</think>"):
+        # DeepSeek V3.2's prompt closes an empty reasoning (<think></think>) that its
+        # history writes as "</think>" alone: the model writes neither
+        answer = answer[len("</think>"):]
     assert meta["end"] in answer, answer
     answer = answer[:answer.index(meta["end"])]
     think_open = style == "think" and gen.rstrip().endswith("<think>")
