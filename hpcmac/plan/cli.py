@@ -240,7 +240,7 @@ def cmd_llm(args) -> int:
     shape = load_shape(args.model)
     if args.numpy:
         if shape.bits >= 16:  # float checkpoints are widened; quantized ones stay quantized
-            shape = shape.with_bits(32.0, "hpcmac numpy backend (float32)")
+            shape = shape.with_bits(32.0, "hpcmac numpy backend (float32)", shape.edge_bits)
         args.act_bytes, args.kv_bytes = 4, 4
     if args.bits:
         shape = shape.with_bits(args.bits, "--bits")

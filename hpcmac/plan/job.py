@@ -91,7 +91,7 @@ def runtime_shape(model: str, backend: str = "numpy", quantize: int | None = Non
         return shape.with_bits(quantize + 32.0 / group_size, f"--quantize {quantize}"), 2
     if backend == "numpy":
         if shape.bits >= 16:
-            shape = shape.with_bits(32.0, "numpy backend (float32)")
+            shape = shape.with_bits(32.0, "numpy backend (float32)", shape.edge_bits)
         return shape, 4
     return shape, 2
 

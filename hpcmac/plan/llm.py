@@ -164,7 +164,7 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
             fl += (hi - lo) * 2.0 * tokens * tokens * shape.n_heads * share \
                 * (shape.kv_per_token_layer / max(1, 2 * shape.n_kv_heads))
         if s == pp - 1:
-            nbytes += shape.head * shape.bits / 8 / tp
+            nbytes += shape.head * shape.table_bits / 8 / tp
             fl += 2.0 * shape.head * b / tp   # logits of the last token of each sequence
         # the cache read: context tokens per sequence by attention, the fixed states of
         # linear attention
@@ -225,9 +225,9 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
         lo, hi = bounds[s], bounds[s + 1]
         w = sum(shape.layer_bytes_held(i) for i in range(lo, hi)) * share
         if s == 0:
-            w += shape.embed * shape.bits / 8 / tp
+            w += shape.embed * shape.table_bits / 8 / tp
         if s == pp - 1 and not (shape.tied and pp == 1):
-            w += shape.head * shape.bits / 8 / tp
+            w += shape.head * shape.table_bits / 8 / tp
         w += shape.cache_elements(lo, hi, B, case.context) * case.kv_bytes * share
         held.append(w)
     fits = all(h <= USABLE * m for h, m in zip(held, mem_rank))

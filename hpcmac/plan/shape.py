@@ -46,6 +46,14 @@ class ModelShape:
     bits: float                     # bits per weight in memory
     source_bits: str = "as stored"  # where ``bits`` came from
     tied: bool = False              # the head is the embedding (held once)
+    #: bits per weight of the embedding and head where they differ from ``bits``: the
+    #: loader keeps them in a checkpoint's bfloat16 (``hpcmac.llm.model.spec.BF16_KEPT``)
+    edge_bits: float | None = None
+
+    @property
+    def table_bits(self) -> float:
+        """Bits per weight of the embedding and the head in memory."""
+        return self.bits if self.edge_bits is None else self.edge_bits
 
     @property
     def n_layers(self) -> int:
@@ -77,10 +85,11 @@ class ModelShape:
         lc = self.layers[i]
         return (lc.dense + lc.expert * lc.n_experts) * self.bits / 8
 
-    def with_bits(self, bits: float, why: str) -> ModelShape:
+    def with_bits(self, bits: float, why: str, edge_bits: float | None = None) -> ModelShape:
+        """Every weight at ``bits``, the embedding and head at ``edge_bits`` (None: too)."""
         from dataclasses import replace
 
-        return replace(self, bits=bits, source_bits=why)
+        return replace(self, bits=bits, source_bits=why, edge_bits=edge_bits)
 
 
 def layer_costs(cfg) -> tuple[LayerCost, ...]:
@@ -132,13 +141,15 @@ def _layer_cache(cfg) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def from_config(cfg, name: str, bits: float, source_bits: str) -> ModelShape:
+def from_config(cfg, name: str, bits: float, source_bits: str,
+                edge_bits: float | None = None) -> ModelShape:
     emb = float(cfg.vocab * cfg.hidden)
     return ModelShape(name=name, arch=cfg.arch, layers=layer_costs(cfg), hidden=cfg.hidden,
                       vocab=cfg.vocab, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                       embed=emb, head=emb, kv_per_token_layer=_kv_elements(cfg),
                       layer_cache=_layer_cache(cfg), bits=bits,
-                      source_bits=source_bits, tied=bool(cfg.tie_embeddings))
+                      source_bits=source_bits, tied=bool(cfg.tie_embeddings),
+                      edge_bits=edge_bits)
 
 
 _DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "float8_e4m3fn": 8}
@@ -170,6 +181,20 @@ def _hf_bits(raw: dict) -> tuple[float, str]:
     return float(_DTYPE_BITS.get(dt, 16)), f"torch_dtype {dt}"
 
 
+def _edge_bits(raw: dict) -> float | None:
+    """Bits of the embedding and head as the loader holds them, where not ``_hf_bits``'s:
+    a bfloat16 checkpoint's in their 16 bits (spec.BF16_KEPT), the releases quantized by
+    ``quant_method`` (fp8, mxfp4, compressed-tensors: tables left in floats) in 16 if
+    bfloat16, else widened to 32; MLX's quantized folders quantize them too (None)."""
+    q = raw.get("quantization") or raw.get("quantization_config") or {}
+    if isinstance(q, dict) and q.get("bits"):
+        return None
+    dt = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    if dt == "bfloat16":
+        return 16.0
+    return 32.0 if isinstance(q, dict) and q.get("quant_method") else None
+
+
 def from_hf_json(path: Path, name: str) -> ModelShape:
     from hpcmac.io.inputs import parse_json, read_text
     from hpcmac.llm.model.config import config_from_hf
@@ -179,7 +204,7 @@ def from_hf_json(path: Path, name: str) -> ModelShape:
         raise UsageError(f"{path}: expected a JSON object (a Hugging Face config.json)")
     cfg = config_from_hf(raw, str(path))
     bits, why = _hf_bits(raw)
-    return from_config(cfg, name, bits, why)
+    return from_config(cfg, name, bits, why, _edge_bits(raw))
 
 
 def _gguf_config(header: Header):

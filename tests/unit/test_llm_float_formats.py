@@ -199,3 +199,56 @@ def test_float_panel_kernel_within_the_bound(m):
     bits = (p.p.view(np.uint32) >> np.uint32(16)).astype(np.uint16)  # truncated to bf16
     wide = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
     assert np.array_equal(matvec(x, bits), matvec(x, wide))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_embedding_and_head_kept_in_two_bytes(tmp_path, tied):
+    """An FP8 release's bfloat16 embedding and head (``fixtures.fp8_checkpoint`` stores
+    them so) are held in their 2 bytes on both backends: the rows looked up are the
+    dequantized model's exactly, the logits within ``2 gamma_n S`` of float32 BLAS on
+    the same (exactly widened) weights, for one row, a few and past GEMM_ROWS (the
+    widened tiles); the stage holds <= 1.1x the file, and both planners count its bytes
+    (``weights.stage_nbytes`` whole and as tensor rank 1 of 2; ``hpcmac.plan``'s
+    tables at 16 bits)."""
+    pytest.importorskip("torch")
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.fixtures import fp8_checkpoint, random_checkpoint
+    from hpcmac.llm.model.spec import make_shards
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.model.weights import stage_nbytes
+    from hpcmac.plan.shape import load_shape
+
+    src = random_checkpoint("qwen3", tmp_path / "src", vocab_size=300, hidden_size=256,
+                            intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=128, tie_word_embeddings=tied)
+    q, f = Path(fp8_checkpoint(src, tmp_path / "q", tmp_path / "f")), tmp_path / "f"
+    file = sum(p.stat().st_size for p in q.glob("*.safetensors"))
+    cfg = load_config(q)
+    table = 300 * 256 * 2  # one bfloat16 table (a tied head is the embedding)
+    rng = np.random.default_rng(5)
+    for backend in ("numpy", "mlx") if find_spec("mlx") else ("numpy",):
+        st = load_stage(q, 0, 1, backend=backend)
+        ref = load_stage(f, 0, 1, backend=backend, keep_quantized=False)
+        assert st.nbytes == stage_nbytes(q, 0, 1, True, True) <= 1.1 * file
+        assert ref.nbytes - st.nbytes >= (1 if tied else 2) * table  # float32 tables: 2x
+        tok = np.array([0, 7, 299, 7])
+        assert np.array_equal(st.embed(tok), ref.embed(tok))
+        w = np.abs(load_file(str(f / "model.safetensors"))[
+            "model.embed_tokens.weight" if tied else "lm_head.weight"]).astype(np.float64)
+        for m in (1, 3, 40):
+            h = rng.standard_normal((m, 256)).astype(np.float32)
+            got, want = st.logits(h), ref.logits(h)
+            be = ref.backend  # S over the normed activations the head multiplies
+            x = be.to_numpy(be.rms_norm(be.asarray(h), ref.extra["norm"], cfg.norm_eps))
+            bound = gamma(256) * (np.abs(np.asarray(x, np.float64)) @ w.T)
+            assert got.shape == (m, 300) and np.all(np.abs(got - want) <= 2 * bound)
+    shard = make_shards(cfg, [2.0, 1.0])[1]
+    part = load_stage(q, 0, 1, True, True, shard=shard, reduce=lambda a: a)
+    assert stage_nbytes(q, 0, 1, True, True, shard=shard) == part.nbytes
+    shape = load_shape(str(q))
+    assert shape.table_bits == 16 and shape.embed * shape.table_bits / 8 == table

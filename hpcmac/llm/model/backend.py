@@ -12,7 +12,15 @@ import mmap
 import numpy as np
 
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.quant import BITS, GROUPS, QuantTensor, RowBlocks, quantized_nbytes
+from hpcmac.llm.model.quant import (
+    BF16,
+    BITS,
+    GROUPS,
+    QuantTensor,
+    RowBlocks,
+    as_float,
+    quantized_nbytes,
+)
 
 __all__ = ["quantized_nbytes"]  # re-exported: the planner and tests import it from here
 
@@ -26,7 +34,9 @@ class Panels:
     so it is bound by reading the weights. A whole-matrix BLAS gemm with a few
     rows packs the entire weight first (3-4x the memory traffic: 4 sequences
     decoded no faster than 1); a panel of r columns is read once from memory
-    and serves every row of x from cache. The last panel is zero-padded.
+    and serves every row of x from cache. The last panel is zero-padded. ``w``
+    float32, or ``uint16`` bfloat16 bits (a :class:`~hpcmac.llm.model.quant.BF16`'s,
+    kept in their 2 bytes and widened by :mod:`~hpcmac.llm.model.fvec`).
     """
 
     __slots__ = ("p", "n")
@@ -35,7 +45,7 @@ class Panels:
         out, inp = w.shape
         nb = -(-out // r)
         if nb * r != out:
-            w = np.concatenate([w, np.zeros((nb * r - out, inp), np.float32)])
+            w = np.concatenate([w, np.zeros((nb * r - out, inp), w.dtype)])
         self.p = np.ascontiguousarray(w.reshape(nb, r, inp).transpose(0, 2, 1))
         self.n = out
 
@@ -88,6 +98,8 @@ class NumpyBackend:
             from hpcmac.llm.model.qkernels import NQWeight
 
             return [NQWeight(w[e]) for e in range(w.shape[0])] if w.ndim == 3 else NQWeight(w)
+        if isinstance(w, BF16):  # bfloat16 panels, 2 bytes a weight
+            return Panels(w.bits, self.panel)
         w = np.asarray(w, dtype=np.float32)
         if w.ndim == 3:
             return [Panels(we, self.panel) for we in w]
@@ -138,7 +150,13 @@ class NumpyBackend:
             return qmatmul(x, w, int8=self.int8)
         m = x.shape[0]
         nb, _, r = w.p.shape
-        if m == 1:  # one sequence's decode: the streaming kernel (BLAS's per-panel gemv
+        if w.p.dtype == np.uint16:  # bfloat16 panels: widened in registers (few rows), or a
+            # float32 tile at a time for BLAS (prefill)
+            from hpcmac.llm.model import fvec
+            from hpcmac.llm.model.qkernels import GEMM_ROWS
+
+            y = fvec.matvec(x, w.p) if m <= GEMM_ROWS else fvec.widened_matmul(x, w.p)
+        elif m == 1:  # one sequence's decode: the streaming kernel (BLAS's per-panel gemv
             # read ~0.7 of sdot's bandwidth, this ~0.9; see hpcmac.llm.model.fvec)
             from hpcmac.llm.model import fvec
 
@@ -315,7 +333,10 @@ class MLXBackend:
             return Blocks([self.weight(p) for p in w])
         if isinstance(w, QuantTensor):
             return QWeight(self.mx, w, w.bits, w.group)
-        w = np.asarray(w, np.float32)
+        if isinstance(w, BF16) and not self.bits:  # kept in 2 bytes, (in, out); a float32
+            # activation times it is float32 (exact widening)
+            return self.mx.array(np.ascontiguousarray(w.bits.T)).view(self.mx.bfloat16)
+        w = as_float(w)
         if self.bits and w.shape[-1] % self.group_size == 0:
             return QWeight(self.mx, w, self.bits, self.group_size)
         return self.mx.array(np.ascontiguousarray(np.swapaxes(w, -1, -2)))

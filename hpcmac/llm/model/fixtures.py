@@ -136,11 +136,13 @@ def is_fp8_linear(name: str, shape, kept_float: tuple = ()) -> bool:
         module in ("w1", "w2", "w3", "wq_b", "wk")
 
 
-def _release_copy(folder, out, float_out, convert, qcfg: dict) -> Path:
+def _release_copy(folder, out, float_out, convert, qcfg: dict, dtype: str | None = None
+                  ) -> Path:
     """A copy of float ``folder`` with each tensor as ``convert(name, float32 array)``
     stores it (a dict of stored tensors and the dequantized float32, or None: as it was),
-    ``qcfg`` as config.json's quantization_config, and in ``float_out`` (if given) the
-    dequantized float32 model under the same config without it."""
+    ``qcfg`` as config.json's quantization_config (and ``dtype`` as its dtype, the
+    release's), and in ``float_out`` (if given) the dequantized float32 model under the
+    same config without it."""
     import torch
     from safetensors.numpy import load_file
     from safetensors.numpy import save_file as save_np
@@ -160,7 +162,10 @@ def _release_copy(folder, out, float_out, convert, qcfg: dict) -> Path:
                 tensors.update(got[0])
                 floats[name] = got[1]
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg},
+    qraw = {k: v for k, v in cfg.items() if not (dtype and k == "torch_dtype")}
+    if dtype:
+        qraw["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps({**qraw, "quantization_config": qcfg},
                                                 indent=1))
     if float_out is not None:
         float_out = Path(float_out)
@@ -175,25 +180,30 @@ def fp8_checkpoint(folder: str | Path, out: str | Path, float_out: str | Path | 
     """A copy of a random float ``folder`` quantized as DeepSeek's FP8 release is: each
     linear weight (:func:`is_fp8_linear`) as F8_E4M3 codes and a float32
     ``weight_scale_inv`` per 128 x 128 block (``amax / 448``; torch's float8_e4m3fn
-    rounding: :func:`hpcmac.llm.model.fp8.quantize`), the rest as it was, and
-    :data:`FP8_CONFIG` in config.json. ``float_out``: also the dequantized float32 model
-    (the same config without quantization; the oracle's weights)."""
+    rounding: :func:`hpcmac.llm.model.fp8.quantize`), the embedding and head in bfloat16
+    (rounded to nearest even, by torch) as the releases store them, the rest as it was,
+    and :data:`FP8_CONFIG` in config.json. ``float_out``: also the dequantized float32
+    model (the same config without quantization; the oracle's weights)."""
     import torch
 
     from hpcmac.llm.model import fp8
     from hpcmac.llm.model.arch import family
+    from hpcmac.llm.model.spec import BF16_KEPT
 
     raw = json.loads((Path(folder) / "config.json").read_text())
     kept = family(raw.get("model_type"), "fp8_checkpoint").fp8_float
 
     def convert(name, t):
+        if name in BF16_KEPT:
+            bf = torch.from_numpy(np.ascontiguousarray(t, np.float32)).to(torch.bfloat16)
+            return {name: bf}, bf.float().numpy()
         if not is_fp8_linear(name, t.shape, kept):
             return None
         codes, sinv = fp8.quantize(t.astype(np.float32))
         return ({name: torch.from_numpy(codes).view(torch.float8_e4m3fn),
                  name + "_scale_inv": torch.from_numpy(sinv)}, fp8.dequantize(codes, sinv))
 
-    return _release_copy(folder, out, float_out, convert, FP8_CONFIG)
+    return _release_copy(folder, out, float_out, convert, FP8_CONFIG, dtype="bfloat16")
 
 
 def int4_config(group: int = 32) -> dict:

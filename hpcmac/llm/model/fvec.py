@@ -139,3 +139,19 @@ def matvec(x: np.ndarray, p: np.ndarray) -> np.ndarray:
     y = np.empty((x.shape[0], p.shape[0] * WIDTH), np.float32)
     panel_gemv(p, x, y)
     return y
+
+
+def widened_matmul(x: np.ndarray, p: np.ndarray, tile_bytes: int = 4 << 20) -> np.ndarray:
+    """``x`` (M, K) float32 times bfloat16 panels ``p`` (nb, K, 32) uint16 for many rows
+    (prefill): panels widened to float32 a tile of at most ``tile_bytes`` at a time, each
+    multiplied by BLAS (the widening paid once per tile, amortised over the rows)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    nbk, K, r = p.shape
+    m = x.shape[0]
+    y = np.empty((m, nbk * r), np.float32)
+    step = max(1, tile_bytes // (4 * K * r))
+    for b0 in range(0, nbk, step):
+        t = (p[b0:b0 + step].astype(np.uint32) << np.uint32(16)).view(np.float32)
+        y[:, b0 * r:(b0 + t.shape[0]) * r] = np.matmul(x, t).transpose(1, 0, 2).reshape(m, -1)
+    return y
+

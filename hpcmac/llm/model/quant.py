@@ -257,9 +257,44 @@ def stack(parts: list[QuantTensor]) -> QuantTensor:
                        p0.bits, p0.group, p0.source, p0.mode)
 
 
+class BF16:
+    """A float matrix (out, in) held in the checkpoint's bfloat16: its bits as ``uint16``
+    (``bits``), 2 bytes a weight. The FP8, MXFP4 and INT4 releases store their embedding
+    and head so (:data:`~hpcmac.llm.model.spec.BF16_KEPT`); widened in registers by
+    the kernels (:mod:`~hpcmac.llm.model.fvec`), exactly: a bfloat16 is the high half
+    of a float32."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self, bits: np.ndarray):
+        if bits.dtype != np.uint16:
+            raise TypeError("BF16: expected the bits as uint16")
+        self.bits = np.ascontiguousarray(bits)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.bits.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.bits.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bits.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """float32, exactly."""
+        return (self.bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        """Rows ``idx`` as float32 (len(idx), in) (an embedding lookup)."""
+        return (self.bits[idx].astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 def as_float(w) -> np.ndarray:
-    """A float32 array of ``w`` (dequantized when quantized)."""
-    return w.dequantize() if isinstance(w, QuantTensor) else np.asarray(w, np.float32)
+    """A float32 array of ``w`` (dequantized when quantized, widened when bfloat16)."""
+    return w.dequantize() if isinstance(w, (QuantTensor, BF16)) else np.asarray(w, np.float32)
 
 
 def quantized_nbytes(numel: int, bits: int, group: int) -> int:

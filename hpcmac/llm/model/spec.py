@@ -254,11 +254,15 @@ def take(a, spec: TensorSpec, cfg: ModelConfig, shard: Shard):
     A quantized weight cut along its input axis stays quantized when the cut
     falls on its groups, else it is dequantized first.
     """
-    from hpcmac.llm.model.quant import QuantTensor, as_float
+    from hpcmac.llm.model.quant import BF16, QuantTensor, as_float
 
     rngs = parts(spec, cfg, shard)
     if rngs is None:
         return a
+    if isinstance(a, BF16):  # the bits cut as they are
+        key = (slice(None),) * spec.axis
+        return BF16(np.concatenate([a.bits[key + (slice(lo, hi),)] for lo, hi in rngs],
+                                   axis=spec.axis))
     if len(rngs) > 1:  # several row ranges (linear attention), concatenated
         if isinstance(a, QuantTensor) and spec.axis == 0:  # whole rows: stays as stored
             return a.map(lambda v: np.ascontiguousarray(
@@ -338,6 +342,12 @@ def is_routed(spec: TensorSpec) -> bool:
     """A tensor of the routed experts, one row of its first axis per expert (a stack or a
     family's own (E, ...) tensor): a token reads ``n_experts_per_tok`` of its rows."""
     return ".experts." in spec.name  # under mlp, or block_sparse_moe (MiniMax); not shared_
+
+
+#: the matrices a checkpoint storing them in bfloat16 has held in their 2 bytes (as
+#: :class:`~hpcmac.llm.model.quant.BF16`; the FP8, MXFP4 and INT4 releases store them so),
+#: unless the MLX backend quantizes them (``--quantize``)
+BF16_KEPT = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def embed_spec(cfg: ModelConfig) -> TensorSpec:

@@ -26,7 +26,13 @@ from hpcmac.llm.model.backend import QWeight, get_backend, release_freed_memory
 from hpcmac.llm.model.cache import KVCache
 from hpcmac.llm.model.config import ModelConfig
 from hpcmac.llm.model.qkernels import NQWeight
-from hpcmac.llm.model.quant import QuantTensor, as_float, mlx_held_nbytes, numpy_held_nbytes
+from hpcmac.llm.model.quant import (
+    BF16,
+    QuantTensor,
+    as_float,
+    mlx_held_nbytes,
+    numpy_held_nbytes,
+)
 from hpcmac.llm.model.rope import cos_sin, rope_frequencies, softmax_scale
 from hpcmac.llm.model.spec import Shard, TensorSpec
 from hpcmac.llm.model.weights import open_checkpoint
@@ -155,12 +161,15 @@ class Stage:
     def _mlx_rows(self, idx):
         if "embed_q" in self.extra:
             return self.backend.rows_lazy(self.extra["embed_q"], idx)
-        return self.extra["embed_mx"][idx]
+        rows = self.extra["embed_mx"][idx]
+        mx = self.backend.mx
+        return rows if rows.dtype == mx.float32 else rows.astype(mx.float32)  # exact widening
 
     def _rows(self, idx: np.ndarray) -> np.ndarray:
         if "embed_q" in self.extra:  # kept quantized: dequantize the rows looked up
             return self.backend.rows(self.extra["embed_q"], idx)
-        return np.ascontiguousarray(self.extra["embed_np"][idx])
+        emb = self.extra["embed_np"]
+        return emb.rows(idx) if isinstance(emb, BF16) else np.ascontiguousarray(emb[idx])
 
     def forward(self, h, batch: Batch, cache: KVCache, lazy: bool = False):
         """Run this stage's layers on packed ``h`` (T_total, hidden); appends to ``cache``.
@@ -267,6 +276,22 @@ class _Loader:
         self._count(w)
         return w
 
+    def raw16(self, name: str, sp: TensorSpec):
+        """As :meth:`raw`, but a matrix of :data:`~hpcmac.llm.model.spec.BF16_KEPT` stored
+        in bfloat16 stays in its 2 bytes (a :class:`~hpcmac.llm.model.quant.BF16`; this
+        rank's rows), unless weights are not kept as stored or MLX quantizes them."""
+        get = getattr(self.ckpt, "get_bf16", None)
+        w = get(name) if get is not None and self.keep and not getattr(self.be, "bits", None) \
+            else None
+        if w is None:
+            return self.raw(name, sp)
+        if tuple(w.shape) != sp.shape:
+            raise UsageError(f"{self.ckpt.path}: tensor {name} has shape {list(w.shape)}; "
+                             f"expected {list(sp.shape)}")
+        w = spec.take(w, sp, self.cfg, self.shard)
+        self._count(w)
+        return w
+
     def raw_t(self, name: str, sp: TensorSpec | None = None):
         """A matrix whose canonical layout is (..., in, out) (gpt-oss's experts) as the
         checkpoint keeps it quantized, in its stored layout (..., out, in): this rank's
@@ -358,17 +383,17 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     ld = _Loader(ckpt, be, cfg, shard, keep_quantized)
     extra: dict = {}
     if first or (last and cfg.tie_embeddings):
-        emb = ld.raw("model.embed_tokens.weight", spec.embed_spec(cfg))
+        emb = ld.raw16("model.embed_tokens.weight", spec.embed_spec(cfg))
         packed = be.weight(emb) if quantize or isinstance(emb, QuantTensor) else None
         if first:
             extra["embed"] = True
             if isinstance(packed, (QWeight, NQWeight)):  # one quantized copy: lookup, tied head
                 extra["embed_q"] = packed
-            elif be.name == "mlx":  # looked up in MLX's graph (Stage.embed)
-                emb = as_float(emb)
-                extra["embed_mx"] = be.mx.array(np.ascontiguousarray(emb))
-            else:
-                emb = as_float(emb)
+            elif be.name == "mlx":  # looked up in MLX's graph (Stage.embed); bfloat16 kept
+                extra["embed_mx"] = be.mx.array(emb.bits).view(be.mx.bfloat16) \
+                    if isinstance(emb, BF16) else be.mx.array(np.ascontiguousarray(as_float(emb)))
+            else:  # float32, or bfloat16 bits widened per row looked up
+                emb = emb if isinstance(emb, BF16) else as_float(emb)
                 extra["embed_np"] = emb
         if last and cfg.tie_embeddings:
             extra["head"] = packed if packed is not None else be.weight(emb)
@@ -377,7 +402,7 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
         norm, *head = spec.head_tensors(cfg)
         extra["norm"] = norm_weight(ld, cfg, "model.norm.weight", norm)
         if head:
-            extra["head"] = ld.w("lm_head.weight", head[0])
+            extra["head"] = be.weight(ld.raw16("lm_head.weight", head[0]))
     stage = Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes, shard, reduce)
     stage.formats = dict(ld.formats)
     if hasattr(ckpt, "release"):  # the file's pages read while loading leave the RSS

@@ -31,6 +31,7 @@ from hpcmac.io.inputs import decode_text, parse_json, read_text
 from hpcmac.llm.model.backend import release_mapped
 from hpcmac.llm.model.config import ModelConfig, is_gguf, resolve_model
 from hpcmac.llm.model.quant import (
+    BF16,
     FLOAT_MODES,
     QuantTensor,
     as_float,
@@ -265,6 +266,19 @@ class SafetensorsCheckpoint:
             out -= np.float32(1.0)
         return out
 
+    def bf16_kept(self, name: str) -> bool:
+        """Whether ``name`` is one of :data:`~hpcmac.llm.model.spec.BF16_KEPT` and stored
+        in bfloat16: held in its 2 bytes (:meth:`get_bf16`)."""
+        from hpcmac.llm.model.spec import BF16_KEPT
+
+        return name in BF16_KEPT and name in self._file_of and \
+            self._info(name)[2]["dtype"] == "BF16"
+
+    def get_bf16(self, name: str) -> BF16 | None:
+        """A matrix kept in the checkpoint's bfloat16 (:meth:`bf16_kept`): its bits copied
+        out of the file; None for any other."""
+        return BF16(np.array(self._raw(name))) if self.bf16_kept(name) else None
+
     def _fp8(self, name: str):
         """An FP8 weight kept 8-bit (a QuantTensor of mode fp8), or float32 when its input
         size is not a multiple of the block (such a weight is dequantized)."""
@@ -424,6 +438,8 @@ class SafetensorsCheckpoint:
         (gpt-oss's MXFP4 experts: as :meth:`get_weight_t` gives them)."""
         if name in self._mxfp4:
             return float_mode_nbytes(self.numel(name), "mxfp4")
+        if self.bf16_kept(name):
+            return 2 * self.numel(name)
         if self.is_fp8(name):
             block = self.fp8_block()
             return float_mode_nbytes(self.numel(name), "fp8") \
@@ -556,7 +572,8 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
     (MLX affine and mxfp4, FP8 with block scales, gpt-oss's MXFP4 experts, the
     exact GGUF types) count their quantized bytes as the numpy backend holds
     them, unless a tensor-parallel cut falls off their groups (then float32, as
-    loaded); other GGUF types are dequantized to float32 at load (4 bytes a weight). With
+    loaded); other GGUF types are dequantized to float32 at load (4 bytes a weight); the
+    embedding and head stored in bfloat16 count 2 bytes a weight (held so). With
     ``quantize`` bits (MLX backend), every matrix it keeps quantized (input size
     a multiple of ``group_size``, the embedding too; not MLA's absorbed kv_b)
     counts its quantized bytes. ``shard``: this rank's part under tensor
@@ -592,7 +609,11 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
             if found != t.shape:
                 raise UsageError(f"{ckpt.path}: tensor {t.name} has shape {list(found)}; "
                                  f"expected {list(t.shape)}")
-            if stored is not None and t.kind == "matrix" and \
+            bf16 = getattr(ckpt, "bf16_kept", lambda _: False)(t.name)
+            if bf16 and not quantize:  # in its 2 bytes (stage._Loader.raw16)
+                total += 2 * numel
+                continue
+            if stored is not None and t.kind == "matrix" and not bf16 and \
                     stored(t.name) < 4 * ckpt.numel(t.name):
                 layout = getattr(ckpt, "quant_layout", lambda _: None)(t.name)
                 if layout is None or spec.cut_on_groups(t, cfg, shard, *layout):
