@@ -13,9 +13,13 @@ Both run one BLAS thread a rank (``--threads 1``) and ``--serve-args``' layout
 flags. With llama.cpp's Python wheel (``xllamacpp``) and a GGUF model,
 llama-server (its ``Server``: HTTP, ``n_parallel`` = the largest client count,
 as many threads as ranks, the same GGUF) gets the same requests from the same
-clients right after serve at each client count. Ratios: serve over generate
---batch, p95 ITL over p95 ITL at 1 client, and tok/s and TTFT p50 over
-llama-server's.
+clients right after serve at each client count (``--rounds N``: N rounds of
+every client count, the two servers in turn first; medians, and the ratios' medians
+per round). Ratios: serve over generate --batch, p95 ITL over p95 ITL at 1 client,
+and tok/s and TTFT p50 over llama-server's. Requests that fail are counted per
+server and cause (``failed``); llama-server's HTTP library closes kept-alive
+connections under the next request, unanswered, and those are sent again once on a
+new connection (``retried``), as ``openai``'s client does (see :func:`load`).
 
 ``--chat``: the prefix cache instead. One client holds a 6-turn chat (a long
 system prompt, six questions, each answer of the cache-on server fed back) with
@@ -146,41 +150,80 @@ def stop_server(proc) -> None:
 def load(url: str, clients: int, requests: list[tuple[str, int]],
          extra: dict | None = None) -> dict:
     """Send ``requests`` from ``clients`` concurrent streaming clients; client-side timings.
-    ``extra``: more fields for every request's body (e.g. a ``response_format``)."""
+    ``extra``: more fields for every request's body (e.g. a ``response_format``).
+
+    Each client keeps one connection (keep-alive) for its requests, as ``openai``'s
+    client does. A request that fails is counted under ``failed`` by what failed (the
+    exception's class, ``HTTP <status>``, or ``incomplete``: a stream that ended without
+    its usage chunk) and its tokens are not counted. Only ``RemoteProtocolError`` before
+    any byte of the answer (the server closed an idle kept-alive connection as the
+    request went out: nothing was generated) is sent again, once, on a new connection,
+    and counted under ``retried``, as ``openai``'s client retries it."""
     import httpx
 
     todo = list(enumerate(requests))
     lock = threading.Lock()
     ttft, itl, tokens = [], [], [0]
+    failed: dict[str, int] = {}
+    retried = [0]
+
+    def one(c, body: dict, t0: float) -> str | None:
+        """One streamed request on ``c``: None when it completed, else why not."""
+        last, got = None, False
+        with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return f"HTTP {r.status_code}"
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ch = json.loads(line[6:])
+                now = time.perf_counter()
+                if ch.get("usage"):
+                    got = True
+                    with lock:
+                        tokens[0] += ch["usage"]["completion_tokens"]
+                if ch["choices"] and ch["choices"][0].get("delta", {}).get("content"):
+                    with lock:
+                        if last is None:
+                            ttft.append(now - t0)
+                        else:
+                            itl.append(now - last)
+                    last = now
+        return None if got else "incomplete"
 
     def client():
-        with httpx.Client(timeout=600) as c:
+        c = httpx.Client(timeout=600)
+        try:
             while True:
                 with lock:
                     if not todo:
                         return
                     _, (prompt, n) = todo.pop(0)
-                t0 = time.perf_counter()
-                last = None
                 body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n,
                         "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}, **(extra or {})}
-                with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        ch = json.loads(line[6:])
-                        now = time.perf_counter()
-                        if ch.get("usage"):
-                            with lock:
-                                tokens[0] += ch["usage"]["completion_tokens"]
-                        if ch["choices"] and ch["choices"][0].get("delta", {}).get("content"):
-                            with lock:
-                                if last is None:
-                                    ttft.append(now - t0)
-                                else:
-                                    itl.append(now - last)
-                            last = now
+                t0 = time.perf_counter()
+                try:
+                    try:
+                        why = one(c, body, t0)
+                    except httpx.RemoteProtocolError as e:
+                        if "without sending a response" not in str(e):
+                            raise
+                        with lock:
+                            retried[0] += 1
+                        c.close()
+                        c = httpx.Client(timeout=600)
+                        why = one(c, body, t0)
+                except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+                    why = type(e).__name__
+                    c.close()
+                    c = httpx.Client(timeout=600)
+                if why is not None:
+                    with lock:
+                        failed[why] = failed.get(why, 0) + 1
+        finally:
+            c.close()
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -191,7 +234,8 @@ def load(url: str, clients: int, requests: list[tuple[str, int]],
     wall = time.perf_counter() - t0
     return {"clients": clients, "requests": len(requests), "tokens": tokens[0], "wall_s": wall,
             "tok_s": tokens[0] / wall, "ttft_p50": _pct(ttft, 0.5), "ttft_p95": _pct(ttft, 0.95),
-            "itl_p50": _pct(itl, 0.5), "itl_p95": _pct(itl, 0.95)}
+            "itl_p50": _pct(itl, 0.5), "itl_p95": _pct(itl, 0.95), "failed": failed,
+            "retried": retried[0]}
 
 
 #: the chat of ``--chat``: a system prompt of ~300 tokens, then six questions
@@ -387,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve's --prefill-chunk (default: serve's own)")
     ap.add_argument("--serve-args", default="", metavar="FLAGS",
                     help="layout flags for serve and generate --batch, e.g. '--tp 2'")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of every client count on both servers, in turn first; "
+                         "medians reported (default 1)")
+    ap.add_argument("--no-generate", action="store_true",
+                    help="without the generate --batch reference")
     ap.add_argument("--no-llama", action="store_true",
                     help="without llama-server beside (default: with it when xllamacpp is "
                          "installed and the model is a GGUF)")
@@ -395,16 +444,18 @@ def main(argv: list[str] | None = None) -> int:
                          "llama.cpp's with cache_prompt (see the module docstring)")
     ap.add_argument("--json", type=checked_output("--json"), default=None, metavar="FILE")
     args = ap.parse_args(argv)
-    if min(args.ranks) < 1 or min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1:
-        raise UsageError("--ranks, --clients, --requests and --max-tokens must be >= 1")
+    if min(args.ranks) < 1 or min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1 \
+            or args.rounds < 1:
+        raise UsageError("--ranks, --clients, --requests, --max-tokens and --rounds must be >= 1")
     if args.chat:
         return run_chat(args)
     reqs = [(PROMPTS[i % len(PROMPTS)], args.max_tokens) for i in range(args.requests)]
     slots = max(args.clients)
     layout = shlex.split(args.serve_args)
     rows = []
+    load0 = os.getloadavg()
     for np_ in args.ranks:
-        ref = generate_batch(np_, args.model, reqs, slots, layout)
+        ref = None if args.no_generate else generate_batch(np_, args.model, reqs, slots, layout)
         extra = ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []
         proc, url = start_server(np_, args.model, slots, ["--threads", "1", *layout, *extra])
         llama = None if args.no_llama else start_llama_server(args.model, slots, np_)
@@ -412,45 +463,101 @@ def main(argv: list[str] | None = None) -> int:
             load(url, 1, reqs[:2])  # warm-up (compiled kernels, caches)
             if llama is not None:
                 load(llama[1], 1, reqs[:2])
-            for c in args.clients:  # each client count on both, one after the other
-                m = load(url, c, reqs)
-                m.update(ranks=np_, layout=args.serve_args, generate_batch_tok_s=ref["tok_s"],
-                         prefill_chunk=args.prefill_chunk or None)
-                if llama is not None:
-                    m["llama"] = load(llama[1], c, reqs)
-                rows.append(m)
+            runs: dict[int, list] = {c: [] for c in args.clients}
+            for k in range(args.rounds):
+                for c in args.clients:  # each client count on both, one after the other,
+                    # in turn first (so that a load that drifts hits them alike)
+                    pair = [("serve", url)] + ([("llama", llama[1])] if llama else [])
+                    got = {}
+                    for who, u in (pair if k % 2 == 0 else pair[::-1]):
+                        got[who] = load(u, c, reqs)
+                        got[who]["loadavg"] = os.getloadavg()[0]
+                    runs[c].append(got)
+            for c in args.clients:
+                rows.append(_row(runs[c], np_, c, args, ref))
         finally:
             stop_server(proc)
             if llama is not None:
                 stop_server(llama[0])
+    load1 = os.getloadavg()
     print(f"hpcmac.bench.serve: {args.model}, {args.requests} chat requests of "
           f"{args.max_tokens} tokens per client count, greedy; client-side timings; one BLAS "
           "thread a rank; llama-server: as many threads as ranks, n_parallel "
-          f"{slots}{', serve ' + args.serve_args if args.serve_args else ''}")
+          f"{slots}{', serve ' + args.serve_args if args.serve_args else ''}; medians of "
+          f"{args.rounds} round(s), ratios per round; load average {load0[0]:.1f} at the "
+          f"start, {load1[0]:.1f} at the end, {os.cpu_count()} cores")
     print(f"{'ranks':>5} {'clients':>7} {'tok/s':>8} {'vs gen --batch':>14} {'TTFT p50':>9} "
           f"{'p95':>7} {'ITL p50':>8} {'p95':>7} {'p95/1 client':>12} {'llama tok/s':>11} "
-          f"{'vs llama':>8} {'llama TTFT':>10} {'TTFT vs llama':>13}")
+          f"{'vs llama':>8} {'llama TTFT':>10} {'TTFT vs llama':>13} {'failed':>6} "
+          f"{'llama failed':>12}")
     for r in rows:
         one = next(x for x in rows if x["ranks"] == r["ranks"] and x["clients"] == min(
             args.clients))
-        r["vs_generate_batch"] = r["tok_s"] / r["generate_batch_tok_s"]
         r["itl_p95_vs_one"] = r["itl_p95"] / one["itl_p95"]
-        line = (f"{r['ranks']:>5} {r['clients']:>7} {r['tok_s']:>8.1f} "
-                f"{r['vs_generate_batch']:>14.2f} {r['ttft_p50'] * 1e3:>7.0f}ms "
+        vs_gen = f"{r['vs_generate_batch']:>14.2f}" if r["vs_generate_batch"] else f"{'-':>14}"
+        line = (f"{r['ranks']:>5} {r['clients']:>7} {r['tok_s']:>8.1f} {vs_gen} "
+                f"{r['ttft_p50'] * 1e3:>7.0f}ms "
                 f"{r['ttft_p95'] * 1e3:>5.0f}ms {r['itl_p50'] * 1e3:>6.1f}ms "
                 f"{r['itl_p95'] * 1e3:>5.1f}ms {r['itl_p95_vs_one']:>12.2f}")
         if "llama" in r:
             lm = r["llama"]
-            r["vs_llama_tok_s"] = r["tok_s"] / lm["tok_s"]
-            r["ttft_p50_vs_llama"] = r["ttft_p50"] / lm["ttft_p50"]
             line += (f" {lm['tok_s']:>11.1f} {r['vs_llama_tok_s']:>8.2f} "
                      f"{lm['ttft_p50'] * 1e3:>8.0f}ms {r['ttft_p50_vs_llama']:>13.2f}")
+        else:
+            line += f" {'-':>11} {'-':>8} {'-':>10} {'-':>13}"
+        line += f" {_fails(r):>6} {_fails(r['llama']) if 'llama' in r else '-':>12}"
         print(line)
+    for r in rows:
+        for who, m in (("serve", r), ("llama-server", r.get("llama"))):
+            if m and (m["failed"] or m["retried"]):
+                print(f"  {r['ranks']} ranks, {r['clients']} clients, {who}: failed "
+                      f"{m['failed'] or 'none'}, retried (kept-alive connection closed) "
+                      f"{m['retried']}")
     if args.json:
         from hpcmac.io.outputs import write_atomic
 
         write_atomic(args.json, json.dumps(rows, indent=1), what="--json")
     return 0
+
+
+_MEDIANS = ("tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "wall_s", "loadavg")
+
+
+def _merge(ms: list[dict]) -> dict:
+    """Rounds of one server at one client count: the medians, failures summed."""
+    import statistics
+
+    out = {k: statistics.median(m[k] for m in ms) for k in _MEDIANS}
+    out["failed"] = {}
+    for m in ms:
+        for why, n in m["failed"].items():
+            out["failed"][why] = out["failed"].get(why, 0) + n
+    out.update(retried=sum(m["retried"] for m in ms), rounds=ms,
+               requests=sum(m["requests"] for m in ms), tokens=sum(m["tokens"] for m in ms))
+    return out
+
+
+def _row(runs: list[dict], np_: int, clients: int, args, ref: dict | None) -> dict:
+    """One table row: serve's medians, llama-server's under ``llama``, per-round ratios'
+    medians."""
+    import statistics
+
+    row = _merge([g["serve"] for g in runs])
+    row.update(clients=clients, ranks=np_, layout=args.serve_args,
+               prefill_chunk=args.prefill_chunk or None,
+               generate_batch_tok_s=ref["tok_s"] if ref else None,
+               vs_generate_batch=row["tok_s"] / ref["tok_s"] if ref else None)
+    if "llama" in runs[0]:
+        row["llama"] = _merge([g["llama"] for g in runs])
+        row["vs_llama_tok_s"] = statistics.median(
+            g["serve"]["tok_s"] / g["llama"]["tok_s"] for g in runs)
+        row["ttft_p50_vs_llama"] = statistics.median(
+            g["serve"]["ttft_p50"] / g["llama"]["ttft_p50"] for g in runs)
+    return row
+
+
+def _fails(m: dict) -> str:
+    return str(sum(m["failed"].values()))
 
 
 if __name__ == "__main__":
