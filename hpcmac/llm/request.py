@@ -472,7 +472,10 @@ def template_input(clean: list[dict], spec, template: str | None
     given = spec.tools if spec is not None and shown else None
     if given and spec.family == "harmony":  # gpt-oss's template reads every description
         given = [dict(t, function={"description": "", **t["function"]}) for t in given]
-    return tools_mod.template_messages(clean), given
+    # Llama 3.x's templates take one call a turn: a turn of several is sent back as
+    # several turns
+    return tools_mod.template_messages(clean, one_call=tools_mod.family(template) ==
+                                       "llama3"), given
 
 
 #: what a chat template is handed itself: a chat_template_kwargs key may not be one
@@ -532,7 +535,7 @@ def _prompt_ids(body: dict, endpoint: str, cfg: ServeConfig, spec=None) -> list[
             raise _too_long(None, endpoint, cfg, exc.args[0]) from None
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages") from None
-        except UsageError as exc:  # the template refused them (Llama 3.x: one call a turn)
+        except UsageError as exc:  # the template refused them (its raise_exception)
             raise ApiError(400, f"{exc} (the checkpoint's chat template refused these "
                                 "messages)", "messages") from None
     prompt = body.get("prompt")

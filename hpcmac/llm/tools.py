@@ -203,11 +203,47 @@ def _args_obj(a):
     return a
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
+def one_call_a_turn(messages: list[dict]) -> list[dict]:
+    """An assistant turn of several calls as one turn per call, each followed by its
+    tool's reply (matched by ``tool_call_id``, else in order), for a template that
+    takes one call a turn (Llama 3.x's raise otherwise): the model's own parallel
+    answer under ``auto`` can then be sent back. The turn's text stays with its first
+    call; replies that match no call follow the last."""
+    out, i = [], 0
+    while i < len(messages):
+        m = messages[i]
+        calls = m.get("tool_calls") or []
+        if m.get("role") != "assistant" or len(calls) < 2:
+            out.append(m)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(messages) and messages[j].get("role") == "tool":
+            j += 1
+        replies = list(messages[i + 1:j])
+        for k, c in enumerate(calls):
+            out.append(dict(m, tool_calls=[c]) if k == 0 else
+                       {"role": "assistant", "content": "", "tool_calls": [c]})
+            got = next((r for r in replies if r.get("tool_call_id") == c.get("id")), None)
+            if got is None and replies and replies[0].get("tool_call_id") not in \
+                    {x.get("id") for x in calls}:
+                got = replies[0]
+            if got is not None:
+                replies.remove(got)
+                out.append(got)
+        out += replies
+        i = j
+    return out
+
+
+def template_messages(messages: list[dict], one_call: bool = False) -> list[dict]:
     """Messages as transformers hands them to a template: assistant ``tool_calls`` whose
     ``arguments`` are JSON text get them as objects (templates write them with tojson),
-    and an assistant's ``reasoning_content`` is also its ``thinking`` (gpt-oss's name)."""
+    and an assistant's ``reasoning_content`` is also its ``thinking`` (gpt-oss's name);
+    with ``one_call``, one call a turn (:func:`one_call_a_turn`)."""
     out = []
+    if one_call:
+        messages = one_call_a_turn(messages)
     for m in messages:
         if m.get("reasoning_content") is not None:
             m = {"thinking": m["reasoning_content"], **m}

@@ -188,6 +188,24 @@ def test_malformed_call_under_auto_is_content():
             assert not any("tool_calls" in d for d in deltas + last)
 
 
+def test_one_call_a_turn_pairs_each_call_with_its_reply():
+    """A turn of two calls as Llama 3.x's templates take it: one turn a call, each
+    followed by its reply found by tool_call_id (here sent in the other order); the
+    text stays with the first call; other messages are untouched."""
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": "{}"}}
+             for i, n in enumerate(("get_weather", "add"))]
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "Both.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+            {"role": "user", "content": "thanks"}]
+    got = tools.one_call_a_turn(msgs)
+    assert [(m["role"], m.get("content"), [c["id"] for c in m.get("tool_calls", [])])
+            for m in got] == [("user", "q", []), ("assistant", "Both.", ["c0"]),
+                              ("tool", "sunny", []), ("assistant", "", ["c1"]),
+                              ("tool", "42", []), ("user", "thanks", [])]
+
+
 def test_bad_tools_fields_name_the_field():
     bad = [({"tools": "x"}, "tools"), ({"tools": [{"type": "function"}]}, "tools"),
            ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
