@@ -266,10 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                      "float": load_stage(path, 0, cfg.n_layers, True, True,
                                          backend=args.backend, keep_quantized=False)}
     rounds = []
+    host: dict = {}  # the one-sequence decode's host syncs and bytes per token (MLX: 1, 4)
     with threadpool_limits(args.threads):
         for _ in range(args.rounds):
             r = {"bandwidth": read_bandwidth(),
-                 "single": decode_rate(stage, 1, args.steps),
+                 "single": decode_rate(stage, 1, args.steps, counts=host),
                  "batched": decode_rate(stage, args.batch, args.steps)}
             for n in contexts:
                 r[f"ctx{n}"] = decode_rate(stage, 1, args.steps, prompt_len=n)
@@ -391,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                "batched_vs_single": med["batched_vs_single"],
                "vs_llamacpp": med.get("vs_llamacpp"), "vs_native": med.get("vs_native"),
                "native_system": system or None,
+               "host": [{"rank": 0, **host}],  # one sequence's decode, counted by the backend
                "quantized": {qt: {"file_bytes": q["file_bytes"], "held_bytes": q["held_bytes"],
                                   "rss": q["rss"]} for qt, q in quant.items()}}
         from hpcmac.io.outputs import write_atomic

@@ -275,6 +275,12 @@ class MLXGroup(Group):
                      "min": mx.distributed.all_min}
 
     @property
+    def native(self):
+        """The ``mx.distributed.Group`` itself, for collectives inside an MLX graph (the
+        LLM's tensor-parallel sums: :class:`hpcmac.llm.parallel.tensor.GraphSum`)."""
+        return self._g
+
+    @property
     def fallback(self) -> Group | None:
         """The MPI group used for what MLX lacks (None under mlx.launch)."""
         return self._fallback

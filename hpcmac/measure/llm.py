@@ -63,10 +63,18 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return 2 * n * 4 / statistics.median(times)
 
 
-def decode_rate(stage, n_seq: int, steps: int, prompt_len: int = 16) -> float:
-    """Aggregate decode tok/s of n_seq sequences (median step time), after a prefill."""
+def decode_rate(stage, n_seq: int, steps: int, prompt_len: int = 16,
+                counts: dict | None = None) -> float:
+    """Aggregate decode tok/s of n_seq sequences (median step time), after a prefill.
+
+    On MLX a step is what generate's one rank does: the forward, the head and the greedy
+    argmax in the graph, one evaluation, the ids alone brought back. ``counts``: filled
+    with the backend's ``host_syncs_per_token`` and ``host_bytes_per_token`` over the
+    decode steps (counted by the backend: 0 on numpy)."""
     from hpcmac.llm.model.stage import Batch
 
+    be = stage.backend
+    lazy = be.name == "mlx"
     cache = stage.new_cache(n_seq, prompt_len + steps + 1)
     rng = np.random.default_rng(1)
     prompts = rng.integers(0, stage.config.vocab, size=(n_seq, prompt_len))
@@ -76,10 +84,18 @@ def decode_rate(stage, n_seq: int, steps: int, prompt_len: int = 16) -> float:
     last = np.cumsum([prompt_len] * n_seq) - 1
     toks = stage.logits(h[last]).argmax(axis=1)
     times = []
+    s0, b0 = be.syncs, be.host_bytes
     for s in range(steps):
         t = time.perf_counter()
         h = stage.forward(stage.embed(toks), Batch(slots, [1] * n_seq,
-                                                   [prompt_len + s] * n_seq), cache)
-        toks = stage.logits(h).argmax(axis=1)
+                                                   [prompt_len + s] * n_seq), cache, lazy=lazy)
+        if lazy:
+            toks = be.host(be.mx.argmax(stage.logits(h, lazy=True), axis=1),
+                           *stage.cache_arrays(cache)).astype(np.int64)
+        else:
+            toks = stage.logits(h).argmax(axis=1)
         times.append(time.perf_counter() - t)
+    if counts is not None:
+        counts["host_syncs_per_token"] = (be.syncs - s0) / (steps * n_seq)
+        counts["host_bytes_per_token"] = (be.host_bytes - b0) / (steps * n_seq)
     return n_seq / statistics.median(times)

@@ -5,7 +5,11 @@ the greedy argmax together), and only the chosen ids cross (4 bytes a token); a
 sampled step brings its logits row instead, still one sync. Greedy tokens equal the
 numpy backend's (float folder) and mlx-lm's own generation (a folder mlx-lm
 quantized, 4-bit affine). Several ranks through ``tools/mpirun``: a pipeline of two
-stages is one sync per stage per hand-over.
+stages is one sync per stage per hand-over; tensor parallel over MLX's ring
+(``--transport ring``) sums inside the graph (``mx.distributed.all_sum``) and takes
+the greedy max-loc there too: one sync per rank per token, only the leader's ids
+cross. Over MPI the sums go through numpy (two syncs a layer, said once), and
+``HPCMAC_TRANSPORT_STRICT=1`` refuses that.
 """
 
 from __future__ import annotations
@@ -100,14 +104,19 @@ def st_layers(folder) -> int:
     return json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
 
 
-def generate(np_: int, folder, *args: str, tmp: Path) -> dict:
+def run_generate(np_: int, folder, *args: str, tmp: Path, **extra):
     out = tmp / f"g{np_}-{abs(hash(args))}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), HPCMAC_QUIET_TRANSPORT="1",
-               HPCMAC_MPIRUN_TIMEOUT="200")
+               HPCMAC_MPIRUN_TIMEOUT="200", **extra)
     cmd = [str(ROOT / "tools" / "mpirun"), str(np_), sys.executable, "-m", "hpcmac.llm",
            "generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
            "--max-tokens", str(N), "--quiet", "--json", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240,
+                          cwd=ROOT), out
+
+
+def generate(np_: int, folder, *args: str, tmp: Path) -> dict:
+    proc, out = run_generate(np_, folder, *args, tmp=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     doc["stderr"] = proc.stderr
@@ -122,3 +131,57 @@ def test_pipeline_of_two_stages_is_one_sync_per_stage(llama, tmp_path):
     hidden = json.loads((Path(llama) / "config.json").read_text())["hidden_size"]
     assert doc["host"][0]["host_bytes_per_token"] == 4 * hidden  # the hand-over
     assert doc["host"][1]["host_bytes_per_token"] == 4.0  # the greedy id
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    """A llama folder quantized by mlx-lm itself (4-bit affine, groups of 64)."""
+    pytest.importorskip("mlx_lm")
+    from hpcmac.llm.model.fixtures import mlx_lm_quantize
+
+    base = tmp_path_factory.mktemp("q4")
+    src = random_checkpoint("llama", base / "hf", seed=5, initializer_range=0.2,
+                            hidden_size=128, intermediate_size=256, vocab_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    return mlx_lm_quantize(src, base / "q4", 4, 64)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("which", ["float", "q4"])
+def test_tensor_parallel_over_ring_sums_in_the_graph(which, tp, llama, q4, tmp_path):
+    folder = llama if which == "float" else q4
+    # the numpy backend's tokens (q4: it keeps the same 4-bit words, its own kernels)
+    ref = one_rank(folder, "numpy", [Request(PROMPTS[0], N)])[0][0] if which == "float" else \
+        run_pipeline(LocalGroup(), *_whole(q4, "numpy"), [Request(PROMPTS[0], N)]).seqs[0].tokens
+    doc = generate(tp, folder, "--tp", str(tp), "--backend", "mlx", "--transport", "ring",
+                   tmp=tmp_path)
+    assert doc["tokens"] == ref
+    assert "note:" not in doc["stderr"]
+    host = doc["host"]
+    assert [h["rank"] for h in host] == list(range(tp))
+    assert all(h["host_syncs_per_token"] == 1.0 for h in host), host
+    assert host[0]["host_bytes_per_token"] == 4.0  # the leader reads the ids alone
+    assert all(h["host_bytes_per_token"] == 0.0 for h in host[1:])
+
+
+def _whole(folder, backend):
+    st = load_stage(folder, 0, st_layers(folder), backend=backend)
+    return st, StageSpec(0, 0, st.end, True, True), st.config.hidden
+
+
+def test_tensor_parallel_over_mpi_is_the_bridge_said_once_and_refused_when_strict(
+        llama, tmp_path):
+    ref = one_rank(llama, "numpy", [Request(PROMPTS[0], N)])[0][0]
+    doc = generate(2, llama, "--tp", "2", "--backend", "mlx", "--transport", "mpi",
+                   tmp=tmp_path)
+    assert doc["tokens"] == ref
+    notes = [ln for ln in doc["stderr"].splitlines() if ln.startswith("note: --backend mlx")]
+    assert len(notes) == 1 and "cannot carry MLX arrays" in notes[0], doc["stderr"]
+    # counted, not estimated: two sums a layer (3 layers), the embedding's, the head's logits
+    assert [h["host_syncs_per_token"] for h in doc["host"]] == [8.0, 8.0]
+    proc, _ = run_generate(2, llama, "--tp", "2", "--backend", "mlx", "--transport", "mpi",
+                           tmp=tmp_path, HPCMAC_TRANSPORT_STRICT="1")
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "HPCMAC_TRANSPORT_STRICT=1" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr

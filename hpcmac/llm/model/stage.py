@@ -91,6 +91,8 @@ class Stage:
         self.nbytes = nbytes
         self.shard = shard or spec.full_shard(config)
         self.reduce = reduce if self.shard.size > 1 else None
+        #: the reduce takes and gives MLX arrays, in the graph (MLX backend only)
+        self.in_graph = bool(getattr(self.reduce, "in_graph", False)) and backend.name == "mlx"
         self.local = spec.local_config(config, self.shard)
         self._inv_freq, self._att = rope_frequencies(config)
         self._scale = softmax_scale(config)
@@ -108,10 +110,14 @@ class Stage:
                        self._blocks)
 
     def _sum(self, a):
-        """The tensor group's sum of a partial result (itself on one rank)."""
+        """The tensor group's sum of a partial result (itself on one rank): inside MLX's
+        graph when the reduce callable is (``in_graph``: an MLX group's all_sum), else
+        through numpy (one host sync on MLX: the bridge, for MPI transports)."""
         if self.reduce is None:
             return a
         be = self.backend
+        if self.in_graph:
+            return self.reduce(be.asarray(a))
         return be.asarray(self.reduce(np.ascontiguousarray(be.to_numpy(a), dtype=np.float32)))
 
     def embed(self, tokens):
@@ -363,7 +369,9 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
         (:func:`hpcmac.llm.model.spec.make_shards`); None: all of it.
     reduce : with a shard of a tensor group: sums a float32 numpy array over
         the group and returns the sum (the same on every rank of the group);
-        the stage calls it twice per layer and once per embedding.
+        the stage calls it twice per layer and once per embedding. One whose
+        ``in_graph`` is true (MLX backend) takes and returns MLX arrays, unevaluated
+        (:class:`~hpcmac.llm.parallel.tensor.GraphSum`).
     keep_quantized : keep weights the checkpoint stores quantized (MLX affine
         safetensors, the exact GGUF types) as they are (default); False
         dequantizes every weight to float32 (the reference the tests compare with).

@@ -271,15 +271,21 @@ class _StageState:
                     be.eval(h, *wait)
             else:
                 stats = None
+                combined = False  # the group's max-loc done in the graph
                 if self.lazy:
                     lg = self.stage.logits(h[be.index(rows)], lazy=True)
                     if self.tensor is None and mode == MAXLOC:  # greedy on the device
                         logits = be.host(be.mx.argmax(lg, axis=-1), *wait).astype(np.int64)
+                    elif self.tensor is not None and self.tensor.in_graph_head(mode, masks,
+                                                                              topk):
+                        logits = be.host(self.tensor.graph.maxloc(lg, self.stage.vocab[0]),
+                                         *wait).astype(np.int64)
+                        combined = True
                     else:
                         logits = be.host(lg, *wait)
                 else:
                     logits = np.asarray(self.stage.logits(h[rows]), dtype=np.float32)
-                if self.tensor is not None:
+                if self.tensor is not None and not combined:
                     logits = self.tensor.head(logits, self.stage.vocab[0], mode,
                                               masks if mode == MAXLOC else None, topk)
                     if topk >= 0:

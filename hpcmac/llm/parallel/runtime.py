@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from hpcmac.comm.base import Group
+from hpcmac.errors import UsageError
 from hpcmac.llm.parallel.placement import Cluster, LayoutFlags, ModelSizes, Placement, place
 from hpcmac.llm.parallel.plan import HostMemory, agree, available_memory
 from hpcmac.llm.parallel.tensor import Groups, TensorGroup, follow, make_groups
@@ -209,12 +211,41 @@ def bring_up(group: Group, placement: Placement, model: str, cfg, *, backend: st
                          ranks=members)
         tg.set_vocab_slices([sh.vocab[1] - sh.vocab[0]
                              for sh in placement.shards[groups.stage]])
+    reduce = tensor_reduce(tg, backend, group) if tg else None
     stage = agree(group, lambda: load_stage(
         model, spec.start, spec.end, first=spec.first, last=spec.last, backend=backend,
         quantize=quantize, group_size=group_size, shard=shard if tp > 1 else None,
-        reduce=tg.allreduce if tg else None, int8_activations=int8_activations))
+        reduce=reduce, int8_activations=int8_activations))
     drafter = agree(group, lambda: _drafter(draft, backend) if group.rank == 0 else None)
     return Runtime(placement, groups, tg, stage, cfg.hidden, timeout, drafter)
+
+
+def tensor_reduce(tg: TensorGroup, backend: str, world: Group):
+    """The reduce callable the model gets: on MLX over an MLX group (``--transport ring``
+    or ``rdma``, one tensor group of the whole job), the sums inside MLX's graph
+    (:meth:`TensorGroup.graph_sum`); otherwise the numpy all-reduce. ``--backend mlx``
+    over a transport that cannot carry MLX arrays falls back to the numpy bridge and
+    says so once (world rank 0); ``HPCMAC_TRANSPORT_STRICT=1`` makes that an error (the
+    same on every rank, before any weights load)."""
+    if backend != "mlx":
+        return tg.allreduce
+    graph = tg.graph_sum()
+    if graph is not None:
+        return graph
+    from hpcmac.comm.select import strict_from_env
+
+    why = (f"the tensor group's transport ({getattr(tg.group, 'transport', '') or 'mpi'}) "
+           "cannot carry MLX arrays")
+    if getattr(world, "native", None) is not None:  # an MLX job whose tensor group is a split
+        why = "MLX's groups cannot split (mlx#3205): a tensor group of a pipeline is MPI's"
+    if strict_from_env():
+        raise UsageError(f"--backend mlx: {why} (HPCMAC_TRANSPORT_STRICT=1; use --transport "
+                         "ring or rdma with one tensor group, or unset it for the numpy bridge)")
+    if world.rank == 0:
+        print(f"note: --backend mlx: {why}; the tensor-parallel sums go through numpy "
+              "(two host syncs a layer; --transport ring or rdma keeps them in MLX's graph)",
+              file=sys.stderr, flush=True)
+    return tg.allreduce
 
 
 def _drafter(draft: str | None, backend: str):

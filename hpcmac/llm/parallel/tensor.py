@@ -114,6 +114,40 @@ def make_groups(world: Group, tp: int, hosts: Sequence[str] | None = None) -> Gr
     return Groups(world, tp, pp, tensor, pipe, hosts)
 
 
+class GraphSum:
+    """The tensor group's sum inside MLX's graph: ``mx.distributed.all_sum`` over the
+    group's own MLX group (ring or JACCL), left unevaluated like any other op; the
+    step's one evaluation runs it. The model calls it as it calls the numpy all-reduce
+    (a callable, never a Group); :attr:`in_graph` tells the stage to hand it MLX
+    arrays."""
+
+    in_graph = True
+
+    def __init__(self, native, size: int, stats: TensorStats):
+        import mlx.core as mx
+
+        self.mx, self.native, self.size, self.stats = mx, native, size, stats
+
+    def __call__(self, a):
+        self.stats.reduces += 1
+        self.stats.sent_bytes += a.nbytes * (self.size - 1)
+        return self.mx.distributed.all_sum(a, group=self.native)
+
+    def maxloc(self, logits, v0: int):
+        """Each row's best id over the group's vocabulary slices, in the graph: every
+        rank's (best logit, id) gathered (``all_gather``), the larger logit winning and a
+        tie keeping the lower id (the lower rank), as :meth:`TensorGroup.head` does.
+        (k,) int32, the same on every rank. Ids ride as float32: exact below 2**24."""
+        mx = self.mx
+        f32 = mx.float32
+        pair = mx.stack([mx.max(logits, axis=1),
+                         mx.argmax(logits, axis=1).astype(f32) + float(v0)], axis=1)
+        parts = mx.distributed.all_gather(pair[None], group=self.native)  # (size, k, 2)
+        best = mx.argmax(parts[:, :, 0], axis=0)  # the first of equal maxima: lower rank
+        ids = mx.take_along_axis(parts[:, :, 1], best[None], axis=0)[0]
+        return ids.astype(mx.int32)
+
+
 class TensorGroup:
     """One stage's tensor group: the all-reduce the model calls, and the leader's steps."""
 
@@ -140,6 +174,24 @@ class TensorGroup:
             shm = shmsum.ShmSum(group)
             self.shm = shm if shm.ok else None
         self._shm_max = shmsum.MAX_BYTES
+        #: the sums inside MLX's graph (:meth:`graph_sum`), once the stage uses them
+        self.graph: GraphSum | None = None
+
+    def graph_sum(self) -> GraphSum | None:
+        """The in-graph sum over this group when its transport carries MLX arrays (an
+        MLX group: ring or JACCL, the whole world), else None (MPI, or a sub-group of an
+        MLX job: MLX's groups cannot split, mlx#3205, so those are MPI's)."""
+        native = getattr(self.group, "native", None)
+        if self.size == 1 or native is None:
+            return None
+        self.graph = GraphSum(native, self.size, self.stats)
+        return self.graph
+
+    def in_graph_head(self, mode: int, masks, topk: int) -> bool:
+        """Whether this step's head is a max-loc inside the graph (:meth:`GraphSum.maxloc`):
+        greedy, no grammar mask, no logprobs, the sums in the graph; the same answer on
+        every rank of the group (they all know the step's mode)."""
+        return self.graph is not None and mode == MAXLOC and masks is None and topk < 0
 
     # -- the model's reduction -------------------------------------------------------
 
@@ -386,8 +438,11 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
             wait = stage.cache_arrays(cache)
             if len(rows):
                 lg = stage.logits(h[be.index(rows)] if lazy else h[rows], lazy=lazy)
-                tg.head(be.host(lg, *wait) if lazy else np.asarray(lg, dtype=np.float32), v0,
-                        mode, masks, topk)
+                if lazy and tg.in_graph_head(mode, masks, topk):  # the leader reads the ids
+                    be.eval(tg.graph.maxloc(lg, v0), *wait)
+                else:
+                    tg.head(be.host(lg, *wait) if lazy else np.asarray(lg, dtype=np.float32),
+                            v0, mode, masks, topk)
             elif lazy:
                 be.eval(h, *wait)
         if step_phase(meta) == "decode":
