@@ -377,6 +377,7 @@ def result_json(res: PipelineResult, tok, stop, plan: Placement | None) -> dict:
             "decode_tok_s": s.decode_tok_s,
         })
     doc: dict[str, Any] = dict(seqs[0])
+    host = res.host_per_token()
     doc.update({
         "sequences": seqs,
         "aggregate_prefill_tok_s": res.prefill_tok_s(),
@@ -386,7 +387,10 @@ def result_json(res: PipelineResult, tok, stop, plan: Placement | None) -> dict:
         "stages": [{"rank": st.rank, "host": st.host, "layers": list(st.layers),
                     "busy": st.busy, "micro_batches": st.micro_batches} for st in res.stats],
         "bytes_per_token": res.link_bytes_per_token(),
-        "host": res.host_per_token(),
+        "host": host,
+        # the busiest rank's (one rank: its own), beside the per-rank list
+        "host_syncs_per_token": max((h["host_syncs_per_token"] for h in host), default=0.0),
+        "host_bytes_per_token": max((h["host_bytes_per_token"] for h in host), default=0.0),
         "interrupted": res.interrupted,
         "prefix_cache": res.prefix,
     })

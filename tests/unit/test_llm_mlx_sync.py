@@ -128,6 +128,7 @@ def test_pipeline_of_two_stages_is_one_sync_per_stage(llama, tmp_path):
     doc = generate(2, llama, "--pp", "2", "--backend", "mlx", tmp=tmp_path)
     assert doc["tokens"] == ref
     assert [h["host_syncs_per_token"] for h in doc["host"]] == [1.0, 1.0]
+    assert doc["host_syncs_per_token"] == 1.0
     hidden = json.loads((Path(llama) / "config.json").read_text())["hidden_size"]
     assert doc["host"][0]["host_bytes_per_token"] == 4 * hidden  # the hand-over
     assert doc["host"][1]["host_bytes_per_token"] == 4.0  # the greedy id
@@ -162,6 +163,7 @@ def test_tensor_parallel_over_ring_sums_in_the_graph(which, tp, llama, q4, tmp_p
     assert all(h["host_syncs_per_token"] == 1.0 for h in host), host
     assert host[0]["host_bytes_per_token"] == 4.0  # the leader reads the ids alone
     assert all(h["host_bytes_per_token"] == 0.0 for h in host[1:])
+    assert doc["host_syncs_per_token"] == 1.0 and doc["host_bytes_per_token"] == 4.0
 
 
 def _whole(folder, backend):
