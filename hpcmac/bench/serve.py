@@ -166,6 +166,7 @@ def load(url: str, clients: int, requests: list[tuple[str, int]],
     ttft, itl, tokens = [], [], [0]
     failed: dict[str, int] = {}
     retried = [0]
+    retry_s: list[float] = []  # how long each retried attempt took to fail
 
     def one(c, body: dict, t0: float) -> str | None:
         """One streamed request on ``c``: None when it completed, else why not."""
@@ -212,6 +213,7 @@ def load(url: str, clients: int, requests: list[tuple[str, int]],
                             raise
                         with lock:
                             retried[0] += 1
+                            retry_s.append(time.perf_counter() - t0)
                         c.close()
                         c = httpx.Client(timeout=600)
                         why = one(c, body, t0)
@@ -235,7 +237,7 @@ def load(url: str, clients: int, requests: list[tuple[str, int]],
     return {"clients": clients, "requests": len(requests), "tokens": tokens[0], "wall_s": wall,
             "tok_s": tokens[0] / wall, "ttft_p50": _pct(ttft, 0.5), "ttft_p95": _pct(ttft, 0.95),
             "itl_p50": _pct(itl, 0.5), "itl_p95": _pct(itl, 0.95), "failed": failed,
-            "retried": retried[0]}
+            "retried": retried[0], "retry_s": retry_s}
 
 
 #: the chat of ``--chat``: a system prompt of ~300 tokens, then six questions

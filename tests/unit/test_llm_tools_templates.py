@@ -270,3 +270,24 @@ def test_a_checkpoints_template_cannot_reach_python():
     with pytest.raises(UsageError, match="unsafe"):
         Tokenizer(None, None, [], False, evil).apply_chat_template(
             [{"role": "user", "content": "x"}])
+
+
+def test_the_chat_template_compiles_once_per_text():
+    """The template is compiled once, not per request (2.8 ms of CPU each, holding the
+    GIL on the serving rank); a new template text is compiled anew, and the sandbox and
+    one-line refusals hold for the cached one."""
+    from hpcmac.errors import UsageError
+    from hpcmac.llm.model.tokenizer import Tokenizer
+
+    msgs = [{"role": "user", "content": "x"}]
+    t = Tokenizer(None, None, [], False, "A{{ messages[0]['content'] }}")
+    assert t.apply_chat_template(msgs) == "Ax"
+    first = t._compiled()
+    assert t._compiled() is first
+    t.chat_template = "B{{ messages[0]['content'] }}{{ raise_exception('no') }}"
+    with pytest.raises(UsageError, match="chat template: no"):
+        t.apply_chat_template(msgs)
+    assert t._compiled() is not first
+    t.chat_template = "{{ cycler.__init__.__globals__.os.popen('echo owned').read() }}"
+    with pytest.raises(UsageError, match="unsafe"):
+        t.apply_chat_template(msgs)
