@@ -221,6 +221,86 @@ def test_a_recovery_says_its_phase_and_names_the_lost_host():
     assert "lost" not in src.health()[0]
 
 
+def test_the_lost_host_is_read_from_the_lines_before_the_front_ends_the_job():
+    """What ranks print once the front has signalled the job names the ranks the
+    front ended, not the lost host: only the lines before count (the launcher given a
+    moment to report the fault and exit by itself)."""
+    from hpcmac.llm.survive.supervisor import Job
+
+    said = "process rank 1 with PID 5 on node mac2.local exited on signal 9 (Killed)."
+    done = Job(["sh", "-c", f"echo '{said}' >&2; exit 1"], dict(os.environ))
+    t0 = time.monotonic()
+    assert done.own_lines(5) == [said] and time.monotonic() - t0 < 4  # it exited: no wait
+    assert lost_hosts([said], HOSTS) == ["mac2"]
+    after = "prterun noticed that process rank 3 with PID 7 on node mac4.local exited on"
+    job = Job(["sh", "-c", f"trap 'echo \"{after}\" >&2; exit 1' TERM; echo up >&2; "
+               "while :; do sleep 0.1; done"], dict(os.environ))
+    time.sleep(0.5)
+    before = job.own_lines(0.3)  # still running after the grace
+    job.end(grace=2)
+    assert before == ["up"] and list(job.lines)[0] == "up" and after in job.lines
+    assert lost_hosts(before, HOSTS) == [] and lost_hosts(list(job.lines), HOSTS) == ["mac4"]
+
+
+def test_no_fit_is_not_the_end_a_readmitted_host_makes_it_fit_again(tmp_path, monkeypatch):
+    """Three of four hosts lost (the heavy-load doctor of a tally once dropped them
+    all): nothing fits mac1 alone, 503s; --readmit-after takes back those doctor
+    passes (in its thread), and the model is placed on them again."""
+    import shutil
+    import threading
+    from types import SimpleNamespace
+
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.survive.front import FrontSource
+    from hpcmac.llm.survive.supervisor import Supervisor
+
+    data = json.loads(MESH.read_text())
+    for h in data["hosts"]:
+        h["memory_gb"] = 0.15  # smollm2 fits two hosts, not one
+    hostfile = tmp_path / "mesh.json"
+    hostfile.write_text(json.dumps(data))
+    args = SimpleNamespace(hostfile=str(hostfile), model="smollm2", quantize=None,
+                           q_group_size=64, tp=2, pp=2, tp_split=None, split=None,
+                           readmit_after=0.3, agent=None, survive_heartbeat=4.0,
+                           survive_start_timeout=10.0)
+    sup = Supervisor(args, [], FrontSource(capacity=4), load_config("smollm2"), 256, 8)
+    try:
+        sup.lost, sup.hosts = ["mac2", "mac3", "mac4"], sup.hosts[:1]
+        sup.readmits.lost(sup.lost, time.monotonic())
+        with pytest.raises(UsageError, match="does not fit the 1 host"):
+            sup._place()
+        checked = []
+
+        def doctor(names):  # mac3 is still down
+            checked.append(sorted(names))
+            return [n for n in names if n == "mac3"]
+
+        monkeypatch.setattr(sup, "_doctor", doctor)
+        threading.Timer(20, sup.stop.set).start()  # never hang the suite
+        t0 = time.monotonic()
+        assert sup._wait_readmit() and time.monotonic() - t0 >= 0.2
+        assert checked[0] == ["mac1", "mac2", "mac3", "mac4"]
+        assert sup.lost == ["mac3"] and [h.name for h in sup.hosts] == ["mac1", "mac2", "mac4"]
+        placement, _, names = sup._place()
+        assert (placement.tp, names) == (2, ["mac1", "mac2"])
+    finally:
+        sup.stop.set()
+        sup.listener.close()
+        shutil.rmtree(sup.work, ignore_errors=True)
+
+
+def test_a_heartbeat_that_ran_out_with_no_host_lost_doubles_the_next_jobs():
+    from hpcmac.llm.survive.supervisor import next_beat
+
+    starved = ["error: rank 1 (mac3.local): no heartbeat from rank 0 (mac1.local) for 5 s: "
+               "the link between them or that host is down (HPCMAC_HEARTBEAT_TIMEOUT=4)"]
+    assert next_beat(4, 4, False, starved) == 8
+    assert next_beat(8, 4, False, starved) == 16 and next_beat(16, 4, False, starved) == 16
+    assert next_beat(8, 4, False, ["rank 0 sent nothing for 8 s"]) == 16
+    assert next_beat(8, 4, False, ["rank 0 closed the channel"]) == 8  # no heartbeat ran out
+    assert next_beat(16, 4, True, starved) == 4  # a host was dropped: the set seconds
+
+
 def test_readmit_after_checks_a_lost_host_after_s_and_again_after_a_failure():
     from hpcmac.llm.survive.readmit import Readmits
 

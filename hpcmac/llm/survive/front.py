@@ -132,8 +132,7 @@ class FrontSource:
         with self._lock:
             rec = {"count": len(self.recoveries), "resumed_requests": self.resumed,
                    "seconds": [r["seconds"] for r in self.recoveries],
-                   "each": [{k: r.get(k) for k in ("why", "lost", "seconds")}
-                            for r in self.recoveries[-50:]],
+                   "each": [dict(r) for r in self.recoveries[-50:]],
                    "last": self.recoveries[-1] if self.recoveries else None}
             lost = self.lost_hosts() if self.lost_hosts is not None else []
             body = {"status": self.state, "load": len(self._held), "recoveries": rec,
@@ -268,6 +267,12 @@ class FrontSource:
             held, self._held = list(self._held.values()), {}
         for h in held:
             self._end(h, "error", why)
+
+    def unrefuse(self, reason: str, phase: str | None = None) -> None:
+        """A lost host is back: requests are taken again, and wait for the next job."""
+        with self._lock:
+            self.refusal = None
+            self.state, self.reason, self.phase = "degraded", reason, phase
 
     def fail_all(self, message: str) -> None:
         with self._lock:

@@ -39,6 +39,8 @@ from hpcmac.llm.survive.readmit import Readmits
 
 #: launches in a row that never reached "hello" before the front gives up
 MAX_FAILED_STARTS = 3
+#: seconds the launcher has, after the front noticed a loss, to report it and exit
+LAUNCHER_GRACE_S = 1.5
 #: flags of the front that the job must not get (with their values)
 _FRONT_ONLY = {"--host": 1, "--port": 1, "--hostfile": 1, "--tp": 1, "--pp": 1, "--split": 1,
                "--tp-split": 1, "--agent": 1, "--survive-heartbeat": 1,
@@ -81,6 +83,18 @@ class Job:
             sys.stderr.write(line)
             sys.stderr.flush()
 
+    def own_lines(self, grace: float) -> list[str]:
+        """The job's last lines before the front ends it, the launcher given ``grace`` s
+        to report the fault and exit by itself (rank 0 often notices a dead peer before
+        Open MPI's launcher does). What ranks print once the front has signalled them
+        names the ranks it ended, not the lost host."""
+        try:
+            self.proc.wait(grace)
+            self.relay.join(0.5)  # its last lines
+        except subprocess.TimeoutExpired:
+            pass
+        return list(self.lines)
+
     def end(self, grace: float = 3.0) -> None:
         """TERM the launcher's group, KILL it after ``grace`` s; its output read to the end."""
         if self.proc.poll() is None:
@@ -95,6 +109,19 @@ class Job:
         except subprocess.TimeoutExpired:
             pass
         self.relay.join(timeout=3)
+
+
+def next_beat(beat: float, base: float, dropped: bool, lines) -> float:
+    """The next job's heartbeat seconds (pure). A job lost with no host dropped whose
+    lines say a heartbeat ran out was most likely a rank starved of CPU, not a dead
+    host (seen at load 22-28 with 4 s: rank 0 silent 4-5 s while starting, three
+    launches in a row): twice the last, at most 4x ``base``. Back to ``base`` once a
+    loss drops a host."""
+    if dropped:
+        return base
+    if any("no heartbeat from" in ln or "sent nothing for" in ln for ln in lines):
+        return min(beat * 2, base * 4)
+    return beat
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -125,8 +152,10 @@ class Supervisor:
         self.kv_tokens, self.slots = slots * context, slots
         self.job_argv = job_flags(argv)
         self.stop = threading.Event()
-        self.token = secrets.token_hex(16)
+        self.token = ""  # each launch's own (_launch): a late hello from an ended job is refused
         self.lost: list[str] = []
+        self._back: list[str] = []  # the hosts the last wait for a readmission brought back
+        self.beat = args.survive_heartbeat  # the next job's heartbeat seconds (next_beat)
         self.evidence: list[str] = []  # the job's lines that named the last lost host
         self.readmits = Readmits(args.readmit_after)  # hosts to check for re-admission
         self._check: tuple[threading.Thread, list[str], list] | None = None  # doctor, running
@@ -195,7 +224,7 @@ class Supervisor:
             layout += ["--tp-split", flags.tp_split]
         command = [sys.executable, "-m", "hpcmac.llm", "serve", *self.job_argv, *layout,
                    "--hostfile", path, "--channel", self.address]
-        beat = f"HPCMAC_HEARTBEAT_TIMEOUT={self.args.survive_heartbeat:g}"
+        beat = f"HPCMAC_HEARTBEAT_TIMEOUT={self.beat:g}"
         opts = runner.Options(np=placement.size, agent=self.args.agent, env=[beat],
                               oversubscribe=placement.size > hf.total_slots())
         plan = runner.plan(hf, command, opts, self.work)
@@ -210,6 +239,7 @@ class Supervisor:
                 self.source.set_phase("reloading")
 
         self.source.set_phase("relaunching" if self.source.phase else None)
+        self.token = secrets.token_hex(16)
         return Job(argv, {**os.environ, **plan.env, TOKEN_ENV: self.token}, on_line)
 
     def _accept(self, job: Job):
@@ -256,7 +286,7 @@ class Supervisor:
                 closed.set()
 
         threading.Thread(target=read, name="hpcmac-survive-read", daemon=True).start()
-        limit = self.args.survive_heartbeat
+        limit = self.beat
         while not self.stop.is_set():
             if self.lost:
                 back = self._readmittable()
@@ -282,8 +312,13 @@ class Supervisor:
             except UsageError as exc:
                 self.source.refuse(str(exc))
                 print(f"serve --survive: {exc}", file=sys.stderr, flush=True)
-                self.stop.wait()
-                break
+                if not self._wait_readmit():
+                    break
+                self.source.unrefuse(f"recovering: readmitting {', '.join(self._back)}",
+                                     phase="replacing")
+                recovering = {"why": f"readmitting {', '.join(self._back)}", "lost": [],
+                              "evidence": [], "t_detect": time.monotonic(), "detect_s": 0.0}
+                continue
             t_launch = time.monotonic()
             job = self._launch(placement, flags, names)
             conn, hello = self._accept(job)
@@ -344,19 +379,32 @@ class Supervisor:
             else:
                 lost = self._lose(job, why, names)
             # detect_s: from the job's last frame (a beat every 0.5 s, or a token) to here
-            recovering = {"why": why, "lost": lost, "evidence": self.evidence,
+            recovering = {"why": why, "lost": lost, "evidence": self.evidence if lost else [],
                           "t_detect": t_detect,
                           "detect_s": round(t_detect - t_last, 3)}
         return 0
+
+    def _wait_readmit(self) -> bool:
+        """Nothing fits the hosts left: wait (503s meanwhile) until a lost host is
+        readmitted (asked, or by --readmit-after) and put it back; False when stopped."""
+        while not self.stop.wait(0.2):
+            back = self._readmittable()
+            if back:
+                self._back = back
+                self.lost = [h for h in self.lost if h not in back]
+                self.hosts = [h for h in self.all_hosts if h.name not in self.lost]
+                return True
+        return False
 
     def _lose(self, job: Job, why: str, names: list[str]) -> list[str]:
         """The job is lost: end it, name and drop the lost host; the hosts dropped."""
         from hpcmac.llm.survive.replace import evidence, lost_hosts
 
         self.source.set_state("degraded", f"recovering: {why}", phase="detecting")
+        lines = job.own_lines(LAUNCHER_GRACE_S)
         job.end(grace=1.0)
         pairs = [(n, self.ssh[n]) for n in names]
-        blamed = lost_hosts(list(job.lines), pairs)
+        blamed = lost_hosts(lines, pairs)
         front = self.hosts[0].name if self.hosts else None
         drop = [h for h in blamed if h != front]  # the front's own host is alive: it is us
         self.lost += [h for h in drop if h not in self.lost]  # /health names them now
@@ -366,9 +414,14 @@ class Supervisor:
         drop = list(dict.fromkeys(drop))
         said = f"; lost {', '.join(drop)}" if drop else "; no host lost"
         print(f"serve --survive: {why}{said}", file=sys.stderr, flush=True)
-        self.evidence = [ln for h in drop for ln in evidence(list(job.lines), h, pairs)[:2]]
+        self.evidence = [ln for h in drop for ln in evidence(lines, h, pairs)[:2]]
         self.lost += [h for h in drop if h not in self.lost]
         self.readmits.lost(drop, time.monotonic())
+        beat, self.beat = self.beat, next_beat(self.beat, self.args.survive_heartbeat,
+                                               bool(drop), [why, *lines[-50:]])
+        if self.beat != beat:
+            print(f"serve --survive: the next job's heartbeat: {self.beat:g} s (no host was "
+                  "lost; its ranks were likely starved of CPU)", file=sys.stderr, flush=True)
         self.hosts = [h for h in self.hosts if h.name not in drop]
         self.source.set_state("degraded", f"recovering: {why}{said}", phase="replacing")
         return drop
@@ -390,7 +443,8 @@ class Supervisor:
         ssh = [self.args.agent] if self.args.agent else \
             shlex.split("ssh -o BatchMode=yes -o ConnectTimeout=5")
         python = doctor.python_paths(hf)
-        reports = doctor.collect(hf, ssh, python, timeout=10)
+        # doctor's own 30 s (10 s ran out at load 20: a probe starts a Python on each host)
+        reports = doctor.collect(hf, ssh, python, timeout=30)
         checks = doctor.evaluate(hf, reports, python)
         bad = {c.host for c in checks if not c.ok and c.item in ("ssh", "python")}
         links = [c for c in checks if c.item.startswith("link")]
