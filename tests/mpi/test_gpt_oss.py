@@ -16,6 +16,10 @@ sides, and the 4-bit kernels sum in another order than float32 BLAS (within
 ``2 gamma_n sum |w||x|`` of it per product: tests/unit/test_llm_float_formats.py), far
 inside the same 1e-4 of the largest. At tensor 2 the experts' 32 columns split 16 and 16,
 off MXFP4's groups of 32, so ``down_proj`` is dequantized there (gate/up stay 4-bit).
+A fourth is that MXFP4 checkpoint converted to GGUF (llama.cpp's ``gpt-oss``: gate and up
+split, each expert (out, in), MXFP4 type 39, the rest F32), whose experts requantize to
+the same codes and scales: the same oracle, so the GGUF's experts put back together and
+sliced per rank are checked in every layout.
 """
 
 from __future__ import annotations
@@ -70,17 +74,28 @@ def build_mxfp4(model_type, path, seed, fields):
         quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
 
 
+def build_gguf(model_type, path, seed, fields):
+    """The MXFP4 checkpoint of :func:`build_mxfp4` as one GGUF file at ``path``."""
+    from hpcmac.llm.model.fixtures import write_gguf
+
+    model = build_mxfp4(model_type, path + "-folder", seed, fields)
+    write_gguf(path + "-folder", path, "MXFP4", experts_only=True)
+    return model
+
+
 @pytest.fixture(scope="module")
 def checkpoints():
     lengths = (23, 9, 17)  # longer than the windows
     mx = {n: c for n, c in CASES.items() if n.startswith("mxfp4")}
     floats = {n: c for n, c in CASES.items() if n not in mx}
+    gg = {"gguf-mxfp4-experts": CASES["mxfp4-experts"]}
     with write_cases("gpt_oss", floats, VOCAB, lengths=lengths) as a, \
-            write_cases("gpt_oss", mx, VOCAB, build=build_mxfp4, lengths=lengths) as b:
-        yield {**a, **b}
+            write_cases("gpt_oss", mx, VOCAB, build=build_mxfp4, lengths=lengths) as b, \
+            write_cases("gpt_oss", gg, VOCAB, build=build_gguf, lengths=lengths) as c:
+        yield {**a, **b, **c}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, "gguf-mxfp4-experts"])
 def test_matches_transformers(checkpoints, name):
     check_case(f"gpt_oss {name}", checkpoints[name])
 

@@ -265,18 +265,37 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .reshape(w.shape)
 
 
+def gguf_form_parts(form: tuple, w: np.ndarray) -> dict[str, np.ndarray]:
+    """The GGUF tensors of a canonical tensor ``w`` stored in another layout
+    (:attr:`~hpcmac.llm.model.spec.TensorSpec.gguf_form`; the split, not the fused form)."""
+    kind, *names = form
+    if kind == "t":
+        return {names[0]: np.ascontiguousarray(w.swapaxes(-1, -2))}
+    if kind == "pairs_t":
+        w = w.swapaxes(-1, -2)  # (..., 2 out, in), rows interleaved
+        return {names[0]: np.ascontiguousarray(w[..., 0::2, :]),
+                names[1]: np.ascontiguousarray(w[..., 1::2, :])}
+    return {names[0]: np.ascontiguousarray(w[..., 0::2]),
+            names[1]: np.ascontiguousarray(w[..., 1::2])}
+
+
 def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
-               split_kv_b: bool = False) -> Path:
+               split_kv_b: bool = False, experts_only: bool = False) -> Path:
     """Convert a random Llama/Qwen2/Qwen3/Qwen3-MoE folder to one GGUF file, weights as ``qtype``.
 
     ``qtype`` is F32, F16, Q8_0 or another type the gguf package quantizes (MXFP4, Q4_0,
     ...; norms and biases stay F32, as llama.cpp keeps them).
     DeepSeek-V3 folders become ``deepseek2`` GGUFs with ``attn_kv_b``, or with the
-    newer ``attn_k_b``/``attn_v_b`` split if ``split_kv_b``.
+    newer ``attn_k_b``/``attn_v_b`` split if ``split_kv_b``. A tensor the family stores
+    in another GGUF layout (gpt-oss's experts: ``TensorSpec.gguf_form``) is written in
+    that layout: gate and up split, each expert (out, in). ``experts_only``: only the
+    routed experts as ``qtype``, the rest F32 (as ggml-org's MXFP4 gpt-oss files keep the
+    experts alone MXFP4).
     """
     import gguf
 
     from hpcmac.llm.model import arch as families
+    from hpcmac.llm.model import spec
     from hpcmac.llm.model.weights import SafetensorsCheckpoint
 
     folder, out = Path(folder), Path(out)
@@ -310,10 +329,14 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
     w.add_eos_token_id(1)
     gtype = getattr(gguf.GGMLQuantizationType, qtype)
     tensors = {n: ckpt.get(n) for n in ckpt.names() if ".experts." not in n}
-    for i in range(cfg.n_layers):  # routed experts: one (E, out, in) tensor per projection
-        if cfg.is_moe_layer(i):
-            for which in ("gate", "up", "down"):
-                tensors[f"blk.{i}.ffn_{which}_exps.weight"] = ckpt.experts(i, which)
+    for t in families.stage_tensors(cfg, 0, cfg.n_layers, True, True):
+        if spec.is_expert_stack(t):  # routed experts: one (E, out, in) tensor per projection
+            parts = t.name.split(".")
+            tensors[t.gguf] = ckpt.experts(int(parts[2]), parts[-1], module=parts[3])
+        elif t.gguf_form:
+            tensors.update(gguf_form_parts(t.gguf_form, ckpt.get(t.name)))
+        elif ".experts." in t.name:  # an expert tensor stored as it is (gpt-oss's biases)
+            tensors[t.gguf] = ckpt.get(t.name)
     if split_kv_b:
         for i in range(cfg.n_layers):
             kv = tensors.pop(f"model.layers.{i}.self_attn.kv_b_proj.weight")
@@ -329,7 +352,9 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
             t = _permute(t, cfg.n_kv_heads)
         gname = name if name.startswith("blk.") else gname_of[name]
         block = gguf.GGML_QUANT_SIZES[gtype][0]
-        if t.ndim >= 2 and qtype != "F32" and t.shape[-1] % block == 0:
+        if t.ndim >= 2 and qtype != "F32" and t.shape[-1] % block == 0 and \
+                gname.endswith(".weight") and (not experts_only or "_exps." in gname):
+            # biases stay F32, as llama.cpp keeps them
             # a few rows at a time: MXFP4's reference quantizer compares every weight with
             # all 16 values at once (64 bytes a weight)
             rows = t.reshape(-1, t.shape[-1])

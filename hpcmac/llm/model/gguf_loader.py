@@ -7,7 +7,10 @@ the configuration is the family's GGUF mapping
 hpcmac.plan.gguf_header and the file memory-mapped (:class:`GGUFFile`); only the
 tensors asked for are dequantized.
 Q/K rows that the converter permutes for its rotary layout (the family says:
-``gguf_qk_permuted``, Llama) are un-permuted back.
+``gguf_qk_permuted``, Llama) are un-permuted back. A tensor that the file stores in
+another layout (the family's spec says: :attr:`~hpcmac.llm.model.spec.TensorSpec.gguf_form`,
+gpt-oss's experts split into gate and up, each (out, in)) is put back together in its
+canonical layout, kept quantized where its parts are (:meth:`GGUFCheckpoint.get_weight_t`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from hpcmac.errors import UsageError
 from hpcmac.llm.model.arch import config_from_gguf
 from hpcmac.llm.model.arch.fields import GGUFMeta, ModelConfig
+from hpcmac.llm.model.quant import QuantTensor, as_float
 
 #: tensor types dequantized here (via gguf.quants)
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -209,6 +213,7 @@ class GGUFCheckpoint:
             self._tensors[t.name] = t
         self._cfg: ModelConfig | None = None
         self._gguf: dict[str, str] | None = None
+        self._forms: dict[str, tuple] | None = None
 
     # -- metadata ------------------------------------------------------------
     def config(self) -> ModelConfig:
@@ -232,11 +237,110 @@ class GGUFCheckpoint:
             self._gguf = gguf_names(self.config())
         return self._gguf.get(name)
 
+    def gguf_form(self, name: str) -> tuple | None:
+        """The family's :attr:`~hpcmac.llm.model.spec.TensorSpec.gguf_form` of a canonical
+        name (None: stored as it is, under :meth:`gguf_name`)."""
+        if self._forms is None:
+            from hpcmac.llm.model.arch import gguf_forms
+
+            self._forms = gguf_forms(self.config())
+        return self._forms.get(name)
+
+    def _parts(self, name: str, form: tuple) -> list:
+        """The GGUF tensors of a formed tensor: ``[a]`` (``t``); ``[a, b]`` or ``[fused]``
+        (``pairs``, ``pairs_t``: the fused one where the file holds that instead)."""
+        kind, *names = form
+        if kind == "t":
+            return [self._tensor(name, names[0])]
+        a, b, fused = names
+        if a not in self._tensors and fused in self._tensors:
+            return [self._tensors[fused]]
+        return [self._tensor(name, a), self._tensor(name, b)]
+
+    def _combine(self, form: tuple, parts: list):
+        """A formed tensor from its parts as read (float32 arrays or QuantTensors, GGUF's
+        (..., out, in)), in the layout :meth:`get_weight_t` returns: (..., out, in) rows
+        interleaved for ``pairs_t`` (the last two axes not yet swapped), the vector
+        interleaved for ``pairs``."""
+        if form[0] == "t":
+            return parts[0]
+        if len(parts) == 1:  # fused: a's rows (or entries), then b's
+            w = parts[0]
+            half = w.shape[-2 if form[0] == "pairs_t" else -1] // 2
+            cut = (lambda a, lo, hi: a[..., lo:hi, :]) if form[0] == "pairs_t" else \
+                (lambda a, lo, hi: a[..., lo:hi])
+            if isinstance(w, QuantTensor):
+                parts = [w.map(lambda a, lo=lo: cut(a, lo, lo + half)) for lo in (0, half)]
+            else:
+                parts = [cut(w, 0, half), cut(w, half, 2 * half)]
+        axis = -2 if form[0] == "pairs_t" else -1
+
+        def weave(a, b):
+            ax = a.ndim + axis
+            out = np.stack([a, b], axis=ax + 1)
+            return np.ascontiguousarray(out.reshape(*a.shape[:ax], 2 * a.shape[ax],
+                                                    *a.shape[ax + 1:]))
+
+        a, b = parts
+        if isinstance(a, QuantTensor) and isinstance(b, QuantTensor) and a.format == b.format:
+            return QuantTensor(weave(a.words, b.words), weave(a.scales, b.scales),
+                               None if a.biases is None else weave(a.biases, b.biases),
+                               a.bits, a.group, a.source, a.mode)
+        return weave(as_float(a), as_float(b))
+
+    def _formed_shape(self, name: str, form: tuple) -> tuple[int, ...]:
+        parts = self._parts(name, form)
+        shape = [int(s) for s in reversed(parts[0].shape)]
+        if form[0] != "t" and len(parts) == 1:
+            shape[-2 if form[0] == "pairs_t" else -1] //= 2
+        if form[0] != "t":
+            shape[-2 if form[0] == "pairs_t" else -1] *= 2
+        if form[0] != "pairs":
+            shape[-1], shape[-2] = shape[-2], shape[-1]
+        return tuple(shape)
+
+    def get_weight_t(self, name: str):
+        """A tensor whose canonical layout is (..., in, out) and that the file stores as
+        (..., out, in) (a ``t`` or ``pairs_t`` form: gpt-oss's experts), kept quantized as
+        stored: a QuantTensor (..., out, in); None when its parts are not of a type kept
+        quantized (then :meth:`get` gives the float32 canonical tensor)."""
+        if not self._kept_quantized(name):
+            return None
+        form = self.gguf_form(name)
+        return self._combine(form, [self._keep(t, tuple(int(s) for s in reversed(t.shape)))
+                                    for t in self._parts(name, form)])
+
+    def _formed(self, name: str, form: tuple) -> np.ndarray:
+        """A formed tensor as float32 in its canonical layout."""
+        w = self._combine(form, [self._dequant(t) for t in self._parts(name, form)])
+        return w if form[0] == "pairs" else np.ascontiguousarray(w.swapaxes(-1, -2))
+
+    def quant_layout(self, name: str) -> tuple[int, int] | None:
+        """(group, the canonical axis its groups run along) of a formed tensor kept
+        quantized (its groups run along the stored rows: the canonical axis -2); None
+        otherwise (the other quantized tensors' groups run along the canonical rows)."""
+        return (32, len(self.shape(name)) - 2) if self._kept_quantized(name) else None
+
+    def _kept_quantized(self, name: str) -> bool:
+        """Whether :meth:`get_weight_t` keeps ``name`` quantized (from the header alone)."""
+        from hpcmac.llm.model.gguf_quant import EXACT
+
+        form = self.gguf_form(name)
+        if form is None or form[0] == "pairs":
+            return False
+        types = {t.type_name for t in self._parts(name, form)}
+        return len(types) == 1 and types <= set(EXACT)
+
     # -- tensors -------------------------------------------------------------
     def names(self) -> list[str]:
         return list(self._tensors)
 
     def has(self, name: str) -> bool:
+        form = self.gguf_form(name)
+        if form is not None:
+            kind, *names = form
+            return all(n in self._tensors for n in names[:2 if kind != "t" else 1]) or \
+                (kind != "t" and names[2] in self._tensors)
         g = self.gguf_name(name)
         return g is not None and g in self._tensors
 
@@ -250,6 +354,9 @@ class GGUFCheckpoint:
         if name.endswith("self_attn.kv_b_proj.weight") and \
                 self.gguf_name(name) not in self._tensors:
             return self.shape_of_kv_b(name)
+        form = self.gguf_form(name)
+        if form is not None:
+            return self._formed_shape(name, form)
         return tuple(int(s) for s in reversed(self._tensor(name).shape))
 
     def numel(self, name: str) -> int:
@@ -266,6 +373,10 @@ class GGUFCheckpoint:
         from hpcmac.llm.model.gguf_quant import EXACT
         from hpcmac.llm.model.quant import held_nbytes
 
+        if self._kept_quantized(name):
+            t = self._parts(name, self.gguf_form(name))[0]
+            return held_nbytes(self.numel(name), _BITS[t.type_name], 32,
+                               _GROUP_BYTES[t.type_name])
         g = self.gguf_name(name)
         if g in self._tensors and self._tensors[g].type_name in EXACT:
             t = self._tensors[g]
@@ -306,6 +417,9 @@ class GGUFCheckpoint:
         if name.endswith("self_attn.kv_b_proj.weight") and \
                 self.gguf_name(name) not in self._tensors:
             return self._kv_b_from_split(name)
+        form = self.gguf_form(name)
+        if form is not None:  # float32 canonical (kept quantized: get_weight_t)
+            return self._formed(name, form)
         t = self._tensor(name)
         w = self._keep(t, self.shape(name))
         if self._qk_permuted() and (name.endswith("self_attn.q_proj.weight")
@@ -335,6 +449,9 @@ class GGUFCheckpoint:
         if name.endswith("self_attn.kv_b_proj.weight") and \
                 self.gguf_name(name) not in self._tensors:
             return self._kv_b_from_split(name)
+        form = self.gguf_form(name)
+        if form is not None:
+            return self._formed(name, form)
         w = self._dequant(self._tensor(name))
         if self._qk_permuted():
             cfg = self.config()

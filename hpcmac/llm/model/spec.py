@@ -48,7 +48,14 @@ class TensorSpec:
     kind: str  # "matrix", "vector" or "array"
     split: str | None = None  # the unit it splits by (see SPLITS); None: replicated
     axis: int = 0  # the axis that splits
-    gguf: str | None = None  # its name in a GGUF file (None: none)
+    gguf: str | None = None  # its name in a GGUF file (None: none, or see gguf_form)
+    #: a tensor that a GGUF file stores in another layout, as (form, GGUF names...):
+    #: ``("t", a)``: ``a`` with the last two axes swapped; ``("pairs_t", a, b, fused)``:
+    #: the rows (axis -2) of ``a`` and ``b`` interleaved (a0, b0, a1, ...), then the last
+    #: two axes swapped; ``("pairs", a, b, fused)``: the same for vectors, along the last
+    #: axis. ``fused``: one tensor holding ``a``'s rows then ``b``'s, which newer
+    #: converters write instead (read by :class:`~hpcmac.llm.model.gguf_loader.GGUFCheckpoint`)
+    gguf_form: tuple | None = None
 
 
 #: the units a tensor splits by (see :func:`part`)

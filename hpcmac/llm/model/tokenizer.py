@@ -20,9 +20,19 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+#: o200k's split (gpt-oss): words by letter case, a contraction kept on its word, numbers
+#: of up to 3 digits, punctuation runs with trailing newlines and slashes
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
            "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-           "deepseek-v3": _LLAMA3_SPLIT}
+           "deepseek-v3": _LLAMA3_SPLIT, "gpt-4o": _GPT4O_SPLIT}
+#: the GGUF pre-tokenizers read with GPT-2's own split, and SmolLM2's (digits one by one)
+_GPT2_PRES = ("default", "gpt2", "gpt-2")
+_PRES = (*_SPLITS, *_GPT2_PRES, "smollm")
 
 _LOCK = threading.Lock()
 
@@ -343,8 +353,11 @@ def _from_gguf(path: Path) -> Tokenizer | None:
         tk = _sentencepiece_bpe(tokens, field("tokenizer.ggml.scores"), types,
                                 bool(field("tokenizer.ggml.add_space_prefix", True)), path)
     else:
-        tk = _byte_level_bpe(tokens, types, field("tokenizer.ggml.merges") or [],
-                             field("tokenizer.ggml.pre", "default"))
+        pre = field("tokenizer.ggml.pre", "default")
+        if pre not in _PRES:
+            raise UsageError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; expected "
+                             f"one of {', '.join(_PRES)} (or use --prompt-ids)")
+        tk = _byte_level_bpe(tokens, types, field("tokenizer.ggml.merges") or [], pre)
     bos_id = field("tokenizer.ggml.bos_token_id")
     eos_id = field("tokenizer.ggml.eos_token_id")
     eos_ids = [] if eos_id is None else [int(eos_id)]

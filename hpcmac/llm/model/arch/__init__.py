@@ -217,3 +217,10 @@ def stage_tensors(cfg: ModelConfig, start: int, end: int, first: bool,
 def gguf_names(cfg: ModelConfig) -> dict[str, str]:
     """Canonical name -> GGUF name of every tensor of the model (those with a GGUF form)."""
     return {t.name: t.gguf for t in stage_tensors(cfg, 0, cfg.n_layers, True, True) if t.gguf}
+
+
+def gguf_forms(cfg: ModelConfig) -> dict[str, tuple]:
+    """Canonical name -> :attr:`~hpcmac.llm.model.spec.TensorSpec.gguf_form` of every tensor
+    a GGUF file stores in another layout (gpt-oss's experts: gate and up split, (out, in))."""
+    return {t.name: t.gguf_form for t in stage_tensors(cfg, 0, cfg.n_layers, True, True)
+            if t.gguf_form}

@@ -37,10 +37,18 @@ if TYPE_CHECKING:
 
 
 def tensor(i: int, name: str, gguf: str, shape: tuple[int, ...], kind: str,
-           split: str | None = None, axis: int = 0) -> TensorSpec:
-    """Tensor ``model.layers.{i}.{name}`` of layer ``i``, ``blk.{i}.{gguf}`` in a GGUF file."""
-    return TensorSpec(f"model.layers.{i}.{name}", tuple(int(s) for s in shape), kind, split,
-                      axis, f"blk.{i}.{gguf}")
+           split: str | None = None, axis: int = 0, form: str | None = None) -> TensorSpec:
+    """Tensor ``model.layers.{i}.{name}`` of layer ``i``, ``blk.{i}.{gguf}`` in a GGUF file.
+
+    ``form``: the GGUF file stores it in another layout
+    (:attr:`~hpcmac.llm.model.spec.TensorSpec.gguf_form`); ``gguf`` is then one name
+    (``t``) or ``"a|b|fused"`` (``pairs``, ``pairs_t``), each under ``blk.{i}.``."""
+    shape = tuple(int(s) for s in shape)
+    if form is None:
+        return TensorSpec(f"model.layers.{i}.{name}", shape, kind, split, axis, f"blk.{i}.{gguf}")
+    names = tuple(f"blk.{i}.{g}" for g in gguf.split("|"))
+    return TensorSpec(f"model.layers.{i}.{name}", shape, kind, split, axis, None,
+                      (form, *names))
 
 
 def _p(i: int) -> str:
@@ -432,14 +440,17 @@ class InterleavedMoE:
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D, E, I = cfg.hidden, cfg.n_experts, cfg.moe_intermediate
         e = "mlp.experts."
-        # no GGUF name for the experts: llama.cpp's gpt-oss files split gate and up and
-        # store (E, out, in), so these tensors have no one-to-one GGUF counterpart
-        experts = [TensorSpec(_p(i) + e + "gate_up_proj", (E, D, 2 * I), "matrix",
-                              "expert_ffn_pairs", 2),
-                   TensorSpec(_p(i) + e + "gate_up_proj_bias", (E, 2 * I), "vector",
-                              "expert_ffn_pairs", 1),
-                   TensorSpec(_p(i) + e + "down_proj", (E, I, D), "matrix", "expert_ffn", 1),
-                   TensorSpec(_p(i) + e + "down_proj_bias", (E, D), "vector", "rank0", 1)]
+        # llama.cpp's gpt-oss files split gate and up (or, from newer converters, hold
+        # gate's rows then up's in ffn_gate_up_exps) and store each expert (out, in)
+        gu = "ffn_gate_exps.{0}|ffn_up_exps.{0}|ffn_gate_up_exps.{0}"
+        experts = [tensor(i, e + "gate_up_proj", gu.format("weight"), (E, D, 2 * I), "matrix",
+                          "expert_ffn_pairs", 2, form="pairs_t"),
+                   tensor(i, e + "gate_up_proj_bias", gu.format("bias"), (E, 2 * I), "vector",
+                          "expert_ffn_pairs", 1, form="pairs"),
+                   tensor(i, e + "down_proj", "ffn_down_exps.weight", (E, I, D), "matrix",
+                          "expert_ffn", 1, form="t"),
+                   tensor(i, e + "down_proj_bias", "ffn_down_exps.bias", (E, D), "vector",
+                          "rank0", 1)]
         return [tensor(i, "mlp.router.weight", "ffn_gate_inp.weight", (E, D), "matrix"),
                 tensor(i, "mlp.router.bias", "ffn_gate_inp.bias", (E,), "vector"), *experts]
 
@@ -478,11 +489,15 @@ class Layer:
 
     attention: object
     ffn: object
+    #: the GGUF name of ``post_attention_layernorm`` (llama.cpp's ``ffn_norm``; gpt-oss,
+    #: GLM-4.x and Qwen3-Next files: ``post_attention_norm``)
+    gguf_post_norm: str = "ffn_norm"
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D = cfg.hidden
         return [tensor(i, "input_layernorm.weight", "attn_norm.weight", (D,), "vector"),
-                tensor(i, "post_attention_layernorm.weight", "ffn_norm.weight", (D,), "vector"),
+                tensor(i, "post_attention_layernorm.weight", f"{self.gguf_post_norm}.weight",
+                       (D,), "vector"),
                 *self.attention.tensors(cfg, i), *self.ffn.tensors(cfg, i)]
 
     def load(self, ld, cfg: ModelConfig, i: int) -> dict:
