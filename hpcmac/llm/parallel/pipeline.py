@@ -255,7 +255,8 @@ class _StageState:
         self.logp = np.empty(0)
         masks = self._masks(idxs, nrows) if self.spec.last else None
         ks = self._logprob_ks(idxs, nrows) if self.spec.last else []
-        if self.tensor is None and mode == MAXLOC and (masks is not None or max(ks, default=-1) >= 0):
+        wants_logits = masks is not None or max(ks, default=-1) >= 0
+        if self.tensor is None and mode == MAXLOC and wants_logits:
             mode = GATHER  # one rank: the host masks, and takes logprobs, from the logits
         topk = max(ks, default=-1) if mode == MAXLOC else -1
         if self.tensor is not None:  # first: the followers wait for it
