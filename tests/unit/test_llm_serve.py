@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -117,17 +118,17 @@ def server(request):
 
 
 def _generate(*flags: str, np_: int = 1) -> dict:
-    out = ROOT / f".pytest-serve-{os.getpid()}.json"
-    cmd = [sys.executable, "-m", "hpcmac.llm", "generate", "--model", "smollm2", "--quiet",
-           "--json", str(out), *flags]
-    try:
+    # in a directory of its own: the --json lock file (.NAME.lock) stays beside it, and
+    # in the checkout it was left behind and taken into a commit
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "generate.json"
+        cmd = [sys.executable, "-m", "hpcmac.llm", "generate", "--model", "smollm2",
+               "--quiet", "--json", str(out), *flags]
         r = subprocess.run([MPIRUN, str(np_), *cmd] if np_ > 1 else cmd,
                            capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, HPCMAC_QUIET_TRANSPORT="1"))
         assert r.returncode == 0, r.stderr
         return json.loads(out.read_text())
-    finally:
-        out.unlink(missing_ok=True)
 
 
 _ORACLES: dict = {}
