@@ -59,7 +59,10 @@ ROOT = Path(__file__).resolve().parents[2]
 N, NB = 4000, 256
 HPL_RUNS = 3  # one job factorises N three times (HPL.dat's Ns): the median is compared
 PROMPT, NEW = 16, 32   # 32 new tokens: a decode row lasts long enough (> 0.25 s) for
-ROUNDS = 7             # bench.llm_parallel to tell the CPU other processes took meanwhile
+ROUNDS = 5             # bench.llm_parallel to tell the CPU other processes took meanwhile
+# 5 rounds, not 7 (two rounds of 3 decodes less): the median of 5 still keeps out two
+# rounds whose bandwidth moved across the decode (such a round was +19-25%), and
+# at least 3 must be undisturbed either way (docs/plan.md's quiet runs: none disturbed)
 
 
 def mpirun(np_: int | None, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
