@@ -9,6 +9,9 @@ MPIRUN := tools/mpirun
 # pytest under MPI: -m mpi4py aborts the job on any rank's uncaught exception
 MPIPYTEST := $(BIN)/python -m mpi4py -m hpcmac.testing
 TEST_NPS ?= 1 2 4
+# the unit tests in this many pytest-xdist workers (a file's tests stay in one worker:
+# tests/conftest.py); those marked serial run after them, alone
+UNIT_WORKERS ?= 2
 
 .PHONY: run test test-fast venv test-unit test-mpi test-cluster lint clean check-tools
 
@@ -43,13 +46,17 @@ test: $(VENV)/.test-stamp
 
 # while working: everything but the tests marked slow (make test still runs those)
 test-fast: $(VENV)/.test-stamp
-	@$(MAKE) --no-print-directory test-unit test-mpi test-cluster PYTEST_MARK='-m "not slow"'
+	@$(MAKE) --no-print-directory test-unit test-mpi test-cluster PYTEST_MARK='-m "not slow"' \
+	  UNIT_MARK=' and not slow'
 
 test-unit: $(VENV)/.test-stamp
 	@echo "==> unit tests (no MPI)"
 	@tools/system-deps
 	@$(BIN)/python tools/chat-templates
-	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q $(PYTEST_MARK)
+	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q \
+	  -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial$(UNIT_MARK)"
+	@tools/pytest-rc "tests/unit (serial)" timeout -k 10 900 $(BIN)/python -m pytest tests/unit -q \
+	  -m "serial$(UNIT_MARK)"
 
 test-mpi: $(VENV)/.test-stamp
 	@for np in $(TEST_NPS); do \

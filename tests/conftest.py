@@ -15,3 +15,20 @@ import os
 
 for _key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_key, "1")
+
+
+# -- pytest-xdist (make test-unit: -n 2 --dist loadfile) ----------------------------------
+#
+# One worker runs a whole file, so a module's shared fixtures (servers, checkpoints,
+# converted GGUFs) start once. Files holding a ``slow`` test are handed out first
+# (with --no-loadscope-reorder), so the longest pieces do not start last and leave the
+# other worker idle. (--dist loadgroup would let a file's independent tests spread, but
+# xdist 3.8 cannot set pytest 9.2's node ids: every test would be its own group.)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        slow = {item.nodeid.split("::")[0] for item in items
+                if item.get_closest_marker("slow")}
+        # a stable sort: files keep their own order of tests, and pytest's order otherwise
+        items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
