@@ -8,7 +8,6 @@ and that no process of the job is left running.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from ports import free_base_port
 
 from hpcmac import comm
 from tests.group_contract import GroupContract
@@ -36,25 +36,7 @@ def _env(**extra):
 
 def _free_base_port(n: int) -> int:
     """A port p with p..p+n-1 free now (mlx.launch counts up from --starting-port)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for k in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + k))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no run of free ports")
+    return free_base_port(n)   # tests/unit/ports.py: not from the ephemeral range
 
 
 def mpirun(np_: int, args, env, timeout):

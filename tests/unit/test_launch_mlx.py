@@ -108,12 +108,11 @@ def test_localhost_json_becomes_local_ranks_mlx_launch_starts_without_ssh(tmp_pa
 def test_a_real_two_rank_ring_job_through_via_mlx_on_localhost_json():
     """No ssh, no links, no 'ips' in the file: two local ranks all_sum over MLX's ring."""
     import os
-    import socket
     import subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ports import free_base_port
+
+    port = free_base_port(2)   # tests/unit/ports.py: not from the ephemeral range
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run(
         [sys.executable, "-m", "hpcmac.launch", "--hostfile", str(ROOT / "hostfiles" /

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -31,9 +32,7 @@ QUESTION = "What is the capital of France?"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()   # tests/unit/ports.py: not from the ephemeral range
 
 
 class Server:

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from hpcmac.mpirun import die_with_parent
 
@@ -38,9 +38,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()   # tests/unit/ports.py: not from the ephemeral range
 
 
 def job_processes(tag: bytes) -> dict[int, str]:
