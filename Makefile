@@ -10,7 +10,8 @@ MPIRUN := tools/mpirun
 MPIPYTEST := $(BIN)/python -m mpi4py -m hpcmac.testing
 TEST_NPS ?= 1 2 4
 # the unit tests in this many pytest-xdist workers (a file's tests stay in one worker:
-# tests/conftest.py); those marked serial run after them, alone
+# tests/conftest.py); those marked serial run alone, first, on a machine not yet heated
+# by the workers (after them, the calibration's two-thread read once moved 33-51 GB/s)
 UNIT_WORKERS ?= 2
 
 .PHONY: run test test-fast venv test-unit test-mpi test-cluster lint clean check-tools
@@ -53,10 +54,10 @@ test-unit: $(VENV)/.test-stamp
 	@echo "==> unit tests (no MPI)"
 	@tools/system-deps
 	@$(BIN)/python tools/chat-templates
-	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q \
-	  -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial$(UNIT_MARK)"
 	@tools/pytest-rc "tests/unit (serial)" timeout -k 10 900 $(BIN)/python -m pytest tests/unit -q \
 	  -m "serial$(UNIT_MARK)"
+	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q \
+	  -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial$(UNIT_MARK)"
 
 test-mpi: $(VENV)/.test-stamp
 	@for np in $(TEST_NPS); do \
