@@ -18,10 +18,9 @@ from hpcmac.mpirun import descendants, job_segments
 # the seconds a signal takes to end a run are its assertion: run alone, not beside another
 # xdist worker (beside one, HPL's SIGINT exit took 11.6-12.9 s: the interpreter sees the
 # signal only when the running BLAS call returns, and that call ran at half speed)
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(120)]
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(120)
 
 
 def env(**extra):
