@@ -49,6 +49,24 @@ def assert_same_run(got, ref, what):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(b).max(), err_msg=what)
 
 
+#: the fixtures' EOS token (hpcmac.llm.model.fixtures.write_gguf)
+EOS = 1
+
+
+def greedy_without_eos(stage, prompt=PROMPT, steps=N) -> list[int]:
+    """hpcmac's greedy tokens as llama.cpp chooses them under ``ignore_eos``: the EOS token
+    never chosen (llama.cpp biases its end-of-generation tokens to -inf)."""
+    cache = stage.new_cache(1, len(prompt) + steps)
+    h = stage.forward(stage.embed(prompt), Batch([0], [len(prompt)], [0]), cache)
+    toks = []
+    for i in range(steps):
+        lg = np.array(stage.logits(h[-1:])[0], dtype=np.float64)
+        lg[EOS] = -np.inf
+        toks.append(int(np.argmax(lg)))
+        h = stage.forward(stage.embed(toks[-1:]), Batch([0], [1], [len(prompt) + i]), cache)
+    return toks
+
+
 def llama_cpp_greedy(path: Path, prompt=PROMPT, steps=N) -> list[int]:
     """llama.cpp's greedy tokens on ``path`` (float32 KV cache, no flash attention: its
     defaults round K and V to float16). The placeholder vocabulary spells token i ``t{i}``."""

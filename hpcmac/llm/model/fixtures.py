@@ -309,7 +309,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
     w.add_embedding_length(cfg.hidden)
     w.add_feed_forward_length(cfg.intermediate)
     w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
+    if not cfg.mla:  # latent attention: the family's (llama.cpp's MQA form)
+        w.add_head_count_kv(cfg.n_kv_heads)
     w.add_rope_dimension_count(cfg.rope_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
@@ -321,7 +322,7 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
     fam.write_gguf_meta(w, cfg)  # key/value lengths and the family's own metadata
     # a placeholder byte-level vocabulary (llama.cpp needs one; prompts are given as ids)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(fam.gguf_pre[0] if fam.gguf_pre else "default")
     w.add_token_list([f"t{i}" for i in range(cfg.vocab)])
     w.add_token_types([1] * cfg.vocab)
     w.add_token_merges(["t1 t2"])

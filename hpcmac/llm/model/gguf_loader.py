@@ -11,6 +11,9 @@ Q/K rows that the converter permutes for its rotary layout (the family says:
 another layout (the family's spec says: :attr:`~hpcmac.llm.model.spec.TensorSpec.gguf_form`,
 gpt-oss's experts split into gate and up, each (out, in)) is put back together in its
 canonical layout, kept quantized where its parts are (:meth:`GGUFCheckpoint.get_weight_t`).
+A ``rows`` form (the linear attention of Qwen3-Next and Qwen3.5: projections split or their
+value heads reordered by the converter) is its parts' rows (or columns) gathered back into
+the canonical order, kept quantized where it is a row gather of parts of one exact type.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from hpcmac.errors import UsageError
 from hpcmac.llm.model.arch import config_from_gguf
 from hpcmac.llm.model.arch.fields import GGUFMeta, ModelConfig
-from hpcmac.llm.model.quant import QuantTensor, as_float
+from hpcmac.llm.model.quant import QuantTensor, as_float, concat_rows
 
 #: tensor types dequantized here (via gguf.quants)
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -248,8 +251,11 @@ class GGUFCheckpoint:
 
     def _parts(self, name: str, form: tuple) -> list:
         """The GGUF tensors of a formed tensor: ``[a]`` (``t``); ``[a, b]`` or ``[fused]``
-        (``pairs``, ``pairs_t``: the fused one where the file holds that instead)."""
+        (``pairs``, ``pairs_t``: the fused one where the file holds that instead); every
+        part of a ``rows`` form."""
         kind, *names = form
+        if kind == "rows":
+            return [self._tensor(name, n) for n in names[3:]]
         if kind == "t":
             return [self._tensor(name, names[0])]
         a, b, fused = names
@@ -261,7 +267,9 @@ class GGUFCheckpoint:
         """A formed tensor from its parts as read (float32 arrays or QuantTensors, GGUF's
         (..., out, in)), in the layout :meth:`get_weight_t` returns: (..., out, in) rows
         interleaved for ``pairs_t`` (the last two axes not yet swapped), the vector
-        interleaved for ``pairs``."""
+        interleaved for ``pairs``; a ``rows`` form gathered (its post-step applied)."""
+        if form[0] == "rows":
+            return self._gather(form, parts)
         if form[0] == "t":
             return parts[0]
         if len(parts) == 1:  # fused: a's rows (or entries), then b's
@@ -288,8 +296,36 @@ class GGUFCheckpoint:
                                a.bits, a.group, a.source, a.mode)
         return weave(as_float(a), as_float(b))
 
+    def _gather(self, form: tuple, parts: list):
+        """A ``rows`` form's canonical tensor from its parts as read (float32, or
+        QuantTensors of one format where the form keeps them: rows gathered, no post-step)."""
+        _, axis, index, post = form[:4]
+        idx, _ = index(self.config())
+        if all(isinstance(p, QuantTensor) for p in parts):
+            w = concat_rows(parts)
+            return w if idx is None else w.map(lambda a: a[idx])
+        w = np.concatenate([as_float(p) for p in parts], axis=axis)
+        if idx is not None:
+            w = np.take(w, idx, axis=axis)
+        if post == "neg_log":  # llama.cpp stores -exp(A_log)
+            w = np.log(-w)
+        elif post == "conv":  # (C, K) as stored; canonical (C, 1, K)
+            w = w[:, None, :]
+        return np.ascontiguousarray(w, dtype=np.float32)
+
     def _formed_shape(self, name: str, form: tuple) -> tuple[int, ...]:
         parts = self._parts(name, form)
+        if form[0] == "rows":
+            _, axis, index, post = form[:4]
+            idx, counts = index(self.config())
+            shapes = [[int(s) for s in reversed(t.shape)] for t in parts]
+            shape = list(shapes[0])
+            shape[axis] = sum(sh[axis] for sh in shapes)
+            if [sh[axis] for sh in shapes] == list(counts) and idx is not None:
+                shape[axis] = len(idx)
+            if post == "conv":
+                shape.insert(1, 1)
+            return tuple(shape)
         shape = [int(s) for s in reversed(parts[0].shape)]
         if form[0] != "t" and len(parts) == 1:
             shape[-2 if form[0] == "pairs_t" else -1] //= 2
@@ -304,29 +340,33 @@ class GGUFCheckpoint:
         (..., out, in) (a ``t`` or ``pairs_t`` form: gpt-oss's experts), kept quantized as
         stored: a QuantTensor (..., out, in); None when its parts are not of a type kept
         quantized (then :meth:`get` gives the float32 canonical tensor)."""
-        if not self._kept_quantized(name):
-            return None
         form = self.gguf_form(name)
+        if form is None or form[0] not in ("t", "pairs_t") or not self._kept_quantized(name):
+            return None
         return self._combine(form, [self._keep(t, tuple(int(s) for s in reversed(t.shape)))
                                     for t in self._parts(name, form)])
 
     def _formed(self, name: str, form: tuple) -> np.ndarray:
         """A formed tensor as float32 in its canonical layout."""
         w = self._combine(form, [self._dequant(t) for t in self._parts(name, form)])
-        return w if form[0] == "pairs" else np.ascontiguousarray(w.swapaxes(-1, -2))
+        return w if form[0] in ("pairs", "rows") else np.ascontiguousarray(w.swapaxes(-1, -2))
 
     def quant_layout(self, name: str) -> tuple[int, int] | None:
         """(group, the canonical axis its groups run along) of a formed tensor kept
         quantized (its groups run along the stored rows: the canonical axis -2); None
         otherwise (the other quantized tensors' groups run along the canonical rows)."""
-        return (32, len(self.shape(name)) - 2) if self._kept_quantized(name) else None
+        form = self.gguf_form(name)
+        if form is None or form[0] == "rows" or not self._kept_quantized(name):
+            return None
+        return (32, len(self.shape(name)) - 2)
 
     def _kept_quantized(self, name: str) -> bool:
         """Whether :meth:`get_weight_t` keeps ``name`` quantized (from the header alone)."""
         from hpcmac.llm.model.gguf_quant import EXACT
 
         form = self.gguf_form(name)
-        if form is None or form[0] == "pairs":
+        if form is None or form[0] == "pairs" or \
+                (form[0] == "rows" and (form[1] != 0 or form[3] is not None)):
             return False
         types = {t.type_name for t in self._parts(name, form)}
         return len(types) == 1 and types <= set(EXACT)
@@ -337,6 +377,8 @@ class GGUFCheckpoint:
 
     def has(self, name: str) -> bool:
         form = self.gguf_form(name)
+        if form is not None and form[0] == "rows":
+            return all(n in self._tensors for n in form[4:])
         if form is not None:
             kind, *names = form
             return all(n in self._tensors for n in names[:2 if kind != "t" else 1]) or \
@@ -418,6 +460,9 @@ class GGUFCheckpoint:
                 self.gguf_name(name) not in self._tensors:
             return self._kv_b_from_split(name)
         form = self.gguf_form(name)
+        if form is not None and form[0] == "rows" and self._kept_quantized(name):
+            return self._gather(form, [self._keep(t, tuple(int(s) for s in reversed(t.shape)))
+                                       for t in self._parts(name, form)])
         if form is not None:  # float32 canonical (kept quantized: get_weight_t)
             return self._formed(name, form)
         t = self._tensor(name)

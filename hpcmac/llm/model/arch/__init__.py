@@ -46,13 +46,31 @@ def family(model_type, where: str) -> Family:
     return fams[model_type]
 
 
-def gguf_family(arch, where: str) -> Family:
-    """The family of a GGUF ``general.architecture``; UsageError listing the supported ones."""
-    by_gguf = {f.gguf_arch: f for f in families().values() if f.gguf_arch}
-    if arch not in by_gguf:
+def gguf_family(meta: GGUFMeta) -> Family:
+    """The family of a GGUF file by its ``general.architecture``; where llama.cpp stores
+    several families under one (``deepseek2``: DeepSeek-V3, Kimi K2, GLM-4.7-Flash), the one
+    whose :attr:`~.base.Family.gguf_pre` holds the file's ``tokenizer.ggml.pre`` (their
+    layers read alike; the vocabulary is what differs). UsageError (one line) for an
+    unknown architecture, or a vocabulary that no family or more than one claims."""
+    arch, where = meta.arch, meta.where
+    fams = [f for f in families().values() if f.gguf_arch]
+    known = list(dict.fromkeys(f.gguf_arch for f in fams))
+    if arch not in known:
         raise UsageError(f"{where}: general.architecture {arch!r} is not supported; "
-                         f"expected one of {', '.join(by_gguf)}")
-    return by_gguf[arch]
+                         f"expected one of {', '.join(known)}")
+    cands = [f for f in fams if f.gguf_arch == arch]
+    if len(cands) == 1:
+        return cands[0]
+    pre = meta.field("tokenizer.ggml.pre")
+    claimed = [f for f in cands if pre in f.gguf_pre]
+    if len(claimed) != 1:
+        raise UsageError(f"{where}: tokenizer.ggml.pre {pre!r}: cannot tell which of "
+                         f"{', '.join(f.model_type for f in cands)} this {arch!r} file is "
+                         "(llama.cpp stores them under one architecture; their vocabularies "
+                         "tell them apart: "
+                         + "; ".join(f"{', '.join(map(repr, f.gguf_pre))} {f.model_type}"
+                                     for f in cands if f.gguf_pre) + ")")
+    return claimed[0]
 
 
 def of(cfg: ModelConfig) -> Family:
@@ -178,7 +196,7 @@ def config_from_gguf(meta: GGUFMeta) -> ModelConfig:
     """Build a :class:`ModelConfig` from GGUF metadata by its family's mapping (checked:
     :meth:`ModelConfig.check`, and block_count against the layers the tensors hold)."""
     try:
-        fam = gguf_family(meta.arch, meta.where)
+        fam = gguf_family(meta)
         cfg = fam.from_gguf(meta)
     except (TypeError, ValueError, AttributeError, ArithmeticError, KeyError) as exc:
         raise UsageError(f"{meta.where}: a metadata field has the wrong type or value "

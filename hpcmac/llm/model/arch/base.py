@@ -60,6 +60,9 @@ class Family:
     layer : ``(cfg, global layer index) -> Layer``: the blocks of that layer
     hf_class : transformers' config class (test fixtures build random checkpoints with it)
     tiny : the fixtures' small shapes (``config.json`` fields)
+    gguf_pre : the ``tokenizer.ggml.pre`` values of its GGUF releases: what tells it from the
+        other families llama.cpp stores under the same ``gguf_arch`` (``deepseek2``); the
+        fixtures write the first
     gguf_qk_permuted : llama.cpp's converter permutes the Q/K rows for its rotary layout
     write_gguf_meta : ``(gguf.GGUFWriter, cfg)``: the family's own GGUF metadata (fixtures)
     summary : one line for ``python -m hpcmac.llm models`` and the docs' table: what is
@@ -85,6 +88,7 @@ class Family:
     hf_class: str
     tiny: dict = field(default_factory=dict)
     gguf_qk_permuted: bool = False
+    gguf_pre: tuple = ()
     write_gguf_meta: Callable = _default_gguf_meta
     summary: str = ""
     quant_methods: dict = field(default_factory=dict)

@@ -3,6 +3,13 @@ rotary key); the first ``first_k_dense`` layers dense, then routed experts chose
 sigmoid scores with a correction bias and group-limited top-k, scaled, plus shared experts.
 
 GGUF: ``deepseek2``, with ``attn_kv_b`` or the newer ``attn_k_b``/``attn_v_b`` split.
+llama.cpp's converter writes Kimi K2 and GLM-4.7-Flash under ``deepseek2`` too, with the same
+layers and names; the vocabulary (``tokenizer.ggml.pre``) tells them apart
+(:attr:`~.base.Family.gguf_pre`: ``deepseek-v3``, ``deepseek-llm``, ``deepseek-coder`` here).
+``block_count`` counts the MTP layers where ``nextn_predict_layers`` says so (the last ones,
+not run). Refused in one line: routing other than sigmoid (``expert_gating_func`` 2;
+absent, llama.cpp reads DeepSeek-V2's softmax), and the sparse-attention indexer's tensors
+(DeepSeek-V3.2's, which hpcmac does not read from GGUF).
 """
 
 from __future__ import annotations
@@ -48,8 +55,25 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
     return cfg
 
 
-def from_gguf(meta) -> ModelConfig:
-    f = gguf_fields(meta, "deepseek_v3")
+#: GGUF expert_gating_func: llama.cpp's sigmoid
+_SIGMOID = 2
+
+
+def mla_from_gguf(meta, arch: str) -> ModelConfig:
+    """The configuration of a ``deepseek2`` file (DeepSeek-V3's layers), labelled ``arch``
+    (the family its vocabulary says: :func:`hpcmac.llm.model.arch.gguf_family`)."""
+    f = gguf_fields(meta, arch)
+    f["n_layers"] -= int(meta.meta("nextn_predict_layers", 0) or 0)  # the MTP layers
+    gating = meta.meta("expert_gating_func")
+    if gating is None or int(gating) != _SIGMOID:
+        raise UsageError(f"{meta.where}: metadata {meta.arch}.expert_gating_func = {gating}: "
+                         f"expected {_SIGMOID} (sigmoid; absent or 1, llama.cpp reads "
+                         "DeepSeek-V2's softmax routing, which is not supported)")
+    if any(".indexer." in n for n in meta.tensors):
+        raise UsageError(f"{meta.where}: tensor "
+                         f"{next(n for n in meta.tensors if '.indexer.' in n)}: a sparse-"
+                         "attention indexer (DeepSeek-V3.2) is not read from GGUF; use the "
+                         "safetensors folder")
     cfg = ModelConfig(**f, **gguf_moe_fields(meta), mla=True)
     cfg.q_lora_rank = int(meta.meta("attention.q_lora_rank", 0)) or None
     cfg.kv_lora_rank = int(meta.need("attention.kv_lora_rank"))
@@ -69,14 +93,22 @@ def from_gguf(meta) -> ModelConfig:
     cfg.n_group = int(meta.meta("expert_group_count", 1) or 1)
     cfg.topk_group = int(meta.meta("expert_group_used_count", 1) or 1)
     cfg.rope_interleave = True
+    if cfg.n_experts % cfg.n_group:
+        raise UsageError(f"{meta.where}: metadata {meta.arch}.expert_count {cfg.n_experts} "
+                         f"is not a multiple of expert_group_count {cfg.n_group}")
     return cfg
+
+
+def from_gguf(meta) -> ModelConfig:
+    return mla_from_gguf(meta, "deepseek_v3")
 
 
 def write_gguf_meta(w, cfg: ModelConfig) -> None:
     """The absorbed (MQA) lengths and the MLA and routing metadata, as llama.cpp's converter
-    writes them."""
+    writes them (one KV head: the latent, shared by every query head)."""
     import gguf
 
+    w.add_head_count_kv(1)
     w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     w.add_value_length(cfg.kv_lora_rank)
     if cfg.q_lora_rank:
@@ -99,7 +131,7 @@ FAMILY = Family(
              "top-k, shared experts, dense first layers, routed scaling"),
     model_type="deepseek_v3", gguf_arch="deepseek2", from_hf=from_hf, from_gguf=from_gguf,
     layer=lambda cfg, i: _SPARSE if cfg.is_moe_layer(i) else _DENSE, hf_class="DeepseekV3Config",
-    write_gguf_meta=write_gguf_meta,
+    write_gguf_meta=write_gguf_meta, gguf_pre=("deepseek-v3", "deepseek-llm", "deepseek-coder"),
     tiny=dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=16,
               num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
               n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,

@@ -7,8 +7,12 @@ first dense, the rest sparse), not ``first_k_dense_replace``.
 Refused in one line naming the field: ``attention_bias`` (the latent projections have no
 biases here), a ``partial_rotary_factor`` other than 1 (the rotary key is rotated whole),
 an ``mlp_layer_types`` entry other than dense or sparse or of another length than the
-layers. The multi-token-prediction layer is not run, as transformers does not. No GGUF
-form yet.
+layers. The multi-token-prediction layer is not run, as transformers does not.
+
+GGUF: llama.cpp's converter writes it as ``deepseek2`` (DeepSeek-V3's names and metadata;
+the dense layers the first ``leading_dense_block_count``, the MTP layers counted in
+``block_count`` by ``nextn_predict_layers``), told from DeepSeek-V3 and Kimi K2 by GLM's
+vocabulary (``tokenizer.ggml.pre`` ``glm4``).
 """
 
 from __future__ import annotations
@@ -45,11 +49,25 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
     return cfg
 
 
+def write_gguf_meta(w, cfg: ModelConfig) -> None:
+    """DeepSeek-V3's metadata (llama.cpp's ``deepseek2``), the dense layers as the count of
+    leading ones: a model whose dense layers are not the first ones has no GGUF form."""
+    from dataclasses import replace
+
+    k = len(cfg.mlp_only_layers)
+    if cfg.mlp_only_layers != list(range(k)):
+        raise UsageError(f"glm4_moe_lite GGUF: dense layers {cfg.mlp_only_layers} are not the "
+                         "first ones (llama.cpp's leading_dense_block_count)")
+    deepseek_v3.write_gguf_meta(w, replace(cfg, first_k_dense=k))
+
+
 FAMILY = Family(
     quant_methods=FP8,
     summary=("GLM-4.7-Flash: DeepSeek-V3's latent attention with GLM-4's routing, shared experts, "
              "dense layers by `mlp_layer_types`"),
-    model_type="glm4_moe_lite", gguf_arch=None, from_hf=from_hf, from_gguf=None,
+    model_type="glm4_moe_lite", gguf_arch="deepseek2", from_hf=from_hf,
+    from_gguf=lambda meta: deepseek_v3.mla_from_gguf(meta, "glm4_moe_lite"),
+    write_gguf_meta=write_gguf_meta, gguf_pre=("glm4",),
     layer=lambda cfg, i: _SPARSE if cfg.is_moe_layer(i) else _DENSE,
     hf_class="Glm4MoeLiteConfig",
     tiny=dict(vocab_size=96, hidden_size=48, intermediate_size=80, moe_intermediate_size=16,

@@ -8,8 +8,12 @@ renormalised; no shared experts, no biases.
 The multi-token-prediction modules (``use_mtp``) are not run, as transformers does not.
 Refused in one line naming the field: linear-attention layers (``attn_type_list``),
 another ``qk_norm_type`` than ``per_layer``, ``use_qk_norm`` or ``use_routing_bias``
-false, a ``scoring_func`` other than sigmoid, shared experts, a sliding window. No GGUF
-form yet.
+false, a ``scoring_func`` other than sigmoid, shared experts, a sliding window.
+
+GGUF (llama.cpp's ``minimax-m2``): the rotary part ``rope.dimension_count`` (``rotary_dim``),
+the experts' width ``expert_feed_forward_length``; ``attn_q_norm`` / ``attn_k_norm`` over
+all the heads' dimensions, ``exp_probs_b.bias`` the correction bias, the second norm
+``ffn_norm``. Refused in one line: an ``expert_gating_func`` other than sigmoid (2).
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ from __future__ import annotations
 from hpcmac.errors import UsageError
 from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import GQA, Layer, MoE, sigmoid_grouped
-from hpcmac.llm.model.arch.fields import ModelConfig, hf_fields, hf_moe_fields, json_float
+from hpcmac.llm.model.arch.fields import (
+    ModelConfig,
+    gguf_fields,
+    gguf_moe_fields,
+    hf_fields,
+    hf_moe_fields,
+    json_float,
+)
 
 #: sigmoid + correction bias + top-k + renormalised: DeepSeek's router with one group,
 #: no scaling
@@ -58,11 +69,43 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
                        partial_rotary_factor=partial or 1.0)
 
 
+#: GGUF expert_gating_func: llama.cpp's sigmoid
+_SIGMOID = 2
+
+
+def from_gguf(meta) -> ModelConfig:
+    f = gguf_fields(meta, "minimax_m2")
+    gating = meta.meta("expert_gating_func")
+    if gating is not None and int(gating) != _SIGMOID:
+        raise UsageError(f"{meta.where}: metadata {meta.arch}.expert_gating_func = {gating}: "
+                         f"expected {_SIGMOID} (sigmoid)")
+    moe = gguf_moe_fields(meta)
+    rope_dim = int(meta.meta("rope.dimension_count", f["head_dim"]))
+    cfg = ModelConfig(**{**f, "qk_norm": False, "intermediate": f["intermediate"] or
+                         moe["moe_intermediate"]},
+                      **moe, norm_topk_prob=True, partial_rotary_factor=rope_dim / f["head_dim"])
+    if cfg.rope_dim != rope_dim:
+        raise UsageError(f"{meta.where}: metadata {meta.arch}.rope.dimension_count = "
+                         f"{rope_dim}: expected an even number up to the head size "
+                         f"{f['head_dim']}")
+    return cfg
+
+
+def write_gguf_meta(w, cfg: ModelConfig) -> None:
+    """The per-head lengths and the sigmoid gating, as llama.cpp's converter writes them."""
+    import gguf
+
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
 FAMILY = Family(
     quant_methods=FP8,
     summary=("RMSNorm over all of Q's and K's projected dimensions, partial rotary (`rotary_dim`),"
              " sigmoid-routed experts with correction bias in every layer"),
-    model_type="minimax_m2", gguf_arch=None, from_hf=from_hf, from_gguf=None,
+    model_type="minimax_m2", gguf_arch="minimax-m2", from_hf=from_hf, from_gguf=from_gguf,
+    write_gguf_meta=write_gguf_meta,
     layer=lambda cfg, i: _LAYER, hf_class="MiniMaxM2Config",
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=20, num_hidden_layers=3,
               num_attention_heads=5, num_key_value_heads=1, head_dim=12,
