@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from hpcmac.comm.ring_env import free_ports
 from hpcmac.errors import ArgumentParser, UsageError
 from hpcmac.io.outputs import checked_output, write_atomic
 from hpcmac.lifecycle import run_cli
@@ -100,25 +100,12 @@ def hpcmac_rate(model: str, tp: int, n: int, out: Path, timeout: float) -> dict:
             "host": doc["host"]}
 
 
-def _free_ports(n: int) -> int:
-    """A base port with ``n`` free ports after it (mlx.launch counts up from it)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        socks = []
-        try:
-            for k in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + k))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise SystemExit("error: no run of free ports for mlx.launch")
+def _starting_port(n: int) -> int:
+    """mlx.launch's ``--starting-port``: it counts up from there, one port per rank."""
+    try:
+        return free_ports("127.0.0.1", n)
+    except OSError as e:
+        raise SystemExit(f"error: mlx.launch ports: {e}") from None
 
 
 def mlx_lm_rate(model: str, tp: int, n: int, script: Path, timeout: float) -> dict:
@@ -129,7 +116,7 @@ def mlx_lm_rate(model: str, tp: int, n: int, script: Path, timeout: float) -> di
     else:
         launcher = Path(sys.executable).with_name("mlx.launch")
         cmd = [str(launcher), "-n", str(tp), "--backend", "ring", "--starting-port",
-               str(_free_ports(tp)), "--", sys.executable, *args]
+               str(_starting_port(tp)), "--", sys.executable, *args]
     proc = _run(cmd, f"mlx-lm at tp {tp}", timeout)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not line:

@@ -33,6 +33,34 @@ def free_port(ip: str) -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(ip: str, n: int, tries: int = 50) -> int:
+    """A base port ``p`` with ``p .. p + n - 1`` all free on ``ip`` right now.
+
+    For launchers that count up from one port (``mlx.launch --starting-port``). The
+    base comes from the OS, so it lies in the ephemeral range; the run is checked by
+    binding all ``n`` at once. Raises ``OSError`` when ``tries`` bases all fail.
+    """
+    if n < 1:
+        raise ValueError(f"free_ports: n must be at least 1, got {n}")
+    for _ in range(tries):
+        base = free_port(ip)
+        if base + n - 1 > 65535:
+            continue
+        socks = []
+        try:
+            for k in range(n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((ip, base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError(f"no run of {n} free ports on {ip} in {tries} tries")
+
+
 def parse_ifconfig(text: str) -> list[str]:
     """IPv4 addresses from ``ifconfig`` (BSD/macOS) or ``ip -o -4 addr`` output."""
     out = []
