@@ -10,6 +10,13 @@ stages is one sync per stage per hand-over; tensor parallel over MLX's ring
 the greedy max-loc there too: one sync per rank per token, only the leader's ids
 cross. Over MPI the sums go through numpy (two syncs a layer, said once), and
 ``HPCMAC_TRANSPORT_STRICT=1`` refuses that.
+
+The families whose layers keep more than a KV cache stay on the device too: Gated
+DeltaNet's conv and recurrent states (Qwen3-Next, Qwen3.5 and its MoE) and DeepSeek-V3.2's
+lightning indexer (its keys, scores and top-k): one sync a token at one rank, the numpy
+backend's tokens, through a chunked prefill of a prompt longer than the index's top-k and
+an EOS in the middle of a burst of decode steps built ahead (the dropped step's states
+put back).
 """
 
 from __future__ import annotations
@@ -101,7 +108,62 @@ def test_one_rank_mlx_lm_quantized_folder_gives_mlx_lm_tokens(tmp_path):
 
 
 def st_layers(folder) -> int:
-    return json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return cfg.get("text_config", cfg)["num_hidden_layers"]
+
+
+STATEFUL = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32"]
+
+
+@pytest.fixture(scope="module")
+def stateful(tmp_path_factory):
+    """Random tiny checkpoints of the families with recurrent states or indexer keys, made
+    on first use (``tiny`` shapes: DeepSeek-V3.2's index top-k is 6)."""
+    made: dict = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = random_checkpoint(family, tmp_path_factory.mktemp(family) / "ck",
+                                             seed=3, eos_token_id=None)
+        return made[family]
+    return get
+
+
+def whole(folder, backend: str, reqs: list[Request], chunk: int | None = None):
+    st = load_stage(folder, 0, st_layers(folder), backend=backend)
+    res = run_pipeline(LocalGroup(), st, StageSpec(0, 0, st.end, True, True),
+                       st.config.hidden, reqs, prefill_chunk=chunk)
+    return [s.tokens for s in res.seqs], [s.finish for s in res.seqs], res.host_per_token()
+
+
+@pytest.mark.parametrize("family", STATEFUL)
+def test_stateful_family_is_one_sync_per_token_and_numpy_tokens(family, stateful):
+    folder = stateful(family)
+    ref, _, _ = whole(folder, "numpy", [Request(PROMPTS[0], N)])
+    got, finish, host = whole(folder, "mlx", [Request(PROMPTS[0], N)])
+    assert got == ref and finish == ["length"]
+    assert host == [{"rank": 0, "host_syncs_per_token": 1.0, "host_bytes_per_token": 4.0}]
+
+
+LONG = [(7 * i + 3) % 90 for i in range(40)]  # longer than the index top-k (6) and a chunk
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v32"])
+def test_stateful_chunked_prefill_batch_and_an_eos_mid_burst(family, stateful):
+    """A 40-token prompt prefilled in chunks of 16 beside two short ones, decoded together;
+    one ends on an EOS while the next step was already built (the others' states and
+    indexer keys must come out as if it never was): numpy's tokens, one sync a step."""
+    folder = stateful(family)
+    first = whole(folder, "numpy", [Request(LONG, N)], chunk=16)[0][0]
+    reqs = [Request(LONG, N, eos_ids=(first[4],)), Request(PROMPTS[1], N - 2),
+            Request(PROMPTS[2], N + 1)]
+    ref, ref_finish, _ = whole(folder, "numpy", reqs, chunk=16)
+    got, finish, host = whole(folder, "mlx", reqs, chunk=16)
+    assert got == ref and finish == ref_finish and finish[0] == "eos"
+    steps = max(len(t) for t in got) - 1
+    decoded = sum(len(t) - 1 for t in got)
+    assert host[0]["host_syncs_per_token"] == pytest.approx(steps / decoded)
+    assert host[0]["host_bytes_per_token"] == 4.0
 
 
 def run_generate(np_: int, folder, *args: str, tmp: Path, **extra):
@@ -166,6 +228,19 @@ def test_tensor_parallel_over_ring_sums_in_the_graph(which, tp, llama, q4, tmp_p
     assert doc["host_syncs_per_token"] == 1.0 and doc["host_bytes_per_token"] == 4.0
 
 
+def test_tensor_parallel_over_ring_with_linear_attention_states(stateful, tmp_path):
+    """Qwen3-Next at --tp 2 over ring: each rank's value heads' states on its device, the
+    sums in the graph, one sync a token on each rank."""
+    folder = stateful("qwen3_next")
+    ref = whole(folder, "numpy", [Request(PROMPTS[0], N)])[0][0]
+    doc = generate(2, folder, "--tp", "2", "--backend", "mlx", "--transport", "ring",
+                   tmp=tmp_path)
+    assert doc["tokens"] == ref
+    assert "note:" not in doc["stderr"]
+    assert [h["host_syncs_per_token"] for h in doc["host"]] == [1.0, 1.0]
+    assert [h["host_bytes_per_token"] for h in doc["host"]] == [4.0, 0.0]
+
+
 def _whole(folder, backend):
     st = load_stage(folder, 0, st_layers(folder), backend=backend)
     return st, StageSpec(0, 0, st.end, True, True), st.config.hidden
@@ -187,3 +262,30 @@ def test_tensor_parallel_over_mpi_is_the_bridge_said_once_and_refused_when_stric
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "HPCMAC_TRANSPORT_STRICT=1" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_index_top_keys_breaks_ties_to_the_earlier_position_on_both_backends():
+    """The indexer's choice (``layers.top_keys``): the k highest scores, a tie at the k-th
+    value going to the earlier position, numpy and MLX alike (exact zeros are common:
+    every head's relu at 0)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from hpcmac.llm.model.layers import top_keys
+
+    inf = float("inf")
+    score = np.array([[0.5, 0.0, 0.0, 0.9, 0.0, 0.0],
+                      [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                      [1.0, -inf, -inf, 2.0, -inf, -inf],  # fewer finite keys than k
+                      [0.0, 0.3, 0.0, 0.3, 0.3, 0.3]], dtype=np.float32)
+    want = np.array([[1, 1, 0, 1, 0, 0],
+                     [1, 1, 1, 0, 0, 0],
+                     [1, 1, 0, 1, 0, 0],
+                     [0, 1, 0, 1, 1, 0]], dtype=bool)
+    assert (top_keys(np, score, 3) == want).all()
+    assert (np.array(top_keys(mx, mx.array(score), 3)) == want).all()
+    rng = np.random.default_rng(0)  # many exact zeros, as relu leaves them
+    rand = np.maximum(rng.standard_normal((64, 50)), 0).astype(np.float32)
+    got = top_keys(np, rand, 7)
+    assert (got.sum(axis=-1) == 7).all()
+    assert (np.array(top_keys(mx, mx.array(rand), 7)) == got).all()

@@ -7,14 +7,15 @@ about 14x smaller than expanded K/V for DeepSeek-V3.
 
 A linear-attention layer (Gated DeltaNet: Qwen3-Next, Qwen3.5) keeps per slot a fixed-size
 state instead, whatever the length: its ``k`` is the conv state (slots, K - 1, channels)
-and its ``v`` the recurrent state (slots, value heads, dk, dv), numpy float32 on either
-backend (:mod:`hpcmac.llm.model.linear_attention`). A sequence at position 0 starts from
+and its ``v`` the recurrent state (slots, value heads, dk, dv), float32 arrays of the
+backend (MLX arrays on MLX, written in the step's graph:
+:mod:`hpcmac.llm.model.linear_attention`). A sequence at position 0 starts from
 zero states; :meth:`KVCache.snapshot` / :meth:`KVCache.restore` copy one slot's states out
 and back (a prefix cache needs them at its block boundaries).
 
 A latent-attention layer with DeepSeek-V3.2's lightning indexer also keeps the indexer's key
-per token, :attr:`KVCache.index` (slots, max_len, index_head_dim), numpy float32 on either
-backend, saved and loaded with the prefix blocks.
+per token, :attr:`KVCache.index` (slots, max_len, index_head_dim), the backend's float32
+array, saved and loaded with the prefix blocks.
 
 All values are local to a rank: each pipeline stage holds only its own layers.
 
@@ -142,12 +143,12 @@ class KVCache:
             dim = getattr(getattr(blocks[j], "attention", None), "index_dim", None) \
                 if blocks else None
             if dim is not None:
-                self.index[j] = np.zeros((max_slots, max_len, dim(cfg)), dtype=np.float32)
+                self.index[j] = zeros((max_slots, max_len, dim(cfg)))
             if blocks and _has_state(blocks[j]):
                 conv, state = blocks[j].attention.state_shapes(cfg)
                 self.recurrent.append(j)
-                self.k.append(np.zeros((max_slots, *conv), dtype=np.float32))
-                self.v.append(np.zeros((max_slots, *state), dtype=np.float32))
+                self.k.append(backend.zeros((max_slots, *conv)))
+                self.v.append(backend.zeros((max_slots, *state)))
             else:
                 self.k.append(zeros(kv[0]))
                 self.v.append(zeros(kv[1]))
@@ -181,17 +182,40 @@ class KVCache:
         """A copy of ``slot``'s recurrent states and length (:meth:`restore` puts it back,
         in this slot or another): what a prefix cache keeps at a block boundary of a
         linear-attention model, whose states cannot be rebuilt from a prefix of the KV."""
+        host = lambda a: np.array(self.backend.to_numpy(a[slot]))  # noqa: E731 (a copy)
         return {"length": int(self.lengths[slot]),
-                "states": [(self.k[j][slot].copy(), self.v[j][slot].copy())
-                           for j in self.recurrent]}
+                "states": [(host(self.k[j]), host(self.v[j])) for j in self.recurrent]}
 
     def restore(self, slot: int, snap: dict) -> None:
         """Put a :meth:`snapshot` back into ``slot``: its recurrent states and length (the
         KV of its attention layers up to that length must be there already)."""
+        be = self.backend
         for j, (conv, state) in zip(self.recurrent, snap["states"]):
-            self.k[j][slot] = conv
-            self.v[j][slot] = state
+            self.k[j][slot] = be.asarray(conv)
+            self.v[j][slot] = be.asarray(state)
         self.lengths[slot] = snap["length"]
+
+    def hold(self, slots: list[int]):
+        """The recurrent states of ``slots`` as they are now, for :meth:`put_back` (a
+        decode step built ahead and then dropped must not leave them moved; its KV and
+        indexer writes need nothing: the next step at that position overwrites them). On
+        MLX these are graph nodes (a gather of the current arrays), computed only if put
+        back; None without recurrent layers."""
+        if not self.recurrent:
+            return None
+        idx = self.backend.index(slots)
+        return (list(slots), self.lengths[slots].copy(),
+                idx, [(self.k[j][idx], self.v[j][idx]) for j in self.recurrent])
+
+    def put_back(self, held) -> None:
+        """Write :meth:`hold`'s states (and lengths) back into their slots."""
+        if held is None:
+            return
+        slots, lengths, idx, states = held
+        self.lengths[slots] = np.minimum(self.lengths[slots], lengths)  # a freed slot: 0
+        for j, (conv, state) in zip(self.recurrent, states):
+            self.k[j][idx] = conv
+            self.v[j][idx] = state
 
     # -- prefix blocks -------------------------------------------------------------------
 
@@ -212,7 +236,8 @@ class KVCache:
         take = lambda a: np.array(be.to_numpy(self._tokens(a, slot, start, start + n)))  # noqa: E731
         index = None
         if any(a is not None for a in self.index):
-            index = [None if a is None else a[slot, start:start + n].copy() for a in self.index]
+            index = [None if a is None else np.array(be.to_numpy(a[slot, start:start + n]))
+                     for a in self.index]
         self.blocks[bid] = KVBlock(n, [take(a) for a in self.k], [take(a) for a in self.v],
                                    index=index)
 
@@ -233,7 +258,7 @@ class KVCache:
                         a[slot, :, pos:pos + blk.n] = be.asarray(part)
             for a, part in zip(self.index, blk.index or ()):
                 if a is not None:
-                    a[slot, pos:pos + blk.n] = part
+                    a[slot, pos:pos + blk.n] = be.asarray(part)
             pos += blk.n
         self.lengths[slot] = pos
 

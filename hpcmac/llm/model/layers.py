@@ -198,8 +198,8 @@ def latent_attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cpe, cos, sin, 
     query and the output (``q_nope W_uk`` and ``(p c) W_uv``), so decode never
     expands the cache to per-head keys.
 
-    ``ci``: the lightning indexer's key cache (slots, max_len, index_head_dim), numpy
-    (DeepSeek-V3.2, weights ``ix_*``): each query then sees only the keys
+    ``ci``: the lightning indexer's key cache (slots, max_len, index_head_dim), the
+    backend's array (DeepSeek-V3.2, weights ``ix_*``): each query then sees only the keys
     :func:`index_keep` selects.
     """
     xp = be.xp
@@ -230,7 +230,7 @@ def latent_attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cpe, cos, sin, 
         P = cpe[slot, :L]  # (L, rd)
         s = q_lat[:, off:off + n] @ C.T + q_pe[:, off:off + n] @ P.T  # (H, n, L)
         if kp is not None:  # the indexer's top-k (causal already)
-            s = be.where(be.asarray(kp)[None], s, NEG_INF)
+            s = be.where(kp[None], s, NEG_INF)
         elif n > 1:
             s = be.where(_causal_mask(pos, n, L)[None], s, NEG_INF)
         p = be.softmax(s)
@@ -250,37 +250,52 @@ def index_keep(be, cfg: ModelConfig, w: dict, x, q_resid, seqs, ci, cos, sin) ->
     ``qk_rope_head_dim`` dimensions by halves (not interleaved, unlike the MLA's rope); a
     key's score is ``sum_h wts_h relu(q_h . k) / sqrt(index_head_dim)`` with
     ``wts = weights_proj x / sqrt(index_n_heads)``; each query keeps the ``index_topk``
-    causal keys of highest score. Numpy float32 on either backend (ties broken by
-    ``argpartition``; the release's Hadamard rotation and FP8 scoring are dropped, as
-    transformers drops them: the rotation keeps dot products).
+    causal keys of highest score (:func:`top_keys`: among equal scores the earlier
+    position). In the backend's arrays: on MLX the scores, the choice and the mask stay in
+    the step's graph, ``ci`` an MLX array. The release's Hadamard rotation and FP8 scoring
+    are dropped, as transformers drops them (the rotation keeps dot products).
     """
     T = x.shape[0]
     Hi, di, topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     xp = be.xp
     q = apply_rope(be.linear(q_resid, w["ix_wq"]).reshape(T, Hi, di), cos, sin, False, xp)
-    k = be.to_numpy(be.linear(x, w["ix_wk"]))  # (T, di)
+    k = be.linear(x, w["ix_wk"])  # (T, di)
     mu = k.mean(axis=-1, keepdims=True)
-    var = ((k - mu) ** 2).mean(axis=-1, keepdims=True)
-    k = (k - mu) / np.sqrt(var + np.float32(1e-6)) * w["ix_norm_w"] + w["ix_norm_b"]
-    k = be.to_numpy(apply_rope(be.asarray(k.reshape(T, 1, di)), cos, sin, False, xp))[:, 0]
-    q = be.to_numpy(q)  # (T, Hi, di)
-    wts = be.to_numpy(be.linear(x, w["ix_wts"])) * np.float32(Hi ** -0.5)  # (T, Hi)
+    var = ((k - mu) * (k - mu)).mean(axis=-1, keepdims=True)
+    k = (k - mu) / xp.sqrt(var + 1e-6) * w["ix_norm_w"] + w["ix_norm_b"]
+    k = apply_rope(k.reshape(T, 1, di), cos, sin, False, xp)[:, 0]
+    wts = be.linear(x, w["ix_wts"]) * (Hi ** -0.5)  # (T, Hi)
     out = []
     for slot, off, n, pos in seqs:
         L = pos + n
-        ci[slot, pos:L] = k[off:off + n]
+        be.set(ci, (slot, slice(pos, L)), k[off:off + n])
         if L <= topk:
             out.append(None)
             continue
-        s = np.maximum(q[off:off + n] @ ci[slot, :L].T, 0) * np.float32(di ** -0.5)  # (n, Hi, L)
+        s = xp.maximum(q[off:off + n] @ ci[slot, :L].T, 0.0) * (di ** -0.5)  # (n, Hi, L)
         score = (wts[off:off + n, None, :] @ s)[:, 0]  # (n, L)
         causal = _causal_mask(pos, n, L)
-        score = np.where(causal, score, NEG_INF)
-        top = np.argpartition(-score, topk - 1, axis=-1)[:, :topk]  # (n, topk)
-        kp = np.zeros((n, L), dtype=bool)
-        np.put_along_axis(kp, top, True, axis=-1)
-        out.append(kp & causal)
+        score = be.where(causal, score, NEG_INF)
+        out.append(top_keys(xp, score, topk) & (causal if xp is np else xp.array(causal)))
     return out
+
+
+def top_keys(xp, score, k: int):
+    """(n, L) bool: each row's ``k`` highest scores, a tie at the k-th value going to the
+    lower index (the earlier position), the same on numpy and MLX.
+
+    Exact ties do happen in the indexer: a key whose every head's ``relu(q . k)`` is 0
+    scores exactly 0. transformers takes ``torch.topk``, which leaves the order of equal
+    values unspecified; a stable rule makes both backends choose the same keys. Made
+    without a sort: the k-th value ``t`` (a partition, or ``mx.topk``), every score above
+    it, then the first of those equal to it, as many as are still missing."""
+    if xp is np:
+        t = np.partition(score, score.shape[-1] - k, axis=-1)[:, -k:].min(axis=-1, keepdims=True)
+    else:
+        t = xp.topk(score, k, axis=-1).min(axis=-1, keepdims=True)
+    above, tied = score > t, score == t
+    need = k - above.astype(xp.int32).sum(axis=-1, keepdims=True)  # >= 1: t is among the k
+    return above | (tied & (xp.cumsum(tied.astype(xp.int32), axis=-1) <= need))
 
 
 def mlp(be, w: dict, x, pre: str = ""):

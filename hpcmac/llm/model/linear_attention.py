@@ -16,9 +16,12 @@ then ``o`` is RMS-normalised per head, times ``weight * silu(z)``. A prompt runs
 flash-linear-attention do), a decode step as the recurrence itself. A sequence at position
 0 starts from zero states, so a freed slot needs no reset to be reused.
 
-The recurrence runs in float32 numpy on either backend (the projections around it run on
-the backend); nothing here communicates: under tensor parallelism each rank runs its own
-value heads and the output projection's partial sum is the caller's.
+numpy: the recurrence in float32 numpy. MLX: the whole layer in MLX ops, its states MLX
+arrays in the cache, written in the step's graph (no host sync): a decode step is the
+recurrence, a prompt the recurrence token after token in the graph (:func:`_mlx_layer`; no
+chunked form: its triangular solve is a CPU-only op in MLX). Nothing here communicates:
+under tensor parallelism each rank runs its own value heads and the output projection's
+partial sum is the caller's.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ def gated_delta_net(be, cfg: ModelConfig, w: dict, x, seqs, conv, state):
     ``w_lin_out``. Returns the output projection (this rank's partial sum under tensor
     parallelism).
     """
+    if be.name == "mlx":
+        return _mlx_layer(be, cfg, w, x, seqs, conv, state)
     T = x.shape[0]
     nk, nv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     C = 2 * nk * dk + nv * dv
@@ -144,3 +149,69 @@ def gated_delta_net(be, cfg: ModelConfig, w: dict, x, seqs, conv, state):
     o = o * (1.0 / np.sqrt((o * o).mean(axis=-1, keepdims=True) + cfg.norm_eps))
     o = o * w["lin_norm"] * _silu(z.reshape(T, nv, dv))
     return be.linear(be.asarray(o.reshape(T, nv * dv)), w["w_lin_out"])
+
+
+def _mlx_step(mx, S, q, k, v, beta, g):
+    """:func:`_recurrent` in MLX ops: S (..., H, dk, dv), q/k (..., H, dk), v (..., H, dv),
+    beta/g (..., H). Returns (o (..., H, dv), the new S)."""
+    S = S * mx.exp(g)[..., None, None]
+    mem = (k[..., None, :] @ S)[..., 0, :]  # (..., H, dv)
+    S = S + k[..., :, None] * ((v - mem) * beta[..., None])[..., None, :]
+    return (q[..., None, :] @ S)[..., 0, :], S
+
+
+def _mlx_layer(be, cfg: ModelConfig, w: dict, x, seqs, conv, state):
+    """:func:`gated_delta_net` on the MLX backend: the same arithmetic in MLX ops, left in
+    the step's graph. ``conv``, ``state``: the cache's MLX arrays, updated in place (their
+    new values are graph nodes the step's evaluation computes). A prompt (or chunk) runs
+    the recurrence one token at a time: ``n`` small steps in the graph."""
+    mx = be.mx
+    T = x.shape[0]
+    nk, nv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    C = 2 * nk * dk + nv * dv
+    p = be.linear(x, w["w_lin_in"])  # (T, C + nv*dv + 2nv)
+    mixed, z = p[:, :C], p[:, C:C + nv * dv]
+    b, a = p[:, C + nv * dv:C + nv * dv + nv], p[:, C + nv * dv + nv:]
+    cw = w["conv_w"]  # (C, K)
+    decode = T == len(seqs)
+    if decode:
+        slots = be.index([s[0] for s in seqs])
+        live = be.asarray([[[float(s[3] != 0)]] for s in seqs])  # (B, 1, 1): 0 starts fresh
+        xs = mx.concatenate([conv[slots] * live, mixed[:, None, :]], axis=1)  # (B, K, C)
+        conv[slots] = xs[:, 1:]
+        conved = (xs * cw.T).sum(axis=1)
+    else:
+        parts = []
+        for slot, off, n, pos in seqs:
+            K = cw.shape[1]
+            prev = conv[slot] if pos else be.zeros((K - 1, C))
+            xs = mx.concatenate([prev, mixed[off:off + n]], axis=0)  # (n + K - 1, C)
+            conv[slot] = xs[n:]
+            parts.append(_conv(cw, xs, n))
+        conved = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    conved = be.silu(conved)
+    vk = w["lin_vk"]
+
+    def l2(t):
+        return t * mx.rsqrt((t * t).sum(axis=-1, keepdims=True) + 1e-6)
+
+    q = l2(conved[:, :nk * dk].reshape(T, nk, dk))[:, vk] * (dk ** -0.5)  # (T, nv, dk)
+    k = l2(conved[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))[:, vk]
+    v = conved[:, 2 * nk * dk:].reshape(T, nv, dv)
+    beta = mx.sigmoid(b)
+    g = w["lin_A"] * mx.logaddexp(a + w["dt_bias"], 0.0)  # (T, nv), <= 0
+    if decode:
+        o, S = _mlx_step(mx, state[slots] * live[..., None], q, k, v, beta, g)
+        state[slots] = S
+    else:
+        outs = []
+        for slot, off, n, pos in seqs:
+            S = state[slot] if pos else be.zeros(state.shape[1:])
+            for t in range(off, off + n):
+                o, S = _mlx_step(mx, S, q[t], k[t], v[t], beta[t], g[t])
+                outs.append(o)
+            state[slot] = S
+        o = mx.stack(outs, axis=0)  # (T, nv, dv)
+    o = o * mx.rsqrt((o * o).mean(axis=-1, keepdims=True) + cfg.norm_eps)
+    o = o * w["lin_norm"] * be.silu(z.reshape(T, nv, dv))
+    return be.linear(o.reshape(T, nv * dv), w["w_lin_out"])

@@ -217,7 +217,7 @@ class Stage:
         be = self.backend
         if be.name != "mlx":
             return []
-        return [a for a in (*cache.k, *cache.v) if isinstance(a, be.mx.array)]
+        return [a for a in (*cache.k, *cache.v, *cache.index) if isinstance(a, be.mx.array)]
 
     def logits(self, h, lazy: bool = False):
         """(n, hidden) -> (n, vocab) float32: final norm and head [last stage].

@@ -842,14 +842,13 @@ class _Scheduler:
         evaluated in the background (``async_eval``) while step t's ids are read: one
         host sync per step, and the host's work overlaps the device's. It ends when a
         sequence does (a step built past an EOS or stop string is dropped: its cache
-        writes are at positions the next step overwrites, so families with recurrent
-        states or indexer keys never burst). False when the conditions do not hold
-        (the ordinary loop then runs the step)."""
+        writes are at positions the next step overwrites, and the recurrent states it
+        moved are put back, :meth:`~hpcmac.llm.model.cache.KVCache.hold`). False when
+        the conditions do not hold (the ordinary loop then runs the step)."""
         st = self.st
         if (self.size != 1 or st.tensor is not None or not st.lazy or self.source is not None
                 or self.drafter is not None or self.prefix is not None or self.queue
-                or self.inflight or self.stopping or st.plan.keep_logits or st.cache.recurrent
-                or any(a is not None for a in st.cache.index)):
+                or self.inflight or self.stopping or st.plan.keep_logits):
             return False
         seqs = list(self.active)
         if not seqs or any(not s.ready or s.fed + 1 != len(s.tokens) or
@@ -864,17 +863,20 @@ class _Scheduler:
         st.start(y)
         while True:
             self._fed(seqs)
-            nxt = None
+            nxt = held = None
             if not self.stopping and all(  # every sequence goes on unless its token ends it
                     len(s.tokens) - s.n_prompt + 1 < s.req.max_tokens and
                     s.fed + 1 <= st.plan.max_len for s in seqs):
                 nmeta = self._decode_meta(seqs)
+                held = st.cache.hold([s.slot for s in seqs])  # the states before nxt
                 nxt = st.device_step(y, nmeta)
                 st.start(nxt)  # queued behind y: the device goes on while y is read
             toks = st.read(y, meta)
             self.receive([(s, 0) for s in seqs], toks)
             if nxt is None or any(s.finish for s in seqs):
-                return True  # a step built for a sequence that ended is dropped
+                if held is not None:  # a step built for a sequence that ended is dropped
+                    st.cache.put_back(held)
+                return True
             y, meta = nxt, nmeta
 
     def _decode_meta(self, seqs: list[_Seq]) -> np.ndarray:

@@ -230,13 +230,13 @@ class IndexedMLA(MLA):
         a = _p(i) + "self_attn.indexer."
         w["ix_wq"] = ld.w(a + "wq_b.weight")
         w["ix_wk"] = ld.w(a + "wk.weight")
-        w["ix_norm_w"] = ld.np(a + "k_norm.weight")
-        w["ix_norm_b"] = ld.np(a + "k_norm.bias")
+        w["ix_norm_w"] = ld(a + "k_norm.weight")
+        w["ix_norm_b"] = ld(a + "k_norm.bias")
         w["ix_wts"] = ld.w(a + "weights_proj.weight")
 
     @staticmethod
     def index_dim(cfg: ModelConfig) -> int:
-        """Width of the indexer's key cached per token (numpy float32 on either backend)."""
+        """Width of the indexer's key cached per token (the backend's float32 array)."""
         return cfg.index_head_dim
 
 
@@ -289,14 +289,15 @@ class GatedDeltaNet:
         # rows [q | k | v | z | b | a] of this rank's heads: one product for all six
         w["w_lin_in"] = be.weight(concat_rows([ld.raw(a + n + ".weight") for n in names]))
         conv = ld.np(a + "conv1d.weight")
-        w["conv_w"] = np.ascontiguousarray(conv.reshape(conv.shape[0], conv.shape[2]))
-        w["lin_A"] = -np.exp(ld.np(a + "A_log"))
-        w["dt_bias"] = ld.np(a + "dt_bias")
-        w["lin_norm"] = ld.np(a + "norm.weight")
+        # the backend's arrays: numpy float32, or MLX (the layer runs in MLX's graph)
+        w["conv_w"] = be.asarray(conv.reshape(conv.shape[0], conv.shape[2]))
+        w["lin_A"] = be.asarray(-np.exp(ld.np(a + "A_log")))
+        w["dt_bias"] = ld(a + "dt_bias")
+        w["lin_norm"] = ld(a + "norm.weight")
         w["w_lin_out"] = ld.w(a + "out_proj.weight")
         (v0, v1), (k0, _) = ld.shard.lin_v, ld.shard.lin_k
         g = cfg.linear_v_heads // cfg.linear_k_heads
-        w["lin_vk"] = np.arange(v0, v1) // g - k0  # each value head's key head, locally
+        w["lin_vk"] = be.index(np.arange(v0, v1) // g - k0)  # each value head's key head, locally
 
     @staticmethod
     def state_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
