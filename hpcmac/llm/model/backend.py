@@ -178,8 +178,18 @@ class NumpyBackend:
         return e
 
     def rms_norm(self, x, w, eps: float):
+        if x.ndim == 2 and x.shape[0] <= fused_kernels().MAX_ROWS and x.flags.c_contiguous:
+            return fused_kernels().rms_norm(x, w, eps)  # decode: one compiled call, not six
         ms = np.einsum("...i,...i->...", x, x)[..., None] * (1.0 / x.shape[-1])
         return x * (1.0 / np.sqrt(ms + eps)) * w
+
+    def add_rms_norm(self, x, a, w, eps: float):
+        """``(x + a, rms_norm(x + a))``: a residual add and the norm that follows it."""
+        if x.ndim == 2 and x.shape[0] <= fused_kernels().MAX_ROWS and x.flags.c_contiguous and \
+                a.flags.c_contiguous:
+            return fused_kernels().add_rms_norm(x, a, w, eps)
+        x = x + a
+        return x, self.rms_norm(x, w, eps)
 
     def where(self, cond, a, b):
         return np.where(cond, a, b)
@@ -201,6 +211,19 @@ class NumpyBackend:
     def host(self, a, *wait) -> np.ndarray:
         """``a`` as numpy: it is already (the numpy backend has no device)."""
         return a
+
+
+_FUSED_MODULE = None
+
+
+def fused_kernels():
+    """:mod:`hpcmac.llm.model.fused` (imported on first use: it compiles with numba)."""
+    global _FUSED_MODULE
+    if _FUSED_MODULE is None:
+        from hpcmac.llm.model import fused
+
+        _FUSED_MODULE = fused
+    return _FUSED_MODULE
 
 
 #: weight bits and group sizes MLX's affine quantization takes
@@ -399,6 +422,11 @@ class MLXBackend:
 
     def rms_norm(self, x, w, eps: float):
         return self.mx.fast.rms_norm(x, w, eps)
+
+    def add_rms_norm(self, x, a, w, eps: float):
+        """``(x + a, rms_norm(x + a))``: a residual add and the norm that follows it."""
+        x = x + a
+        return x, self.rms_norm(x, w, eps)
 
     def where(self, cond, a, b):
         return self.mx.where(self.mx.array(cond) if isinstance(cond, np.ndarray) else cond, a, b)

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hpcmac.llm.model.backend import fused_kernels
 from hpcmac.llm.model.rope import apply_rope
 
 if TYPE_CHECKING:
     from hpcmac.llm.model.arch.fields import ModelConfig
 
 NEG_INF = float("-inf")
+_NONE = np.empty(0, np.float32)  # no norm weights, no sinks (fused.attend_one)
 
 
 def _causal_mask(pos: int, n: int, length: int, window: int = 0) -> np.ndarray:
@@ -64,6 +66,19 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     qkv = be.linear(x, w["wqkv"])
     if "bqkv" in w:
         qkv = qkv + w["bqkv"]
+    full = "q_norm_full" in w
+    sinks = w.get("sinks")  # (H,) in the padded head order
+    if be.name == "numpy" and T == 1 and "q_pad" not in w and not full and not output_gate:
+        slot, _, _, pos = seqs[0]
+        j0 = max(0, pos + 1 - window) if window else 0  # the keys the window sees
+        fk = fused_kernels()
+        if pos + 1 - j0 <= fk.MAX_KEYS:  # one token of one sequence: one compiled call
+            qn, kn = (w["q_norm"], w["k_norm"]) if cfg.qk_norm else (_NONE, _NONE)
+            o = fk.attend_one(qkv, H, KV, d, cos[0, 0], sin[0, 0], np.float32(scale), qn, kn,
+                              cfg.norm_eps, ck, cv, slot, pos, j0,
+                              _NONE if sinks is None else sinks)  # (1, H*d)
+            o = be.linear(o, w["wo"])
+            return o + w["bo"] if "bo" in w else o
     qd = 2 * d if output_gate else d
     q = qkv[:, :Hq * qd].reshape(T, Hq, qd)
     gate = None
@@ -71,7 +86,6 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
         q, gate = q[..., :d], q[..., d:].reshape(T, Hq * d)
     k = qkv[:, Hq * qd:Hq * qd + KV * d].reshape(T, KV, d)
     v = qkv[:, Hq * qd + KV * d:].reshape(T, KV, d)
-    full = "q_norm_full" in w
     if "q_pad" not in w and not cfg.qk_norm and not full and not output_gate:  # one rotation
         qk = apply_rope(qkv[:, :(Hq + KV) * d].reshape(T, Hq + KV, d), cos, sin, False, xp)
         q, k = qk[:, :Hq] * scale, qk[:, Hq:]  # (T, H, d), (T, KV, d)
@@ -87,7 +101,6 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
             k = be.rms_norm(k, w["k_norm"], cfg.norm_eps)
         q = apply_rope(q, cos, sin, False, xp) * scale
         k = apply_rope(k, cos, sin, False, xp)
-    sinks = w.get("sinks")  # (H,) in the padded head order
     if be.name == "numpy" and T == len(seqs):
         o = (_decode_one(be, q, k, v, seqs[0], ck, cv, g, window, sinks) if T == 1 else
              _decode_attention(be, q, k, v, seqs, ck, cv, g, window, sinks))

@@ -515,6 +515,5 @@ class Layer:
         caches = (ck, cv) if ci is None else (ck, cv, ci)
         a = self.attention.forward(be, cfg, w, be.rms_norm(x, w["ln1"], cfg.norm_eps), step,
                                    *caches)
-        x = x + step.sum(a)
-        y = be.rms_norm(x, w["ln2"], cfg.norm_eps)
+        x, y = be.add_rms_norm(x, step.sum(a), w["ln2"], cfg.norm_eps)
         return x + step.sum(self.ffn.forward(be, cfg, w, y))
