@@ -33,7 +33,9 @@ What a code means (``kind``, one compiled variant each): 0 an unsigned byte
 2 an E2M1 nibble (MXFP4), 3 an E4M3 byte (FP8). The float codes become floats
 in registers: an E2M1 nibble is looked up as twice its value, a signed integer
 in [-12, 12] (``pshufb`` on x86, a few byte operations elsewhere), so the
-scale carries the factor 1/2; an E4M3 byte moves into the bits of an IEEE
+scale carries the factor 1/2 (where the CPU has AVX-512F, the 16 doubled values are
+instead scaled by the chunk's factor, once, and looked up as floats by ``vpermps``:
+:meth:`_IR.fp4_scaled`); an E4M3 byte moves into the bits of an IEEE
 half (sign to bit 15, exponent and mantissa shifted by 7: the value over 2^8,
 subnormals included) and widens to float32 (``vcvtph2ps``), so the scale
 carries 2^8 (where the CPU has GFNI, the half's two bytes come from two GF(2) affine
@@ -184,6 +186,23 @@ class _IR:
         v = b.add(b.add(m, b.call(usub, [m, c(4)])), b.shl(b.call(usub, [m, c(6)]), c(1)))
         neg = b.sub(c(0), b.lshr(n, c(3)))  # 0 or -1
         return b.sub(b.xor(v, neg), neg)
+
+    def fp4_scaled(self, by, f):
+        """``<16 x i8>`` bytes of E2M1 code pairs (low nibble: codes 0-15 of the chunk, high:
+        16-31) -> two ``<16 x float>`` of their values times ``f / 2`` (the chunk's factor,
+        which carries the 1/2 of the doubled table): the 16 doubled values scaled once,
+        then looked up by ``vpermps`` (it reads the low 4 bits of each index, so the
+        nibbles need no mask). Exact: a power-of-two scale times a value of at most 4 bits."""
+        b = self.b
+        f16, i16 = _vec(_F32, 16), _vec(_I32, 16)
+        table = ir.Constant(f16, [float(v) for v in (0, 1, 2, 3, 4, 6, 8, 12,
+                                                       0, -1, -2, -3, -4, -6, -8, -12)])
+        tbl = b.fmul(table, self.splat(f, 16))
+        w = b.zext(by, i16)
+        perm = self.fn("llvm.x86.avx512.permvar.sf.512", f16, [f16, i16])
+        lo = b.call(perm, [tbl, w])
+        hi = b.call(perm, [tbl, b.lshr(w, ir.Constant(i16, [4] * 16))])
+        return lo, hi
 
     def e4m3(self, by):
         """``<16 x i8>`` E4M3 codes -> ``<16 x float>`` of their values / 2^8 (exact).
@@ -337,7 +356,21 @@ def _has_gfni() -> bool:
     return bool(f.get("gfni") and f.get("avx2"))
 
 
+def _has_avx512f() -> bool:
+    """Whether numba compiles for an x86 CPU with AVX-512F (``vpermps`` over 16 floats: the
+    E2M1 lookup of :meth:`_IR.fp4_scaled`)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if not llvm.get_process_triple().startswith(("x86_64", "i686")):
+        return False
+    if config.CPU_NAME not in (None, "host"):
+        return "+avx512f" in (config.CPU_FEATURES or "")
+    return bool(llvm.get_host_cpu_features().get("avx512f"))
+
+
 _HAS_PSHUFB = _has_pshufb()
+_HAS_AVX512F = _has_avx512f()
 _HAS_F16 = _has_f16()
 _HAS_GFNI = _HAS_F16 and _has_gfni()
 #: where the GFNI decode leaves code j of a chunk of 32: the FP8 kernel reads the
@@ -421,6 +454,7 @@ def _emit(context, builder, sig, args, int8: bool):
     f16 = _vec(_F32, 16)
     accs = [cgutils.alloca_once(b, f16) for _ in range(R)]
     accs8 = [cgutils.alloca_once(b, _vec(_F32, 8)) for _ in range(R)]  # one-chunk steps
+    accs2 = [cgutils.alloca_once(b, f16) for _ in range(R)]  # MXFP4's second (AVX-512F)
     ety = _F32 if sdt == types.float32 else _I16
     done = cgutils.alloca_once(b, _I64)  # chunks filled by the vector loop
 
@@ -498,6 +532,7 @@ def _emit(context, builder, sig, args, int8: bool):
             for r in range(nr):
                 fill(r, b.add(o0, _c64(r)), m)
                 b.store(ir.Constant(f16, None), accs[r])
+                b.store(ir.Constant(f16, None), accs2[r])
                 b.store(ir.Constant(_vec(_F32, 8), None), accs8[r])
             if int8:
                 # 4-bit codes: two chunks per 512-bit vpdpbusd (1.5-1.8x faster here);
@@ -545,6 +580,12 @@ def _emit(context, builder, sig, args, int8: bool):
                     for r in range(nr):
                         qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
                         h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
+                        if kind == 2 and _HAS_AVX512F:  # scaled table, two accumulators
+                            lo, hi = h.fp4_scaled(h.load(q.data, qo, _vec(_I8, 16)),
+                                                  factor(r, c, 1))
+                            b.store(h.fma(lo, x_lo, b.load(accs[r])), accs[r])
+                            b.store(h.fma(hi, x_hi, b.load(accs2[r])), accs2[r])
+                            continue
                         if bits4_static:
                             by = h.load(q.data, qo, _vec(_I8, 16))
                             lo = b.and_(by, ir.Constant(_vec(_I8, 16), [15] * 16))
@@ -562,7 +603,7 @@ def _emit(context, builder, sig, args, int8: bool):
             xs_row = b.gep(xs.data, [b.mul(m, G)])
             for r in range(nr):
                 o = b.add(o0, _c64(r))
-                tot = h.hsum(b.load(accs[r]))
+                tot = h.hsum(b.fadd(b.load(accs[r]), b.load(accs2[r])))
                 if int8:
                     tot = b.fadd(tot, h.hsum(b.load(accs8[r])))
                 with b.if_else(derived) as (then, other):
