@@ -100,3 +100,40 @@ def test_quantize_flags_are_checked(tmp_path):
         main(base + ["--backend", "mlx", "--quantize", "7"])
     with pytest.raises(UsageError, match="--q-group-size 48: expected one of 32, 64, 128"):
         main(base + ["--backend", "mlx", "--quantize", "4", "--q-group-size", "48"])
+
+
+def held_nbytes(stage) -> int:
+    """Bytes of the arrays a stage holds, each object once (a tied head is the embedding)."""
+    seen, total = set(), 0
+
+    def walk(v):
+        nonlocal total
+        if id(v) in seen:
+            return
+        seen.add(id(v))
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, (QWeight, mx.array, np.ndarray)):
+            total += int(v.nbytes)
+
+    walk(stage.layers)
+    walk(stage.extra)
+    return total
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_quantized_bytes_loaded_planned_and_held_agree(name, tmp_path):
+    """``--quantize``: the loader's count (generate's JSON, the server's weights) is what
+    MLX holds, and the planner's stage_nbytes counts the same."""
+    from hpcmac.llm.model.weights import stage_nbytes
+
+    arch, over = CASES[name]
+    folder = random_checkpoint(arch, tmp_path / "ck", seed=2, **{**SHAPES, **over})
+    for rng in [(0, 2, True, True), (0, 1, True, False), (1, 2, False, True)]:
+        st = load_stage(folder, *rng, backend="mlx", quantize=4, group_size=GROUP)
+        assert st.nbytes == held_nbytes(st) == \
+            stage_nbytes(folder, *rng, quantize=4, group_size=GROUP), rng

@@ -236,13 +236,42 @@ class Stage:
 
 # -- loading ------------------------------------------------------------------
 
+class _Packing:
+    """The backend as the loader hands it to the family's blocks: ``weight`` packs as the
+    backend does and corrects the loader's count, made when the tensor was read, by what
+    the backend then holds (MLX ``--quantize`` packs a float matrix into fewer bytes)."""
+
+    def __init__(self, be, ld: _Loader):
+        self._be, self._ld = be, ld
+
+    def __getattr__(self, name):
+        return getattr(self._be, name)
+
+    def weight(self, w):
+        out = self._be.weight(w)
+        self._ld.nbytes += _packed_delta(w, out)
+        return out
+
+
+def _packed_delta(w, out) -> int:
+    """Held minus counted bytes of ``w`` packed into ``out``: nonzero only where a float
+    matrix (counted at its float size when read) became a :class:`QWeight`."""
+    if isinstance(out, list):  # Blocks of a RowBlocks
+        return sum(_packed_delta(a, b) for a, b in zip(w, out)) \
+            if isinstance(w, list) and len(w) == len(out) else 0
+    if isinstance(out, QWeight) and not isinstance(w, QuantTensor):
+        return int(out.nbytes) - int(w.nbytes)
+    return 0
+
+
 class _Loader:
     """Reads a stage's tensors by their :mod:`~hpcmac.llm.model.spec`: checks each
-    shape, keeps this rank's slice and counts its bytes."""
+    shape, keeps this rank's slice and counts its bytes, as the backend holds them."""
 
     def __init__(self, ckpt, backend, cfg: ModelConfig, shard: Shard,
                  keep_quantized: bool = True):
-        self.ckpt, self.be, self.cfg, self.shard = ckpt, backend, cfg, shard
+        self.ckpt, self.cfg, self.shard = ckpt, cfg, shard
+        self.be = _Packing(backend, self)
         self.keep = keep_quantized and hasattr(ckpt, "get_weight")
         self.nbytes = 0
         self.specs: dict[str, TensorSpec] = {}
@@ -392,7 +421,7 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     extra: dict = {}
     if first or (last and cfg.tie_embeddings):
         emb = ld.raw16("model.embed_tokens.weight", spec.embed_spec(cfg))
-        packed = be.weight(emb) if quantize or isinstance(emb, QuantTensor) else None
+        packed = ld.be.weight(emb) if quantize or isinstance(emb, QuantTensor) else None
         if first:
             extra["embed"] = True
             if isinstance(packed, (QWeight, NQWeight)):  # one quantized copy: lookup, tied head
@@ -410,7 +439,7 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
         norm, *head = spec.head_tensors(cfg)
         extra["norm"] = norm_weight(ld, cfg, "model.norm.weight", norm)
         if head:
-            extra["head"] = be.weight(ld.raw16("lm_head.weight", head[0]))
+            extra["head"] = ld.be.weight(ld.raw16("lm_head.weight", head[0]))
     stage = Stage(cfg, start, end, first, last, be, layers, extra, ld.nbytes, shard, reduce)
     stage.formats = dict(ld.formats)
     if hasattr(ckpt, "release"):  # the file's pages read while loading leave the RSS
