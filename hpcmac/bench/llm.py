@@ -21,12 +21,16 @@ number of BLAS / llama.cpp threads:
 
 ``--contexts 64,4096`` adds single-sequence decode rows after prompts of those lengths
 (the first is the reference): a linear-attention model's state does not grow with them.
+``--family qwen3_next`` makes the random model a dense Qwen3-Next of the same sizes
+(Gated DeltaNet in 3 of 4 layers, heads of 128; written by transformers, so it needs
+torch), for that row; llama.cpp and the quantized rows are the Llama's only.
 
 ``--ttft`` measures instead the time to first token from a fresh process beside
 llama.cpp's (hpcmac.bench.llm_ttft).
 
 By default the model is a random float32 Llama of ~150M parameters (~490 MB read
-per token) written to a temporary folder; ``--model`` benchmarks any checkpoint.
+per token) written to a temporary folder; ``--model`` benchmarks any checkpoint (its
+rows: bandwidth, decode, batched, contexts).
 """
 
 from __future__ import annotations
@@ -74,25 +78,28 @@ def llamacpp_rate(gguf_path: Path, threads: int, steps: int, vocab: int) -> floa
 
 
 #: what the native llama.cpp's subprocess runs (in --llamacpp-native's Python): load the
-#: GGUF, prefill 16 random tokens, then time ``steps`` one-token decode steps, greedy, twice
-#: (the first warms up); prints its rate and the build's CPU features as one JSON line
+#: GGUF, prefill 16 random tokens, then time ``steps`` one-token decode steps, greedy (the
+#: logits read and argmax'd as hpcmac's decode_rate does), twice (the first warms up);
+#: prints the rate of the median step, as decode_rate's, and the build's CPU features as
+#: one JSON line
 _NATIVE = """
-import json, sys, time
+import json, statistics, sys, time
 import numpy as np
 import llama_cpp
 path, threads, steps, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_threads=threads, n_threads_batch=threads,
                       verbose=False)
 prompt = [int(x) for x in np.random.default_rng(1).integers(0, vocab, 16)]
-rates = []
 for _ in range(2):
     llm.reset()
     llm.eval(prompt)
-    t = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t = time.perf_counter()
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    rates.append(steps / (time.perf_counter() - t))
-print(json.dumps({"rate": rates[-1], "system": llama_cpp.llama_print_system_info().decode()}))
+        times.append(time.perf_counter() - t)
+print(json.dumps({"rate": 1.0 / statistics.median(times),
+                  "system": llama_cpp.llama_print_system_info().decode()}))
 """
 
 
@@ -111,16 +118,30 @@ def native_python(venv: str) -> str:
 
 
 def native_rate(python: str, gguf_path: Path, threads: int, steps: int, vocab: int
-                ) -> tuple[float, str]:
-    """(decode tok/s, the build's CPU features) of the native llama.cpp on ``gguf_path``."""
+                ) -> tuple[float | None, str]:
+    """(decode tok/s, the build's CPU features) of the native llama.cpp on ``gguf_path``,
+    or (None, why it failed): a build can crash on one type and run the others (this
+    VM's AMX build segfaulted on quantized models), so the bench goes on and says so."""
+    import signal
+
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    r = subprocess.run([python, "-c", _NATIVE, str(gguf_path), str(threads), str(steps),
-                        str(vocab)], capture_output=True, text=True, env=env, timeout=1800)
+    try:
+        r = subprocess.run([python, "-c", _NATIVE, str(gguf_path), str(threads), str(steps),
+                            str(vocab)], capture_output=True, text=True, env=env,
+                           timeout=1800)
+    except subprocess.TimeoutExpired:
+        return None, f"{gguf_path.name}: no result in 1800 s"
     if r.returncode:
+        if r.returncode < 0:
+            with contextlib.suppress(ValueError):
+                return None, f"{gguf_path.name}: killed by {signal.Signals(-r.returncode).name}"
         tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"native llama.cpp on {gguf_path.name} failed: {tail}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    return float(out["rate"]), out["system"]
+        return None, f"{gguf_path.name}: exit {r.returncode}: {tail}"
+    try:
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        return float(out["rate"]), str(out["system"])
+    except (IndexError, ValueError, KeyError, TypeError):
+        return None, f"{gguf_path.name}: no rate in its output {r.stdout.strip()[-200:]!r}"
 
 
 #: the GGUF types the gguf package's writer quantizes (the quantized rows' files), and FP8
@@ -156,6 +177,26 @@ def write_fp8_qwen3(llama: Path, out: Path) -> Path:
     return out
 
 
+#: the families the random model can be (``--family``)
+FAMILIES = ("llama", "qwen3_next")
+
+
+def write_random_qwen3_next(folder: Path, hidden: int, layers: int, intermediate: int,
+                            vocab: int, positions: int) -> Path:
+    """A random dense float32 Qwen3-Next (transformers' own model, saved): Gated DeltaNet
+    in 3 of every 4 layers with hidden/128 key and 2x as many value heads of 128, the
+    others gated full attention of hidden/128 query and hidden/512 KV heads of 128."""
+    from hpcmac.llm.model.fixtures import random_checkpoint
+
+    heads = max(1, hidden // 128)
+    return random_checkpoint(
+        "qwen3_next", folder, hidden_size=hidden, num_hidden_layers=layers,
+        intermediate_size=intermediate, vocab_size=vocab, num_attention_heads=heads,
+        num_key_value_heads=max(1, hidden // 512), head_dim=128, linear_num_key_heads=heads,
+        linear_num_value_heads=2 * heads, linear_key_head_dim=128, linear_value_head_dim=128,
+        num_experts=0, max_position_embeddings=positions)
+
+
 def quant_types(text: str) -> list[str]:
     """``--quant``'s comma-separated GGUF types, upper-cased; one clear line for a type
     this benchmark cannot write."""
@@ -171,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m hpcmac.bench.llm",
                         description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: a random float32 Llama)")
+    ap.add_argument("--family", default="llama", choices=FAMILIES,
+                    help="the random model's family (qwen3_next: for --contexts; needs torch)")
     ap.add_argument("--workdir", default=None, help="where the random model and GGUF go")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
@@ -216,8 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--contexts {args.contexts!r}: expected prompt lengths >= 1, "
                          "comma-separated (e.g. 64,4096)")
     contexts = [int(c) for c in contexts]
+    llama = args.model is None and args.family == "llama"  # llama.cpp and --quant rows
+    if args.model is None and args.family != "llama" and (
+            find_spec("torch") is None or find_spec("transformers") is None):
+        raise UsageError(f"--family {args.family}: the random model is written by "
+                         "transformers (torch and transformers are not installed)")
     native = None
-    if args.llamacpp_native and not args.no_llamacpp and args.model is None:
+    if args.llamacpp_native and not args.no_llamacpp and llama:
         native = native_python(args.llamacpp_native)
     from threadpoolctl import threadpool_limits
 
@@ -229,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         work = Path(tmp := tempfile.mkdtemp(prefix="hpcmac-llm-"))
     model = args.model
-    if model is None:
+    if model is None and args.family == "qwen3_next":
+        model = write_random_qwen3_next(work / "qwen3-next", args.hidden, args.layers,
+                                        args.intermediate, args.vocab,
+                                        max([16, *contexts]) + args.steps + 1)
+    elif model is None:
         model = write_random_llama(work / "llama", args.hidden, args.layers, args.intermediate,
                                    args.vocab, heads=args.hidden // 64,
                                    kv_heads=max(1, args.hidden // 256))
@@ -237,12 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = stage.config
     per_token = stage.nbytes - cfg.vocab * cfg.hidden * 4 * (0 if cfg.tie_embeddings else 1)
     gguf_path = None
-    if not args.no_llamacpp and args.model is None and (native or find_spec("xllamacpp")):
+    if not args.no_llamacpp and llama and (native or find_spec("xllamacpp")):
         from hpcmac.llm.model.fixtures import write_gguf
 
         gguf_path = write_gguf(model, work / "llama-f32.gguf", "F32")
     system = ""
-    qtypes = [q for q in args.quant.split(",") if q] if args.model is None else []
+    native_failed: dict[str, list[str]] = {}  # type -> why, each round it gave no rate
+    qtypes = [q for q in args.quant.split(",") if q] if llama else []
     if "FP8" in qtypes and find_spec("torch") is None:  # its e4m3 rounding is torch's
         qtypes.remove("FP8")
         print("FP8 row: not run (it writes the FP8 copy with torch, not installed)")
@@ -280,8 +333,12 @@ def main(argv: list[str] | None = None) -> int:
                 if lc:
                     r["llamacpp"] = lc
                 if native:
-                    r["native"], system = native_rate(native, gguf_path, args.threads,
-                                                      args.steps, cfg.vocab)
+                    rate, what = native_rate(native, gguf_path, args.threads, args.steps,
+                                             cfg.vocab)
+                    if rate is None:
+                        native_failed.setdefault("F32", []).append(what)
+                    else:
+                        r["native"], system = rate, what
             for qt, q in quant.items():
                 r[f"{qt}_kept"] = decode_rate(q["kept"], 1, args.steps)
                 if args.backend == "numpy" and qt in INT8_TYPES:  # 8-bit activations
@@ -295,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
                     if lc:
                         r[f"{qt}_llamacpp"] = lc
                     if native:
-                        r[f"{qt}_native"] = native_rate(native, q["path"], args.threads,
-                                                        args.steps, cfg.vocab)[0]
+                        rate, what = native_rate(native, q["path"], args.threads,
+                                                 args.steps, cfg.vocab)
+                        if rate is None:
+                            native_failed.setdefault(qt, []).append(what)
+                        else:
+                            r[f"{qt}_native"], system = rate, system or what
             rounds.append(r)
     for r in rounds:  # ratios within a round: the load of a shared machine shifts between rounds
         r["single_vs_bound"] = r["single"] * per_token / r["bandwidth"]
@@ -319,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                 r[f"{qt}_vs_llamacpp"] = r[f"{qt}_kept"] / r[f"{qt}_llamacpp"]
                 if f"{qt}_i8" in r:
                     r[f"{qt}_i8_vs_llamacpp"] = r[f"{qt}_i8"] / r[f"{qt}_llamacpp"]
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    keys = dict.fromkeys(k for r in rounds for k in r)  # a native row can fail in a round
+    med = {k: statistics.median(r[k] for r in rounds if k in r) for k in keys}
     bound = med["bandwidth"] / per_token
     print(f"hpcmac.bench.llm: {platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"cores, {args.threads} thread(s), backend {args.backend}; medians of {args.rounds} "
@@ -339,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("llama.cpp F32, 1 sequence", f"{med['llamacpp']:.1f} tok/s",
                      f"hpcmac {med['single']:.1f} tok/s", f"{med['vs_llamacpp']:.2f}"))
     else:
-        rows.append(("llama.cpp", "not run", "xllamacpp not installed or --model given", ""))
+        rows.append(("llama.cpp", "not run", "no xllamacpp, --model or --family", ""))
     if "vs_native" in med:
         rows.append(("llama.cpp native F32", f"{med['native']:.1f} tok/s",
                      f"hpcmac {med['single']:.1f} tok/s", f"{med['vs_native']:.2f}"))
@@ -382,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"{med[qt + '_i8_vs_native']:.2f}"))
     if system:
         print(f"llama.cpp native ({args.llamacpp_native}): {system.strip()}")
+    for qt, why in native_failed.items():  # its rows (if any) are the other rounds' medians
+        print(f"llama.cpp native {qt}: failed in {len(why)} of {args.rounds} rounds "
+              f"(last: {why[-1]})")
     print(f"{'measure':<28}{'value':>14}  {'reference':<28}{'ratio':>6}")
     for name, val, ref, ratio in rows:
         print(f"{name:<28}{val:>14}  {ref:<28}{ratio:>6}")
@@ -391,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                "bound_tok_s": bound, "single_vs_bound": med["single_vs_bound"],
                "batched_vs_single": med["batched_vs_single"],
                "vs_llamacpp": med.get("vs_llamacpp"), "vs_native": med.get("vs_native"),
-               "native_system": system or None,
+               "native_system": system or None, "native_failed": native_failed,
                "host": [{"rank": 0, **host}],  # one sequence's decode, counted by the backend
                "quantized": {qt: {"file_bytes": q["file_bytes"], "held_bytes": q["held_bytes"],
                                   "rss": q["rss"]} for qt, q in quant.items()}}

@@ -3,6 +3,7 @@ model is written."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def test_unknown_quant_type_is_a_usage_error(value):
     (["--quant", "Q4_K"], "--quant: 'Q4_K' is not a GGUF type this benchmark can write"),
     (["--steps", "0"], "--threads, --steps, --batch and --rounds must be >= 1"),
     (["--contexts", "64,4k"], "--contexts '64,4k': expected prompt lengths >= 1"),
+    (["--family", "gpt_oss"], "--family: invalid choice: 'gpt_oss'"),
     (["--llamacpp-native", "/nonexistent"], "--llamacpp-native /nonexistent: no "
                                             "/nonexistent/bin/python (expected a Python venv"),
     (["--llamacpp-native", sys.prefix], f"--llamacpp-native {sys.prefix}: its Python cannot "
@@ -47,3 +49,22 @@ def test_bad_arguments_are_one_line(tmp_path, argv, expect):
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert expect in lines[0]
     assert not any(tmp_path.iterdir())  # refused before writing a model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_family_qwen3_next_gives_the_context_rows(tmp_path):
+    """--family qwen3_next: the random model is a Qwen3-Next (linear attention), decoded
+    after each --contexts length; the Llama-only rows are not run."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "hpcmac.bench.llm", "--family", "qwen3_next",
+                        "--hidden", "128", "--layers", "4", "--intermediate", "64", "--vocab",
+                        "128", "--contexts", "8,40", "--rounds", "1", "--steps", "2",
+                        "--batch", "2", "--workdir", str(tmp_path / "w"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=280, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "model: qwen3_next, 4 layers, hidden 128" in p.stdout
+    med = json.loads(out.read_text())["median"]
+    assert med["ctx8"] > 0 and med["ctx40"] > 0 and med["ctx8_vs_ctx8"] == 1.0
+    assert not any(k.startswith(("Q8_0", "MXFP4", "FP8")) or k == "llamacpp" for k in med)
