@@ -58,3 +58,22 @@ def test_bad_field_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert f"{tmp_path / 'config.json'}: field 'linear_num_value_heads' = 5" in err[0]
+
+
+@pytest.mark.parametrize("n", [1, 37, 150])
+def test_mlx_chunked_equals_numpy(n):
+    """The MLX backend's chunked form (the UT system solved by an inverse made of matmuls,
+    a chunk padded to a power of 2) against numpy's (``np.linalg.solve``): 150 tokens are
+    two whole chunks and a 22-token tail."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(10 + n)
+    H, dk, dv = 3, 8, 5
+    q, k, v, beta, g = _inputs(rng, H, n, dk, dv)
+    S0 = 0.3 * rng.standard_normal((H, dk, dv), dtype=np.float32)
+    want, S_want = la._chunked(S0, q, k, v, beta, g)
+    out, S = la._mlx_chunked(mx, *(mx.array(a) for a in (S0, q, k, v, beta, g)))
+    np.testing.assert_allclose(np.array(out), want, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(np.array(S), S_want, rtol=0, atol=2e-5)
+    A = (np.tril(rng.uniform(-1, 1, (2, 16, 16)), -1) + np.eye(16)).astype(np.float32)
+    inv = np.array(la._mlx_unit_lower_inverse(mx, mx.array(A)))
+    np.testing.assert_allclose(inv @ A, np.broadcast_to(np.eye(16), A.shape), rtol=0, atol=1e-4)

@@ -17,9 +17,9 @@ flash-linear-attention do), a decode step as the recurrence itself. A sequence a
 0 starts from zero states, so a freed slot needs no reset to be reused.
 
 numpy: the recurrence in float32 numpy. MLX: the whole layer in MLX ops, its states MLX
-arrays in the cache, written in the step's graph (no host sync): a decode step is the
-recurrence, a prompt the recurrence token after token in the graph (:func:`_mlx_layer`; no
-chunked form: its triangular solve is a CPU-only op in MLX). Nothing here communicates:
+arrays in the cache, written in the step's graph (no host sync; :func:`_mlx_layer`): the
+same decode step and 64-token chunks, the chunk's triangular system solved by its inverse
+made with matmuls (MLX's triangular solve is a CPU-only op). Nothing here communicates:
 under tensor parallelism each rank runs its own value heads and the output projection's
 partial sum is the caller's.
 """
@@ -160,11 +160,72 @@ def _mlx_step(mx, S, q, k, v, beta, g):
     return (q[..., None, :] @ S)[..., 0, :], S
 
 
+_LEVELS: dict = {}
+
+
+def _level_masks(mx, P: int) -> list:
+    """For a unit lower-triangular (P, P) matrix, P a power of 2: per doubling level of
+    block size b, the (P, P) float mask of the lower-left b x b blocks inside each 2b x 2b
+    diagonal block (what :func:`_mlx_unit_lower_inverse` eliminates at that level)."""
+    if P not in _LEVELS:
+        r, c = np.arange(P)[:, None], np.arange(P)[None, :]
+        out, b = [], 1
+        while b < P:
+            m = (r // (2 * b) == c // (2 * b)) & ((r // b) % 2 == 1) & ((c // b) % 2 == 0)
+            out.append(mx.array(m.astype(np.float32)))
+            b *= 2
+        _LEVELS[P] = out
+    return _LEVELS[P]
+
+
+def _mlx_unit_lower_inverse(mx, M):
+    """The inverse of unit lower-triangular ``M`` (..., P, P), P a power of 2, in MLX
+    matmuls: block inversion by doubling, ``inv([[A, 0], [C, B]]) = [[A^-1, 0],
+    [-B^-1 C A^-1, B^-1]]``, all diagonal blocks of a level at once (X <- X - X N X, N
+    the level's lower-left blocks of M): 2 log2(P) products, no substitution loop (MLX's
+    triangular solve is a CPU-only op)."""
+    P = M.shape[-1]
+    X = mx.broadcast_to(mx.eye(P, dtype=mx.float32), M.shape)
+    for mask in _level_masks(mx, P):
+        X = X - X @ (M * mask) @ X
+    return X
+
+
+def _mlx_chunked(mx, S, q, k, v, beta, g):
+    """:func:`_chunked` in MLX ops: n tokens of one sequence, S (H, dk, dv), q/k (H, n, dk),
+    v (H, n, dv), beta/g (H, n); the UT transform's unit lower-triangular system solved by
+    its inverse (:func:`_mlx_unit_lower_inverse`; a chunk padded to a power of 2 with
+    identity rows, which change nothing). Returns (o (H, n, dv), the new S)."""
+    H, n, _ = q.shape
+    outs = []
+    for c0 in range(0, n, CHUNK):
+        c1 = min(n, c0 + CHUNK)
+        L = c1 - c0
+        P = 1 << (L - 1).bit_length()
+        qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1]
+        G = mx.cumsum(g[:, c0:c1], axis=-1)  # (H, L) log decay from the chunk's start
+        lower = mx.array(np.tril(np.ones((L, L), dtype=bool)))
+        D = mx.where(lower, mx.exp(G[:, :, None] - G[:, None, :]), 0.0)  # (H, L, L)
+        kb = kc * bc[..., None]
+        A = mx.tril((kb @ kc.swapaxes(-1, -2)) * D, -1)  # (H, L, L) strictly lower
+        if P > L:
+            A = mx.pad(A, [(0, 0), (0, P - L), (0, P - L)])
+        Minv = _mlx_unit_lower_inverse(mx, A + mx.eye(P, dtype=mx.float32))[:, :L, :L]
+        eG = mx.exp(G)
+        u = Minv @ (vc * bc[..., None])  # (H, L, dv)
+        wk = Minv @ (kb * eG[..., None])  # (H, L, dk)
+        v_new = u - wk @ S  # what the state does not predict yet
+        outs.append((qc * eG[..., None]) @ S + ((qc @ kc.swapaxes(-1, -2)) * D) @ v_new)
+        tail = mx.exp(G[:, -1:] - G)  # (H, L): decay from each token to the chunk's end
+        S = S * mx.exp(G[:, -1])[:, None, None] + (kc * tail[..., None]).swapaxes(-1, -2) @ v_new
+    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)), S
+
+
 def _mlx_layer(be, cfg: ModelConfig, w: dict, x, seqs, conv, state):
     """:func:`gated_delta_net` on the MLX backend: the same arithmetic in MLX ops, left in
     the step's graph. ``conv``, ``state``: the cache's MLX arrays, updated in place (their
     new values are graph nodes the step's evaluation computes). A prompt (or chunk) runs
-    the recurrence one token at a time: ``n`` small steps in the graph."""
+    in 64-token chunks as on numpy (:func:`_mlx_chunked`)."""
     mx = be.mx
     T = x.shape[0]
     nk, nv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
@@ -207,11 +268,12 @@ def _mlx_layer(be, cfg: ModelConfig, w: dict, x, seqs, conv, state):
         outs = []
         for slot, off, n, pos in seqs:
             S = state[slot] if pos else be.zeros(state.shape[1:])
-            for t in range(off, off + n):
-                o, S = _mlx_step(mx, S, q[t], k[t], v[t], beta[t], g[t])
-                outs.append(o)
+            r = slice(off, off + n)
+            oh, S = _mlx_chunked(mx, S, *(t[r].swapaxes(0, 1) for t in (q, k, v)),
+                                 beta[r].T, g[r].T)
             state[slot] = S
-        o = mx.stack(outs, axis=0)  # (T, nv, dv)
+            outs.append(oh.swapaxes(0, 1))
+        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)  # (T, nv, dv)
     o = o * mx.rsqrt((o * o).mean(axis=-1, keepdims=True) + cfg.norm_eps)
     o = o * w["lin_norm"] * be.silu(z.reshape(T, nv, dv))
     return be.linear(o.reshape(T, nv * dv), w["w_lin_out"])
