@@ -265,10 +265,27 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-def gguf_form_parts(form: tuple, w: np.ndarray) -> dict[str, np.ndarray]:
+def gguf_form_parts(form: tuple, w: np.ndarray, cfg=None) -> dict[str, np.ndarray]:
     """The GGUF tensors of a canonical tensor ``w`` stored in another layout
-    (:attr:`~hpcmac.llm.model.spec.TensorSpec.gguf_form`; the split, not the fused form)."""
+    (:attr:`~hpcmac.llm.model.spec.TensorSpec.gguf_form`; the split, not the fused form;
+    ``cfg``: the model's, which a ``rows`` form's index needs)."""
     kind, *names = form
+    if kind == "rows":  # the inverse of GGUFCheckpoint._gather
+        axis, index, post, *names = names
+        idx, counts = index(cfg)
+        if post == "neg_log":
+            w = -np.exp(w)
+        elif post == "conv":
+            w = w[:, 0, :]
+        if idx is not None:
+            stored = np.empty_like(w)
+            sl = [slice(None)] * w.ndim
+            sl[axis] = idx
+            stored[tuple(sl)] = w
+            w = stored
+        cuts = np.cumsum(counts)[:-1]
+        return {n: np.ascontiguousarray(p, dtype=np.float32)
+                for n, p in zip(names, np.split(w, cuts, axis=axis))}
     if kind == "t":
         return {names[0]: np.ascontiguousarray(w.swapaxes(-1, -2))}
     if kind == "pairs_t":
@@ -335,7 +352,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
             parts = t.name.split(".")
             tensors[t.gguf] = ckpt.experts(int(parts[2]), parts[-1], module=parts[3])
         elif t.gguf_form:
-            tensors.update(gguf_form_parts(t.gguf_form, ckpt.get(t.name)))
+            tensors.pop(t.name, None)
+            tensors.update(gguf_form_parts(t.gguf_form, ckpt.get(t.name), cfg))
         elif ".experts." in t.name:  # an expert tensor stored as it is (gpt-oss's biases)
             tensors[t.gguf] = ckpt.get(t.name)
     if split_kv_b:
@@ -347,6 +365,9 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32",
             tensors[f"blk.{i}.attn_v_b.weight"] = np.ascontiguousarray(
                 kv[:, cfg.qk_nope_head_dim:])  # (H, v, r)
     for name, t in tensors.items():
+        if cfg.norm_offset and name.endswith("norm.weight") and \
+                not name.endswith("linear_attn.norm.weight"):
+            t = t + np.float32(cfg.norm_offset)  # llama.cpp stores Qwen3-Next's 1 + w
         if fam.gguf_qk_permuted and name.endswith("q_proj.weight"):
             t = _permute(t, cfg.n_heads)
         elif fam.gguf_qk_permuted and name.endswith("k_proj.weight"):

@@ -58,7 +58,10 @@ def gguf_family(meta: GGUFMeta) -> Family:
     if arch not in known:
         raise UsageError(f"{where}: general.architecture {arch!r} is not supported; "
                          f"expected one of {', '.join(known)}")
-    cands = [f for f in fams if f.gguf_arch == arch]
+    cands: list = []  # one per mapping (qwen3_5_text is qwen3_5's family under its name)
+    for f in fams:
+        if f.gguf_arch == arch and all(c.from_gguf is not f.from_gguf for c in cands):
+            cands.append(f)
     if len(cands) == 1:
         return cands[0]
     pre = meta.field("tokenizer.ggml.pre")

@@ -240,6 +240,47 @@ class IndexedMLA(MLA):
         return cfg.index_head_dim
 
 
+def _rows(i: int, name: str, gguf: str, shape: tuple[int, ...], kind: str, split: str | None,
+          axis: int, form_axis: int, index: Callable, post: str | None = None) -> TensorSpec:
+    """A tensor of layer ``i`` that a GGUF file stores as the parts ``gguf`` (``a|b``, each
+    under ``blk.{i}.``) whose rows (``form_axis`` 0) or columns (1), concatenated, gathered
+    by ``index(cfg)`` -> (indices or None, the parts' lengths) give it; ``post``: ``conv``
+    (stored (C, K)) or ``neg_log`` (stored ``-exp(x)``) (read by
+    :class:`~hpcmac.llm.model.gguf_loader.GGUFCheckpoint`, written by the fixtures)."""
+    names = tuple(f"blk.{i}.{g}" for g in gguf.split("|"))
+    return TensorSpec(f"model.layers.{i}.{name}", tuple(int(x) for x in shape), kind, split,
+                      axis, None, ("rows", form_axis, index, post, *names))
+
+
+def _untiled(cfg: ModelConfig, hd: int) -> tuple[np.ndarray, tuple[int]]:
+    """Rows of ``hd`` per value head back from llama.cpp's tiled order (Qwen3.5's
+    converter: key head ``kh``'s ``r``-th value head at ``r * nk + kh``) to the grouped one
+    (at ``kh * g + r``, ``g`` value heads per key head)."""
+    nk, nv = cfg.linear_k_heads, cfg.linear_v_heads
+    g = nv // nk
+    head = np.array([r * nk + kh for kh in range(nk) for r in range(g)])
+    return (head[:, None] * hd + np.arange(hd)).reshape(-1), (nv * hd,)
+
+
+def _qkv_untiled(cfg: ModelConfig) -> tuple[np.ndarray, tuple[int]]:
+    """``in_proj_qkv`` (and the conv's channels): q and k as stored, v untiled."""
+    qk = 2 * cfg.linear_k_heads * cfg.linear_k_dim
+    v, (n,) = _untiled(cfg, cfg.linear_v_dim)
+    return np.concatenate([np.arange(qk), qk + v]), (qk + n,)
+
+
+def _qkvz_rows(cfg: ModelConfig) -> tuple[np.ndarray, tuple[int, int]]:
+    """Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, its value heads' v, their z) from
+    llama.cpp's ``attn_qkv`` (every q, every k, every v) and ``attn_gate`` (every z)."""
+    nk, dk = cfg.linear_k_heads, cfg.linear_k_dim
+    gv = cfg.linear_v_heads // nk * cfg.linear_v_dim
+    C = 2 * nk * dk + nk * gv
+    rows = [np.concatenate([h * dk + np.arange(dk), nk * dk + h * dk + np.arange(dk),
+                            2 * nk * dk + h * gv + np.arange(gv), C + h * gv + np.arange(gv)])
+            for h in range(nk)]
+    return np.concatenate(rows), (C, nk * gv)
+
+
 @dataclass(frozen=True)
 class GatedDeltaNet:
     """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5; numerics:
@@ -259,28 +300,36 @@ class GatedDeltaNet:
         D, nk, nv = cfg.hidden, cfg.linear_k_heads, cfg.linear_v_heads
         dk, dv = cfg.linear_k_dim, cfg.linear_v_dim
         C, a = 2 * nk * dk + nv * dv, "linear_attn."
+        # GGUF: llama.cpp's converter splits Qwen3-Next's in_proj_qkvz into attn_qkv (every
+        # q, every k, every v) and attn_gate (z); for Qwen3.5 it reorders the value heads
+        # from grouped by key head to tiled (see _untiled); it stores -exp(A_log) and the
+        # conv as (C, K)
+        tiled = not self.fused
         if self.fused:
-            out = [tensor(i, a + "in_proj_qkvz.weight", "ssm_in.weight",
-                          (C + nv * dv, D), "matrix", "lin_qkvz"),
+            out = [_rows(i, a + "in_proj_qkvz.weight", "attn_qkv.weight|attn_gate.weight",
+                         (C + nv * dv, D), "matrix", "lin_qkvz", 0, 0, _qkvz_rows),
                    tensor(i, a + "in_proj_ba.weight", "ssm_ba.weight", (2 * nv, D),
                           "matrix", "lin_ba")]
         else:
-            out = [tensor(i, a + "in_proj_qkv.weight", "attn_qkv.weight", (C, D), "matrix",
-                          "lin_qkv"),
-                   tensor(i, a + "in_proj_z.weight", "attn_gate.weight", (nv * dv, D),
-                          "matrix", "lin_v"),
-                   tensor(i, a + "in_proj_b.weight", "ssm_beta.weight", (nv, D), "matrix",
-                          "lin_heads"),
-                   tensor(i, a + "in_proj_a.weight", "ssm_alpha.weight", (nv, D), "matrix",
-                          "lin_heads")]
+            out = [_rows(i, a + "in_proj_qkv.weight", "attn_qkv.weight", (C, D), "matrix",
+                         "lin_qkv", 0, 0, _qkv_untiled),
+                   _rows(i, a + "in_proj_z.weight", "attn_gate.weight", (nv * dv, D),
+                         "matrix", "lin_v", 0, 0, lambda c: _untiled(c, c.linear_v_dim)),
+                   _rows(i, a + "in_proj_b.weight", "ssm_beta.weight", (nv, D), "matrix",
+                         "lin_heads", 0, 0, lambda c: _untiled(c, 1)),
+                   _rows(i, a + "in_proj_a.weight", "ssm_alpha.weight", (nv, D), "matrix",
+                         "lin_heads", 0, 0, lambda c: _untiled(c, 1))]
+        conv = _qkv_untiled if tiled else (lambda c: (None, (C,)))
+        one = (lambda c: _untiled(c, 1)) if tiled else (lambda c: (None, (nv,)))
         return out + [
-            tensor(i, a + "conv1d.weight", "ssm_conv1d.weight", (C, 1, cfg.linear_conv_kernel),
-                   "array", "lin_qkv"),
-            tensor(i, a + "dt_bias", "ssm_dt.bias", (nv,), "vector", "lin_heads"),
-            tensor(i, a + "A_log", "ssm_a", (nv,), "vector", "lin_heads"),
+            _rows(i, a + "conv1d.weight", "ssm_conv1d.weight", (C, 1, cfg.linear_conv_kernel),
+                  "array", "lin_qkv", 0, 0, conv, "conv"),
+            _rows(i, a + "dt_bias", "ssm_dt.bias", (nv,), "vector", "lin_heads", 0, 0, one),
+            _rows(i, a + "A_log", "ssm_a", (nv,), "vector", "lin_heads", 0, 0, one, "neg_log"),
             tensor(i, a + "norm.weight", "ssm_norm.weight", (dv,), "vector"),
-            tensor(i, a + "out_proj.weight", "ssm_out.weight", (D, nv * dv), "matrix",
-                   "lin_v", 1)]
+            _rows(i, a + "out_proj.weight", "ssm_out.weight", (D, nv * dv), "matrix",
+                  "lin_v", 1, 1, (lambda c: _untiled(c, c.linear_v_dim)) if tiled else
+                  (lambda c: (None, (nv * dv,))))]
 
     def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
         be, a = ld.be, _p(i) + "linear_attn."

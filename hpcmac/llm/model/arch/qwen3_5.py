@@ -13,7 +13,14 @@ Rotary is multimodal (``mrope_section``, interleaved) but a text prompt's three 
 components are all its token position, so every section rotates alike: the rope of one
 position, on the first ``partial_rotary_factor`` of each head. Refused in one line naming
 the field: a ``text_config`` that is not an object or of another ``model_type``, and what
-:func:`.qwen3_next.hybrid_fields` refuses. No GGUF form yet.
+:func:`.qwen3_next.hybrid_fields` refuses.
+
+GGUF (llama.cpp's ``qwen35``): read as Qwen3-Next's (:func:`.qwen3_next.hybrid_gguf_fields`),
+with the linear attention unfused and its value heads in llama.cpp's tiled order
+(``attn_qkv``'s v rows, ``attn_gate``, ``ssm_beta``, ``ssm_alpha``, ``ssm_a``, ``ssm_dt``,
+the conv's v channels and ``ssm_out``'s columns: key head ``kh``'s ``r``-th value head at
+``r * nk + kh``), put back in Hugging Face's grouped order (:mod:`.blocks`);
+``rope.dimension_sections`` (mrope) read with text positions, as above.
 """
 
 from __future__ import annotations
@@ -24,8 +31,12 @@ from hpcmac.llm.model.arch.base import FP8, Family
 from hpcmac.llm.model.arch.blocks import GQA, MLP, GatedDeltaNet, Layer
 from hpcmac.llm.model.arch.fields import ModelConfig
 
-_LINEAR = Layer(GatedDeltaNet(), MLP())
-_FULL = Layer(GQA(output_gate=True), MLP())
+_LINEAR = Layer(GatedDeltaNet(), MLP(), gguf_post_norm="post_attention_norm")
+_FULL = Layer(GQA(output_gate=True), MLP(), gguf_post_norm="post_attention_norm")
+#: transformers' Qwen3.5 mrope_section (of 32 rotated pairs), which llama.cpp's converter
+#: writes when the config has none (for text they do not matter: every component is the
+#: token position; llama.cpp needs them to sum to at most the rotated pairs)
+MROPE_SECTIONS = (11, 11, 10)
 
 
 def text_config(raw: dict, where: str, text_type: str) -> tuple[dict, str]:
@@ -54,11 +65,28 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
     return ModelConfig(**{**qwen3_next.hybrid_fields(text, where), "arch": raw["model_type"]})
 
 
+def from_gguf(meta) -> ModelConfig:
+    return ModelConfig(**qwen3_next.hybrid_gguf_fields(meta, "qwen3_5"))
+
+
+def write_gguf_meta(w, cfg: ModelConfig) -> None:
+    """The hybrid layers' metadata and the mrope sections, as llama.cpp's converter writes
+    them."""
+    qwen3_next.write_hybrid_gguf_meta(w, cfg)
+    sections = cfg.rope_scaling.get("mrope_section")
+    if not sections:  # transformers' proportions over this model's rotated pairs
+        pairs = cfg.rope_dim // 2
+        a = round(pairs * MROPE_SECTIONS[0] / sum(MROPE_SECTIONS))
+        sections = [a, a, pairs - 2 * a]
+    w.add_rope_dimension_sections((list(sections) + [0] * 4)[:4])
+
+
 FAMILY = Family(
     summary=("Qwen3.5's text part: Qwen3-Next's hybrid Gated DeltaNet / gated-attention "
              "layers, unfused linear-attention projections, dense MLPs; mrope read with "
              "text positions; nested `text_config`, tensors under `model.language_model.`"),
-    model_type="qwen3_5", gguf_arch=None, from_hf=from_hf, from_gguf=None,
+    model_type="qwen3_5", gguf_arch="qwen35", from_hf=from_hf, from_gguf=from_gguf,
+    write_gguf_meta=write_gguf_meta,
     layer=lambda cfg, i: _LINEAR if cfg.is_linear(i) else _FULL,
     hf_class="Qwen3_5TextConfig",
     # Qwen3.5-*-FP8: every projection e4m3 but in_proj_a and in_proj_b (and the routers)
