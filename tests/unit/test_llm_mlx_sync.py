@@ -289,3 +289,47 @@ def test_index_top_keys_breaks_ties_to_the_earlier_position_on_both_backends():
     got = top_keys(np, rand, 7)
     assert (got.sum(axis=-1) == 7).all()
     assert (np.array(top_keys(mx, mx.array(rand), 7)) == got).all()
+
+
+def test_mlx_cache_keeps_states_and_indexer_keys_as_mlx_arrays():
+    """On MLX the indexer keys and the linear-attention states are MLX arrays in the cache:
+    a prefix block carries the indexer keys from one slot to another, a snapshot brings a
+    slot's states back after they moved, and freeing a slot zeroes its states."""
+    import mlx.core as mx
+    import numpy as np
+
+    from hpcmac.llm.model import arch
+    from hpcmac.llm.model.backend import get_backend
+    from hpcmac.llm.model.cache import KVCache
+
+    be, rng = get_backend("mlx"), np.random.default_rng(0)
+
+    def cache_of(family: str) -> KVCache:
+        c = arch.config_from_hf({"model_type": family, **arch.family(family, "").tiny})
+        return KVCache(c, 0, c.n_layers, 2, 8, be, [arch.layer(c, i) for i in range(c.n_layers)])
+
+    ds = cache_of("deepseek_v32")
+    assert all(isinstance(a, mx.array) for a in ds.index)
+    for a in ds.k + ds.v + ds.index:
+        a[0] = mx.array(rng.standard_normal(a.shape[1:]).astype(np.float32))
+    ds.save(0, 0, 4, 7)
+    ds.load(1, [7])
+    assert ds.lengths[1] == 4
+    for a in ds.k + ds.v + ds.index:
+        b = np.array(a)
+        assert np.array_equal(b[1, :4], b[0, :4]) and not b[1, 4:].any()
+    qn = cache_of("qwen3_next")
+    assert qn.recurrent and all(isinstance(qn.v[j], mx.array) for j in qn.recurrent)
+    for j in qn.recurrent:
+        qn.k[j][1] = mx.array(rng.standard_normal(qn.k[j].shape[1:]).astype(np.float32))
+        qn.v[j][1] = mx.array(rng.standard_normal(qn.v[j].shape[1:]).astype(np.float32))
+    qn.lengths[1] = 3
+    before = [np.array(qn.v[j][1]) for j in qn.recurrent]
+    snap = qn.snapshot(1)
+    for j in qn.recurrent:
+        qn.v[j][1] = qn.v[j][1] * 2.0
+    qn.restore(1, snap)
+    assert all(np.array_equal(np.array(qn.v[j][1]), b) for j, b in zip(qn.recurrent, before))
+    qn.free(1)
+    assert all(not np.array(qn.k[j][1]).any() and not np.array(qn.v[j][1]).any()
+               for j in qn.recurrent)
