@@ -11,6 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
+from held import held_nbytes
 
 pytest.importorskip("transformers")
 mx = pytest.importorskip("mlx.core")
@@ -101,28 +102,6 @@ def test_quantize_flags_are_checked(tmp_path):
     with pytest.raises(UsageError, match="--q-group-size 48: expected one of 32, 64, 128"):
         main(base + ["--backend", "mlx", "--quantize", "4", "--q-group-size", "48"])
 
-
-def held_nbytes(stage) -> int:
-    """Bytes of the arrays a stage holds, each object once (a tied head is the embedding)."""
-    seen, total = set(), 0
-
-    def walk(v):
-        nonlocal total
-        if id(v) in seen:
-            return
-        seen.add(id(v))
-        if isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-        elif isinstance(v, (QWeight, mx.array, np.ndarray)):
-            total += int(v.nbytes)
-
-    walk(stage.layers)
-    walk(stage.extra)
-    return total
 
 
 @pytest.mark.parametrize("name", list(CASES))

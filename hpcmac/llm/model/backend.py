@@ -61,6 +61,15 @@ class Panels:
     def nbytes(self) -> int:
         return self.p.nbytes
 
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        """Rows ``idx`` of the weight (out, in) as float32 (len(idx), in): a tied head's
+        panels serve the embedding lookup too (one copy of the matrix held)."""
+        r = self.p.shape[2]
+        out = self.p[idx // r, :, idx % r]  # (len(idx), in): the index arrays' axis first
+        if out.dtype == np.uint16:  # bfloat16 bits: exact widening
+            return (out.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
 
 class Blocks(list):
     """Backend weights whose outputs are concatenated (a :class:`RowBlocks` as loaded)."""

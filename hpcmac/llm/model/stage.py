@@ -167,13 +167,18 @@ class Stage:
     def _mlx_rows(self, idx):
         if "embed_q" in self.extra:
             return self.backend.rows_lazy(self.extra["embed_q"], idx)
-        rows = self.extra["embed_mx"][idx]
+        if "embed_head" in self.extra:  # the tied head (in, out): the columns of the ids
+            rows = self.backend.mx.take(self.extra["head"], idx, axis=1).T
+        else:
+            rows = self.extra["embed_mx"][idx]
         mx = self.backend.mx
         return rows if rows.dtype == mx.float32 else rows.astype(mx.float32)  # exact widening
 
     def _rows(self, idx: np.ndarray) -> np.ndarray:
         if "embed_q" in self.extra:  # kept quantized: dequantize the rows looked up
             return self.backend.rows(self.extra["embed_q"], idx)
+        if "embed_head" in self.extra:  # the tied head's panels
+            return self.extra["head"].rows(idx)
         emb = self.extra["embed_np"]
         return emb.rows(idx) if isinstance(emb, BF16) else np.ascontiguousarray(emb[idx])
 
@@ -422,18 +427,21 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     if first or (last and cfg.tie_embeddings):
         emb = ld.raw16("model.embed_tokens.weight", spec.embed_spec(cfg))
         packed = ld.be.weight(emb) if quantize or isinstance(emb, QuantTensor) else None
+        if last and cfg.tie_embeddings:
+            extra["head"] = packed if packed is not None else be.weight(emb)
         if first:
             extra["embed"] = True
             if isinstance(packed, (QWeight, NQWeight)):  # one quantized copy: lookup, tied head
                 extra["embed_q"] = packed
+            elif "head" in extra:  # the tied head's copy serves the lookup: one copy held
+                extra["embed_head"] = True
             elif be.name == "mlx":  # looked up in MLX's graph (Stage.embed); bfloat16 kept
                 extra["embed_mx"] = be.mx.array(emb.bits).view(be.mx.bfloat16) \
                     if isinstance(emb, BF16) else be.mx.array(np.ascontiguousarray(as_float(emb)))
             else:  # float32, or bfloat16 bits widened per row looked up
                 emb = emb if isinstance(emb, BF16) else as_float(emb)
                 extra["embed_np"] = emb
-        if last and cfg.tie_embeddings:
-            extra["head"] = packed if packed is not None else be.weight(emb)
+        del emb, packed  # the stage holds what it needs of them
     layers = [_load_layer(ld, cfg, i) for i in range(start, end)]
     if last:
         norm, *head = spec.head_tensors(cfg)
