@@ -9,7 +9,8 @@ templates write a call:
   Qwen3.5's ``<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n
   </tool_call>``;
 * ``llama3``: ``{"name": N, "parameters": {...}}`` (after ``<|python_tag|>`` or alone),
-  several joined by ``;``;
+  several joined by ``;``; or Llama 3.2's and 3.3's pythonic list, ``[N(k=V, ...), ...]``
+  (Meta's prompt-format docs: Python literals, ``'...'`` strings too);
 * ``harmony`` (gpt-oss): ``<|channel|>commentary to=functions.N <|constrain|>json<|message|>
   {...}`` ending with ``<|call|>``; the ``analysis`` channel is the reasoning;
 * ``deepseek`` (V3.x): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}
@@ -361,7 +362,125 @@ def _hermes(region: str, spec) -> list | None:
     return _blocks(r"<tool_call>(.*?)</tool_call>", region, one)
 
 
+#: JSON's constants as a pythonic call may write them (the rest is Python literals)
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _py_value(node):
+    """A pythonic call's argument value: a Python literal (or JSON's true/false/null);
+    ValueError for anything else (a name, a call, an expression)."""
+    import ast
+
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_py_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def _pythonic(region: str, spec) -> list | None:
+    """Llama 3.2's and 3.3's ``[N(k=V, ...), ...]``: each call's name and keyword
+    arguments (literals only: nothing is evaluated); None when it is not that."""
+    import ast
+
+    text = region.replace("<|python_tag|>", "").strip()
+    if not text.startswith("["):
+        return None
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and not node.args and all(k.arg for k in node.keywords)):
+            return None
+        try:
+            args = {k.arg: _py_value(k.value) for k in node.keywords}
+        except (ValueError, TypeError, SyntaxError):
+            return None
+        c = _call(node.func.id, args, spec)
+        if c is None:
+            return None
+        calls.append(c)
+    return calls
+
+
+def _py_end(text: str, i: int) -> int | None:
+    """Where a pythonic value that starts at ``text[i]`` ends (at the ``,`` or ``)``
+    after it, outside strings and brackets), or None while it is still arriving."""
+    depth, quote, esc = 0, "", False
+    for j in range(i, len(text)):
+        ch = text[j]
+        if quote:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                return j if ch == ")" else None
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return j
+    return None
+
+
+#: a pythonic call's ``name(``, and a keyword argument's ``k=`` (each after a comma but
+#: the first)
+_PY_CALL = re.compile(r"\s*,?\s*([A-Za-z_][A-Za-z0-9_]*)\(")
+_PY_KEY = re.compile(r"\s*,?\s*(?:([A-Za-z_][A-Za-z0-9_]*)\s*=\s*)?")
+
+
+def _pythonic_partial(region: str, spec) -> list[tuple[str, str, bool]]:
+    """The pythonic calls so far, as :func:`_partial_calls` gives them: a call once its
+    ``name(`` is written, its arguments one whole parameter at a time."""
+    import ast
+
+    out: list[tuple[str, str, bool]] = []
+    r = region.replace("<|python_tag|>", "")
+    i = len(r) - len(r.lstrip())
+    if r[i:i + 1] != "[":
+        return out
+    i += 1
+    while True:
+        m = _PY_CALL.match(r, i)
+        if m is None:
+            return out
+        name, i, pairs = m.group(1), m.end(), []
+        while True:
+            k = _PY_KEY.match(r, i)
+            i = k.end()
+            if r[i:i + 1] == ")":  # the call is whole
+                out.append((name, _xml_args(pairs, None, True), True))
+                i += 1
+                break
+            end = _py_end(r, i) if k.group(1) else None
+            if end is None:
+                out.append((name, _xml_args(pairs, None, False), False))
+                return out
+            try:
+                v = _py_value(ast.parse(r[i:end].strip(), mode="eval").body)
+            except (SyntaxError, ValueError, TypeError):
+                out.append((name, _xml_args(pairs, None, False), False))
+                return out
+            pairs.append((k.group(1), v))
+            i = end
+
+
 def _llama3(region: str, spec) -> list | None:
+    if region.replace("<|python_tag|>", "").lstrip().startswith("["):
+        return _pythonic(region, spec)
     objs = _json_objects(region.replace("<|python_tag|>", ""), ";")
     if not objs:
         return None
@@ -608,7 +727,8 @@ def _region(text: str, fam: str) -> tuple[str, str | None]:
     start = STARTS.get(fam)
     if start is None:  # llama3: the whole answer is the call, when it is one
         s = text.lstrip()
-        return ("", text) if s.startswith("{") or s.startswith("<|python_tag|>") else (text, None)
+        return ("", text) if s[:1] in ("{", "[") or s.startswith("<|python_tag|>") \
+            else (text, None)
     i = text.find(start)
     return (text, None) if i < 0 else (text[:i], text[i:])
 
@@ -657,11 +777,13 @@ def _json_args(text: str, i: int = 0) -> tuple[str, bool, int] | None:
     return (text[i:], False, len(text)) if end is None else (text[i:end], True, end)
 
 
-def _xml_args(pairs: list[tuple[str, str]], props: dict, whole: bool) -> str:
+def _xml_args(pairs: list[tuple[str, object]], props: dict | None, whole: bool) -> str:
     """The arguments of an XML-like call as JSON text, one whole parameter at a time (as
-    :func:`_call` writes them, so the pieces join to the whole answer's arguments)."""
+    :func:`_call` writes them, so the pieces join to the whole answer's arguments);
+    ``props`` None: the values are already typed (a pythonic call's literals)."""
     items = [f"{json.dumps(k, ensure_ascii=False)}: "
-             f"{json.dumps(_value(v, props.get(k)), ensure_ascii=False)}" for k, v in pairs]
+             f"{json.dumps(v if props is None else _value(v, props.get(k)), ensure_ascii=False)}"
+             for k, v in pairs]
     return "{" + ", ".join(items) + ("}" if whole else "")
 
 
@@ -698,6 +820,8 @@ def _partial_calls(text: str, fam: str, spec) -> list[tuple[str, str, bool]]:
     head, region = _region(text, fam)
     if region is None:
         return out
+    if fam == "llama3" and region.replace("<|python_tag|>", "").lstrip().startswith("["):
+        return _pythonic_partial(region, spec)
     if fam == "llama3":
         r, i = region.replace("<|python_tag|>", ""), 0
         while True:
@@ -815,7 +939,7 @@ class StreamParser:
         if self.spec is None:
             return content
         if self.fam == "llama3":
-            return "" if not content.strip() or content.lstrip()[:1] in "{<" else content
+            return "" if not content.strip() or content.lstrip()[:1] in "{[<" else content
         head, region = _region(content, self.fam)
         if region is not None:
             return head.rstrip()

@@ -174,6 +174,11 @@ def test_malformed_call_under_auto_is_content():
     for fam, text in [("hermes", 'Sure <tool_call>\n{"name": "get_weather", "arguments": {'),
                       ("hermes", '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'),
                       ("llama3", '{"name": "add", "parameters": [1, 2]}'),
+                      # pythonic (Llama 3.2/3.3): literals only, nothing is evaluated
+                      ("llama3", '[add(a=__import__("os").getpid(), b=1)]'),
+                      ("llama3", "[add(2, 40)]"),  # positional: not a call
+                      ("llama3", "[nope(a=1)]"),
+                      ("llama3", "[1] is the first source; [2] the second."),
                       ("kimi", "<|tool_calls_section_begin|><|tool_call_begin|>functions.add")]:
         got = tools.parse(text, fam, _spec(fam))
         assert got.tool_calls is None and got.content == text
