@@ -12,7 +12,10 @@ DeltaNet layers of 2 key heads over 6 value heads (a key head held by two tensor
 tensor 3) and 4 over 4; attention of 5 heads over 1 KV head and 6 over 2 with the output
 gate; 6 experts, 2 per token, and a gated shared expert of another width; tied and untied
 heads (tied at the top level only). 16 greedy tokens equal and logits within 1e-4 of the
-largest, two prompts prefilled together in chunks of 3 (``family_util``).
+largest, two prompts prefilled together in chunks of 3 (``family_util``). A text-only model
+converted to GGUF (llama.cpp's ``qwen35``: the value heads in its tiled order, put back by
+the reader; value heads as wide as key heads, as llama.cpp assumes) is a case too, so its
+gathered tensors are sliced per rank in every layout.
 """
 
 from __future__ import annotations
@@ -61,6 +64,19 @@ CASES = {
     },
 }
 TEXT_ONLY = {"text-only": (4, {**TEXT, "intermediate_size": 22, "tie_word_embeddings": True})}
+GGUF = {"gguf-k2v6": (1, {**TEXT, "intermediate_size": 24, "linear_value_head_dim": 8})}
+
+
+def build_gguf(model_type, path, seed, fields):
+    """A text-only folder written as one F32 GGUF file at ``path``; transformers' model of
+    the folder."""
+    from family_util import build_checkpoint
+
+    from hpcmac.llm.model.fixtures import write_gguf
+
+    model = build_checkpoint(model_type, path + "-folder", seed, fields)
+    write_gguf(path + "-folder", path, "F32")
+    return model
 
 
 def build_released(model_type, path, seed, fields):
@@ -99,11 +115,12 @@ def checkpoints():
 
     with write_cases("qwen3_5", CASES["qwen3_5"], VOCAB, build=build_released) as a, \
             write_cases("qwen3_5_moe", CASES["qwen3_5_moe"], VOCAB, build=build_released) as b, \
-            write_cases("qwen3_5_text", TEXT_ONLY, VOCAB, build=build_checkpoint) as c:
-        yield {**a, **b, **c}
+            write_cases("qwen3_5_text", TEXT_ONLY, VOCAB, build=build_checkpoint) as c, \
+            write_cases("qwen3_5_text", GGUF, VOCAB, build=build_gguf) as d:
+        yield {**a, **b, **c, **d}
 
 
-@pytest.mark.parametrize("name", [*CASES["qwen3_5"], *CASES["qwen3_5_moe"], *TEXT_ONLY])
+@pytest.mark.parametrize("name", [*CASES["qwen3_5"], *CASES["qwen3_5_moe"], *TEXT_ONLY, *GGUF])
 def test_matches_transformers(checkpoints, name):
     check_case(f"qwen3_5 {name}", checkpoints[name])
 
