@@ -13,8 +13,13 @@ TEST_NPS ?= 1 2 4
 # tests/conftest.py); those marked serial run alone, first, on a machine not yet heated
 # by the workers (after them, the calibration's two-thread read once moved 33-51 GB/s)
 UNIT_WORKERS ?= 2
+# make test: the MPI and cluster phases run alongside the unit workers (tools/alongside:
+# the workers mostly wait on the servers and jobs they start); ALONGSIDE=0 runs the
+# phases one after another
+ALONGSIDE ?= 1
 
-.PHONY: run test test-fast venv test-unit test-mpi test-cluster lint clean check-tools
+.PHONY: run test test-fast test-phases venv test-unit test-unit-serial test-unit-workers test-mpi \
+  test-cluster lint clean check-tools
 
 check-tools:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null \
@@ -43,19 +48,33 @@ run: $(VENV)/.run-stamp
 	$(BIN)/hpcmac-mpirun 4 $(BIN)/python -m hpcmac.hpl
 
 test: $(VENV)/.test-stamp
-	@$(MAKE) --no-print-directory test-unit test-mpi test-cluster
+	@$(MAKE) --no-print-directory test-phases
 
 # while working: everything but the tests marked slow (make test still runs those)
 test-fast: $(VENV)/.test-stamp
-	@$(MAKE) --no-print-directory test-unit test-mpi test-cluster PYTEST_MARK='-m "not slow"' \
-	  UNIT_MARK=' and not slow'
+	@$(MAKE) --no-print-directory test-phases PYTEST_MARK='-m "not slow"' UNIT_MARK=' and not slow'
+
+test-phases:
+	@$(MAKE) --no-print-directory test-unit-serial
+ifeq ($(ALONGSIDE),0)
+	@$(MAKE) --no-print-directory test-unit-workers test-mpi test-cluster
+else
+	@$(BIN)/python tools/alongside '$(MAKE) --no-print-directory test-unit-workers' \
+	  '$(MAKE) --no-print-directory test-mpi test-cluster'
+endif
 
 test-unit: $(VENV)/.test-stamp
-	@echo "==> unit tests (no MPI)"
+	@$(MAKE) --no-print-directory test-unit-serial test-unit-workers
+
+test-unit-serial: $(VENV)/.test-stamp
+	@echo "==> unit tests (no MPI): the tests marked serial, alone"
 	@tools/system-deps
 	@$(BIN)/python tools/chat-templates
 	@tools/pytest-rc "tests/unit (serial)" timeout -k 10 900 $(BIN)/python -m pytest tests/unit -q \
 	  -m "serial$(UNIT_MARK)"
+
+test-unit-workers: $(VENV)/.test-stamp
+	@echo "==> unit tests (no MPI) in $(UNIT_WORKERS) pytest-xdist workers"
 	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q \
 	  -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial$(UNIT_MARK)"
 

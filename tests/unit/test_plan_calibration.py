@@ -56,8 +56,8 @@ from hpcmac.plan.calibrate import calibrate
 from hpcmac.plan.shape import load_shape
 
 ROOT = Path(__file__).resolve().parents[2]
-# it compares this machine's speed with the model's: make test-unit runs it alone, after
-# the tests it shares the cores with under pytest-xdist (it would skip, disturbed)
+# it compares this machine's speed with the model's: make test-unit runs it alone, before
+# the tests it would share the cores with under pytest-xdist (it would skip, disturbed)
 pytestmark = pytest.mark.serial
 N, NB = 4000, 256
 HPL_RUNS = 3  # one job factorises N three times (HPL.dat's Ns): the median is compared
