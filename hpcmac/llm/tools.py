@@ -20,7 +20,9 @@ templates write a call:
   <｜DSML｜parameter name="K" string="true">V</｜DSML｜parameter>\\n</｜DSML｜invoke>\\n
   </｜DSML｜function_calls>`` (``string="false"``: the value is JSON);
 * ``kimi`` (K2): ``<|tool_calls_section_begin|><|tool_call_begin|>functions.N:0
-  <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>``;
+  <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>``, or the
+  XML form K2 falls back to, ``<tool_call>\n<invoke name="N">\n<parameter name="K">V
+  </parameter>\n</invoke>\n</tool_call>``;
 * ``glm`` (4.5 to 4.7): ``<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>
   </tool_call>``;
 * ``minimax`` (M2): ``<minimax:tool_call>\\n<invoke name="N">\\n<parameter name="K">V
@@ -567,9 +569,16 @@ _KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_c
          "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 
 
+#: the XML form Kimi K2 also writes a call in (its blocks hold MiniMax's invokes)
+_KIMI_XML = ("<tool_call>", "</tool_call>")
+
+
 def _kimi(region: str, spec) -> list | None:
     sb, se, b, a, e = _KIMI
     body = region.strip()
+    if body.startswith(_KIMI_XML[0]):
+        return _blocks(re.escape(_KIMI_XML[0]) + "(.*?)" + re.escape(_KIMI_XML[1]), body,
+                       lambda inner: _invokes(inner, spec))
     if not body.startswith(sb):
         return None
     body = body[len(sb):].rstrip().removesuffix(se)
@@ -590,23 +599,24 @@ def _glm(region: str, spec) -> list | None:
     return _blocks(r"<tool_call>(.*?)</tool_call>", region, one)
 
 
-def _minimax(region: str, spec) -> list | None:
-    def invoke(name: str, inner: str) -> dict | None:
+def _invokes(text: str, spec) -> list | None:
+    """The ``<invoke name="N"><parameter name="K">V</parameter>...</invoke>`` calls of a
+    block (MiniMax's; Kimi's XML form): several, or none; None when one is no call."""
+    calls = []
+    for name, inner in re.findall(r'<invoke name="([^"]+)">(.*?)</invoke>', text, re.S):
         props = _props(spec, name)
         args = {k: _value(v.strip("\n"), props.get(k)) for k, v in
                 re.findall(r'<parameter name="([^"]+)">(.*?)</parameter>', inner, re.S)}
-        return _call(name, args, spec)
+        c = _call(name, args, spec)
+        if c is None:
+            return None
+        calls.append(c)
+    return calls
 
-    def block(text: str) -> list | None:  # a block may hold several invokes (or none)
-        calls = []
-        for name, inner in re.findall(r'<invoke name="([^"]+)">(.*?)</invoke>', text, re.S):
-            c = invoke(name, inner)
-            if c is None:
-                return None
-            calls.append(c)
-        return calls
 
-    return _blocks(r"<minimax:tool_call>(.*?)</minimax:tool_call>", region, block)
+def _minimax(region: str, spec) -> list | None:
+    return _blocks(r"<minimax:tool_call>(.*?)</minimax:tool_call>", region,
+                   lambda block: _invokes(block, spec))
 
 
 #: each family's first marker of a call region, and its parser of the region
@@ -614,7 +624,7 @@ STARTS = {"hermes": "<tool_call>", "llama3": None, "harmony": None, "deepseek": 
           "kimi": _KIMI[0], "glm": "<tool_call>", "minimax": "<minimax:tool_call>",
           "dsml": _DSML_PLAIN[0]}
 #: what else may begin a call region as it streams (held back from content until known)
-_ALSO_STARTS = {"dsml": (_DSML[0],)}
+_ALSO_STARTS = {"dsml": (_DSML[0],), "kimi": (_KIMI_XML[0],)}
 _PARSERS = {"hermes": _hermes, "llama3": _llama3, "deepseek": _deepseek, "kimi": _kimi,
             "glm": _glm, "minimax": _minimax, "dsml": _dsml}
 
@@ -729,7 +739,8 @@ def _region(text: str, fam: str) -> tuple[str, str | None]:
         s = text.lstrip()
         return ("", text) if s[:1] in ("{", "[") or s.startswith("<|python_tag|>") \
             else (text, None)
-    i = text.find(start)
+    found = [i for m in (start, *_ALSO_STARTS.get(fam, ())) if (i := text.find(m)) >= 0]
+    i = min(found, default=-1)
     return (text, None) if i < 0 else (text[:i], text[i:])
 
 
@@ -866,6 +877,8 @@ def _partial_calls(text: str, fam: str, spec) -> list[tuple[str, str, bool]]:
             if not out[-1][2]:
                 return out
         return out
+    if fam == "kimi" and region.startswith(_KIMI_XML[0]):
+        return _invoke_partial(region, spec)
     if fam in ("deepseek", "kimi"):
         begin, mid = (_DS[2], _DS[4]) if fam == "deepseek" else (_KIMI[2], _KIMI[3])
         for item in region.split(begin)[1:]:
@@ -902,16 +915,23 @@ def _partial_calls(text: str, fam: str, spec) -> list[tuple[str, str, bool]]:
                 return out
         return out
     if fam == "minimax":
-        for item in region.split('<invoke name="')[1:]:
-            name, q, rest = item.partition('">')
-            if not q:
-                return out
-            pairs = [(k, v.strip("\n")) for k, v in
-                     re.findall(r'<parameter name="([^"]+)">(.*?)</parameter>', rest, re.S)]
-            whole = "</invoke>" in rest
-            out.append((name, _xml_args(pairs, _props(spec, name), whole), whole))
-            if not whole:
-                return out
+        return _invoke_partial(region, spec)
+    return out
+
+
+def _invoke_partial(region: str, spec) -> list[tuple[str, str, bool]]:
+    """:func:`_partial_calls` of ``<invoke name="N">`` calls (MiniMax's, Kimi's XML form)."""
+    out: list[tuple[str, str, bool]] = []
+    for item in region.split('<invoke name="')[1:]:
+        name, q, rest = item.partition('">')
+        if not q:
+            return out
+        pairs = [(k, v.strip("\n")) for k, v in
+                 re.findall(r'<parameter name="([^"]+)">(.*?)</parameter>', rest, re.S)]
+        whole = "</invoke>" in rest
+        out.append((name, _xml_args(pairs, _props(spec, name), whole), whole))
+        if not whole:
+            return out
     return out
 
 

@@ -289,3 +289,26 @@ def test_forced_call_grammar_and_parser_agree(fam, tok):
             name = call["function"]["name"]
             assert choice == "required" or name == choice
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+
+
+def test_kimis_xml_form_with_text_before_and_two_invokes():
+    """Kimi K2's fallback form (data/tool_outputs.json has the published one): values typed
+    by the schema, the text before it content, whole and streamed alike."""
+    text = ('I will add.\n<tool_call>\n<invoke name="add">\n<parameter name="a">2</parameter>\n'
+            '<parameter name="b">40</parameter>\n</invoke>\n<invoke name="get_weather">\n'
+            '<parameter name="city">Paris</parameter>\n<parameter name="unit">c</parameter>\n'
+            '</invoke>\n</tool_call>')
+    want = [("add", {"a": 2, "b": 40}), ("get_weather", {"city": "Paris", "unit": "c"})]
+    got = tools.parse(text, "kimi", _spec("kimi"))
+    assert (_calls(got), got.content) == (want, "I will add.")
+    for step in (1, 5):
+        sp = tools.StreamParser("kimi", _spec("kimi"), None)
+        deltas = [d for i in range(0, len(text), step) for d in sp.feed(text[i:i + step])]
+        last, called = sp.close()
+        args: dict = {}
+        for d in deltas + last:
+            for c in d.get("tool_calls", []):
+                n = args.setdefault(c["index"], [c["function"].get("name"), ""])
+                n[1] += c["function"].get("arguments", "")
+        assert called and [(n, json.loads(a)) for n, a in args.values()] == want
+        assert "".join(d.get("content", "") for d in deltas + last) == "I will add."
