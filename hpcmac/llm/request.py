@@ -448,7 +448,7 @@ def _with_tools(msgs: list[dict], spec, template: str | None) -> list[dict]:
             call_text = tools_mod.hermes_call_text(m.pop("tool_calls"))
             m["content"] = (m["content"] + "\n" if m["content"] else "") + call_text
     if spec is not None:
-        text = tools_mod.system_text(spec.tools, spec.family)
+        text = tools_mod.system_text(spec.tools, spec.family, template)
         if spec.family == "deepseek":  # its markers are the vocabulary's: our own message,
             # which chat_ids encodes with them (a client's text it encodes as text); the
             # template joins system messages as the card's layout has them

@@ -160,19 +160,29 @@ def writes_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
-def system_text(tools: list[dict], fam: str = "hermes") -> str:
+def deepseek_v3_form(template: str | None) -> bool:
+    """Whether a ``deepseek`` template writes V3's (and R1's) call form, ``function``, the
+    separator, the name and the arguments in a json fence (else V3.1's: the name, the
+    separator, the arguments)."""
+    return "```json" in (template or "")
+
+
+def system_text(tools: list[dict], fam: str = "hermes", template: str | None = None) -> str:
     """The tools as a system message, for a template that shows none: DeepSeek V3.1's
-    block (its model card's; its template writes calls but not the tools), else hermes."""
+    block (its model card's; its template writes calls but not the tools), with the call
+    in the form the template writes (V3's and R1's: ``function`` and a json fence, as
+    their templates write a call), else hermes."""
     if fam == "deepseek":
         calls_b, calls_e, b, e, sep = _DS
+        call = f"{b}function{sep}tool_call_name\n```json\ntool_call_arguments\n```{e}" \
+            if deepseek_v3_form(template) else f"{b}tool_call_name{sep}tool_call_arguments{e}"
         listed = "".join(f"### {t['function']['name']}\nDescription: "
                          f"{t['function'].get('description', '')}\n\nParameters: "
                          f"{json.dumps(t['function']['parameters'], ensure_ascii=False)}\n\n"
                          for t in tools)
         return ("## Tools\nYou have access to the following tools:\n\n" + listed +
                 "IMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
-                f"{calls_b}{b}tool_call_name{sep}tool_call_arguments{e}"
-                f"{{additional_tool_calls}}{calls_e}\n\nWhere:\n"
+                f"{calls_b}{call}{{additional_tool_calls}}{calls_e}\n\nWhere:\n"
                 "- `tool_call_name` must be an exact match to one of the available tools\n"
                 "- `tool_call_arguments` must be valid JSON that strictly follows the tool's "
                 "Parameters Schema\n"

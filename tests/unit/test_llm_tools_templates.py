@@ -291,3 +291,24 @@ def test_the_chat_template_compiles_once_per_text():
     t.chat_template = "{{ cycler.__init__.__globals__.os.popen('echo owned').read() }}"
     with pytest.raises(UsageError, match="unsafe"):
         t.apply_chat_template(msgs)
+
+
+@pytest.mark.parametrize("name", ["deepseek-ai-DeepSeek-V3.1.jinja",
+                                  "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"])
+def test_deepseeks_system_text_shows_the_form_its_template_writes(name, smol):
+    """DeepSeek's templates show no tools, so the server's system text tells the call
+    format: V3.1's for V3.1, V3's and R1's (``function``, a json fence) for theirs, the
+    form each template writes the calls back in."""
+    import re
+
+    template = _template(name)
+    spec = _spec("deepseek")
+    spec.rendered = tools.writes_tools(template)
+    told = tools.system_text(TOOLS, "deepseek", template)
+    example = told.split("tool use:\n", 1)[1].split("{additional_tool_calls}")[0]
+    pat = re.escape(example).replace("tool_call_name", re.escape(CALLS[0][0]))
+    pat = pat.replace("tool_call_arguments", r"\{[^{}]*\}")
+    head, turn, shown = _conversation(1, template, spec)
+    _, text = _render(smol, template, head + turn, shown)
+    assert re.search(pat, text.split("Weather in Paris", 1)[1]), (example, text[-400:])
+    assert ("```json" in example) == ("R1" in name)
