@@ -50,9 +50,11 @@ run: $(VENV)/.run-stamp
 test: $(VENV)/.test-stamp
 	@$(MAKE) --no-print-directory test-phases
 
-# while working: everything but the tests marked slow (make test still runs those)
+# while working: everything but the tests marked slow (make test still runs those);
+# UNIT_MARK is a marker expression the unit phases add with "and" (make strips a
+# command-line value's leading blanks: ' and not slow' arrived as 'and not slow')
 test-fast: $(VENV)/.test-stamp
-	@$(MAKE) --no-print-directory test-phases PYTEST_MARK='-m "not slow"' UNIT_MARK=' and not slow'
+	@$(MAKE) --no-print-directory test-phases PYTEST_MARK='-m "not slow"' UNIT_MARK='not slow'
 
 test-phases:
 	@$(MAKE) --no-print-directory test-unit-serial
@@ -71,12 +73,12 @@ test-unit-serial: $(VENV)/.test-stamp
 	@tools/system-deps
 	@$(BIN)/python tools/chat-templates
 	@tools/pytest-rc "tests/unit (serial)" timeout -k 10 900 $(BIN)/python -m pytest tests/unit -q \
-	  -m "serial$(UNIT_MARK)"
+	  -m "serial$(if $(UNIT_MARK), and $(UNIT_MARK))"
 
 test-unit-workers: $(VENV)/.test-stamp
 	@echo "==> unit tests (no MPI) in $(UNIT_WORKERS) pytest-xdist workers"
 	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q \
-	  -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial$(UNIT_MARK)"
+	  -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial$(if $(UNIT_MARK), and $(UNIT_MARK))"
 
 test-mpi: $(VENV)/.test-stamp
 	@for np in $(TEST_NPS); do \
