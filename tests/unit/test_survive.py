@@ -444,3 +444,39 @@ def test_a_killed_rank_pauses_the_streams_and_they_finish_as_without_it(tmp_path
     assert took < 5, f"front and ranks took {took:.1f} s to end after SIGTERM"
     assert not rank_pids(f.tag)
     assert f.proc.returncode == 0, f.log()[-2000:]
+
+
+def test_a_fronts_work_dir_goes_at_exit_and_a_killed_fronts_with_the_next(tmp_path):
+    """The front's folder of job hostfiles is removed however it exits in Python (return,
+    SystemExit, an exception); one whose front was killed (SIGKILL runs nothing) is removed
+    by the next front's sweep, while a live front's and other names stay."""
+    import subprocess
+
+    from hpcmac.llm.survive.supervisor import WORK_PREFIX, sweep_work_dirs
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    head = ("import sys, time; from hpcmac.llm.survive.supervisor import work_dir; "
+            "d = work_dir(); open(d + '/hostfile.json', 'w').close(); print(d, flush=True); ")
+
+    def front(tail: str):
+        return subprocess.Popen([sys.executable, "-c", head + tail], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    for tail, rc in [("", 0), ("sys.exit(3)", 3), ("raise RuntimeError('x')", 1)]:
+        p = front(tail)
+        d = p.stdout.readline().strip()
+        assert p.wait(30) == rc and d.startswith(str(tmp_path / WORK_PREFIX))
+        assert not os.path.exists(d), tail
+    killed, live = front("time.sleep(60)"), front("time.sleep(60)")
+    try:
+        dead_dir, live_dir = killed.stdout.readline().strip(), live.stdout.readline().strip()
+        killed.kill()
+        killed.wait(10)
+        assert os.path.isdir(dead_dir)  # nothing ran at its SIGKILL
+        other = tmp_path / f"{WORK_PREFIX}not-a-front"
+        other.mkdir()
+        assert sweep_work_dirs(str(tmp_path)) == [dead_dir]
+        assert os.path.isdir(live_dir) and other.is_dir()
+    finally:
+        live.kill()
+        live.wait(10)

@@ -37,6 +37,47 @@ from hpcmac.errors import UsageError
 from hpcmac.llm.survive.channel import LOADING
 from hpcmac.llm.survive.readmit import Readmits
 
+#: the front's work folder (hostfiles of each job): ``PREFIX<pid>-<random>`` in the temp dir
+WORK_PREFIX = "hpcmac-survive-"
+
+
+def sweep_work_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the work folders of fronts that are gone (killed: SIGKILL runs no cleanup),
+    this user's only; the removed paths."""
+    import shutil
+
+    tmp = tmp or tempfile.gettempdir()
+    gone = []
+    for entry in os.scandir(tmp):
+        pid = entry.name.removeprefix(WORK_PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(WORK_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+            continue  # its front is alive
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OSError):  # alive under another user, or unreadable
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        gone.append(entry.path)
+    return gone
+
+
+def work_dir() -> str:
+    """A new work folder for this front, removed at exit (normal, an exception, SystemExit;
+    a fatal signal's is removed by the next front's :func:`sweep_work_dirs`)."""
+    import atexit
+    import shutil
+
+    sweep_work_dirs()
+    path = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 #: launches in a row that never reached "hello" before the front gives up
 MAX_FAILED_STARTS = 3
 #: seconds the launcher has, after the front noticed a loss, to report it and exit
@@ -160,7 +201,7 @@ class Supervisor:
         self.readmits = Readmits(args.readmit_after)  # hosts to check for re-admission
         self._check: tuple[threading.Thread, list[str], list] | None = None  # doctor, running
         self.all_hosts = list(self.hosts)  # the hostfile's, in its order
-        self.work = tempfile.mkdtemp(prefix="hpcmac-survive-")
+        self.work = work_dir()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.2)
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
@@ -523,7 +564,8 @@ def run_survive(args, argv: list[str]) -> int:
     def stop(signum, frame):
         sup.stop.set()
 
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too (its terminal closed): its default ends the front with no cleanup
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         sup.run()
     finally:
