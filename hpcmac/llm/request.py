@@ -222,6 +222,7 @@ def parse_request(body, endpoint: str, cfg: ServeConfig) -> Parsed:
     if spec is not None and cfg.tok is not None:
         spec.family = tools_mod.family(cfg.tok.chat_template)
         spec.rendered = tools_mod.writes_tools(cfg.tok.chat_template)
+        spec.v3_form = tools_mod.deepseek_v3_form(cfg.tok.chat_template)
     if spec is not None and spec.forced and body.get("response_format") is not None:
         raise ApiError(400, "'response_format' cannot be combined with a required or named "
                             "'tool_choice'", "response_format")

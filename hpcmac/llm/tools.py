@@ -63,6 +63,7 @@ class ToolSpec:
     family: str = "hermes"
     rendered: bool = True  # the template writes the tools itself (else we add a system text)
     think_open: bool = False  # the prompt ends inside <think> (the answer starts reasoning)
+    v3_form: bool = False  # deepseek: the template writes V3's form (deepseek_v3_form)
     names: set = field(default_factory=set)
 
     @property
@@ -1136,6 +1137,10 @@ def call_lark(spec: ToolSpec, tok) -> str:
             body = (f'{_lit("<|channel|>", tok)} "commentary to=functions.{n} " '
                     f'{_lit("<|constrain|>", tok)} "json" {_lit("<|message|>", tok)} '
                     f'{_json(params)}')
+        elif fam == "deepseek" and spec.v3_form:  # function<sep>N, the arguments fenced
+            body = (f'{_lit(_DS[2], tok)} "function" {_lit(_DS[4], tok)} '
+                    f'{json.dumps(n + chr(10) + "```json" + chr(10))} {_json(params)} '
+                    f'"\\n```" {_lit(_DS[3], tok)}')
         elif fam == "deepseek":
             body = f'{_lit(_DS[2], tok)} {json.dumps(n)} {_lit(_DS[4], tok)} {_json(params)} ' \
                    f'{_lit(_DS[3], tok)}'

@@ -255,18 +255,21 @@ def test_tool_round_trip_renders_the_call_and_the_result(tok):
     assert forced.sampling.grammar and forced.ids == p.ids
 
 
-@pytest.mark.parametrize("fam", tools.FAMILIES)
+@pytest.mark.parametrize("fam", [*tools.FAMILIES, "deepseek-v3"])
 def test_forced_call_grammar_and_parser_agree(fam, tok):
     """Random tokens the grammar of a required call allows (SmolLM2's vocabulary) make an
     answer that the family's parser reads as calls of the tools, with arguments valid
-    under each tool's schema."""
+    under each tool's schema (``deepseek-v3``: V3's and R1's form, as their templates
+    write it)."""
     pytest.importorskip("llguidance")
     from hpcmac.llm import grammar
 
+    v3, fam = fam == "deepseek-v3", fam.removesuffix("-v3")
     lt = grammar.ll_tokenizer(tok, tok.vocab_size)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for seed, (choice, parallel) in enumerate([("required", False), ("add", True)]):
         spec = _spec(fam, choice, parallel)
+        spec.v3_form = v3
         c = grammar.Constraint(grammar.lark(tools.call_lark(spec, tok), "tools", lt), lt)
         rng = np.random.default_rng(seed)
         row = np.empty(grammar.mask_words(tok.vocab_size), dtype=np.int32)
@@ -285,6 +288,7 @@ def test_forced_call_grammar_and_parser_agree(fam, tok):
         text = tok.decode(out)
         got = tools.parse(text, fam, spec, "harmony" if fam == "harmony" else None)
         assert got.tool_calls, (fam, text)
+        assert (tools._DS[4] + "function" in text or "function" + tools._DS[4] in text) == v3
         for call in got.tool_calls:
             name = call["function"]["name"]
             assert choice == "required" or name == choice
