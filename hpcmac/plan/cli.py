@@ -184,7 +184,9 @@ def llm_cases(args, cl: clmod.Cluster, shape) -> list:
 
     nranks = cl.ranks
     kw = {"batch": args.batch, "prompt": args.prompt, "context": args.context,
-          "act_bytes": args.act_bytes, "kv_bytes": args.kv_bytes}
+          "act_bytes": args.act_bytes, "kv_bytes": args.kv_bytes,
+          "backend": "mlx" if args.backend == "mlx" else "", "transport": args.transport or "",
+          "fast_synch": args.mlx_fast_synch}
     if args.tp or args.pp:
         tp = args.tp or max(1, nranks // args.pp)
         pp = args.pp or max(1, nranks // tp)
@@ -237,6 +239,15 @@ def cmd_llm(args) -> int:
             raise UsageError(f"{flag} must be >= {least}, got {value}")
     if args.bits is not None and not 0 < args.bits <= 64:
         raise UsageError(f"--bits must be in (0, 64], got {args.bits}")
+    if args.numpy and args.backend == "mlx":
+        raise UsageError("--numpy and --backend mlx name two backends: give one")
+    if args.backend == "mlx" and args.calibration:
+        raise UsageError("--backend mlx predicts from a table machine's published GPU "
+                         "figures; --calibration measures hpcmac's CPU decoder: give one")
+    if args.backend != "mlx" and (args.transport or args.mlx_fast_synch):
+        raise UsageError("--transport and --mlx-fast-synch describe the MLX backend: "
+                         "add --backend mlx")
+    args.numpy = args.numpy or args.backend == "numpy"
     shape = load_shape(args.model)
     if args.numpy:
         if shape.bits >= 16:  # float checkpoints are widened; quantized ones stay quantized
@@ -245,6 +256,7 @@ def cmd_llm(args) -> int:
     if args.bits:
         shape = shape.with_bits(args.bits, "--bits")
     rows: list[dict] = []
+    figures: list[str] = []
     lines = [f"# {shape.name}: {shape.arch}, {shape.n_layers} layers, "
              f"{shape.params() / 1e9:.3g}B parameters ({shape.active_params() / 1e9:.3g}B "
              f"read per token), {shape.bits:.3g} bits per weight ({shape.source_bits})",
@@ -266,11 +278,18 @@ def cmd_llm(args) -> int:
                 f"{name:>13} {k:>5} {r.layout:>8}{mark} {f'{r.tp}x{r.pp}':>7} "
                 f"{r.decode_tok_s:>8.2f} {r.batch_tok_s:>11.2f} {r.ttft_s:>8.3g} "
                 f"{r.memory_gb:>8.3g}  {r.stream_s * 1e3:.3g}/{r.fixed_s * 1e3:.3g}/"
-                f"{r.allreduce_s * 1e3:.3g}/{r.hops_s * 1e3:.3g}{fit}"
-                + (f"  [{r.note}]" if r.note else ""))
+                f"{r.allreduce_s * 1e3:.3g}/{r.hops_s * 1e3:.3g}"
+                + (f"; syncs {r.host_syncs:g}: {r.sync_s * 1e3:.3g}"
+                   + (f" (sums: {r.sums})" if r.sums else "") if r.backend else "")
+                + fit + (f"  [{r.note}]" if r.note else ""))
+            if r.figures and r.figures not in figures:
+                figures.append(r.figures)
             if placed is not None:
                 lines.append(f"{'':>13} placement: {placed[0]}")
     lines.append("* the layout chosen: the fastest that fits for this batch")
+    if figures:
+        lines.append("--backend mlx: per token, the host syncs waited on and their ms")
+    lines += [f"--backend mlx: {f}" for f in figures]
     _emit(args, rows, lines)
     if args.plot:
         best = [r for r in rows if r["layout"] in ("tensor", "pipeline", "hybrid", "star")]
@@ -377,6 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--numpy", action="store_true",
                     help="hpcmac's numpy backend: float weights widened to float32 "
                          "(quantized ones stay quantized), float32 activations and cache")
+    lm.add_argument("--backend", choices=("numpy", "mlx"), default=None,
+                    help="numpy: as --numpy; mlx: hpcmac's MLX backend on a table machine's "
+                         "GPU, from published figures (labelled so; docs/plan.md)")
+    lm.add_argument("--transport", choices=("ring", "rdma", "mpi"), default=None,
+                    help="--backend mlx: the tensor groups' transport (ring or rdma: sums in "
+                         "MLX's graph; mpi: the numpy bridge); default rdma on an RDMA link, "
+                         "else ring")
+    lm.add_argument("--mlx-fast-synch", action="store_true",
+                    help="--backend mlx: as with MLX_METAL_FAST_SYNCH=1 (exo sets it)")
     _output_args(lm)
     lm.set_defaults(func=cmd_llm)
     c = sub.add_parser("calibrate", help="measure this node (DGEMM, memory bandwidth, panel)")

@@ -26,6 +26,13 @@ decode step of ``B`` sequences, stage ``s`` costs
   the pipeline runtime's own cost per hop as ``calibrate`` measured it
   (``hop_s``; 0 for a table part).
 
+``backend="mlx"`` (a table part only): hpcmac's MLX backend on the GPU, with the
+published step costs of :mod:`hpcmac.plan.mlx_cost` (kernels and command buffers a
+layer, a cost per blocking host sync times the syncs the layout makes, counted by
+:mod:`hpcmac.llm.parallel.host_syncs`, a CPU-GPU crossing per collective in the
+graph) and the weights at the GPU's published bandwidth; every such prediction is
+labelled "published, not measured here".
+
 Single stream: the stages run in turn. B sequences: in the pipeline as ``pp``
 micro-batches, the step takes the longer of one pass and ``pp`` times the
 slowest stage. Time to first token: the prompt's flops (and attention's
@@ -39,11 +46,19 @@ import math
 from dataclasses import asdict, dataclass
 
 from hpcmac.errors import UsageError
+from hpcmac.llm.parallel import host_syncs
+from hpcmac.plan import mlx_cost
 from hpcmac.plan.cluster import Cluster
-from hpcmac.plan.machines import Link
+from hpcmac.plan.machines import MACHINES, Link
 from hpcmac.plan.shape import ModelShape
 
 LAYOUTS = ("pipeline", "tensor", "hybrid", "star")
+#: ``LlmCase.backend``: "" the node's own figures (a calibration's CPU decoder, or the
+#: table's peaks), "mlx" hpcmac's MLX backend on a table part's GPU
+BACKENDS = ("", "mlx")
+#: transports of the MLX backend's tensor groups: an MLX group (ring: TCP, rdma: JACCL)
+#: or MPI (the numpy bridge)
+MLX_TRANSPORTS = ("ring", "rdma", "mpi")
 #: share of a node's memory the weights and cache may take
 USABLE = 0.9
 
@@ -60,6 +75,9 @@ class LlmCase:
     context: int = 2048
     act_bytes: int = 2     # bytes of one activation element on the wire (fp16; hpcmac numpy: 4)
     kv_bytes: int = 2      # bytes of one KV cache element
+    backend: str = ""      # "" or "mlx" (BACKENDS)
+    transport: str = ""    # mlx: ring, rdma or mpi; "" = rdma on an RDMA link, else ring
+    fast_synch: bool = False   # mlx: MLX_METAL_FAST_SYNCH=1 (exo sets it; hpcmac does not)
 
     @property
     def layout(self) -> str:
@@ -88,6 +106,11 @@ class LlmPrediction:
     memory_gb: float           # the fullest rank's weights + KV cache
     fits: bool
     note: str = ""
+    backend: str = ""          # "mlx": the MLX terms below are in the times above
+    host_syncs: float = 0.0    # mlx: host syncs a token waits on (each rank of each stage)
+    sync_s: float = 0.0        # mlx: per token, what those syncs cost
+    figures: str = ""          # mlx: the published figures used, labelled as such
+    sums: str = ""             # mlx, tp > 1: "in the graph" (an MLX group) or "numpy bridge"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +147,28 @@ def allreduce_s(link: Link, t: int, nbytes: float) -> float:
     return min(ring, doubling)
 
 
+def mlx_transport(cluster: Cluster, case: LlmCase) -> str:
+    """The MLX backend's tensor-group transport for ``case``, checked against the link
+    (one clear line when they do not agree)."""
+    if case.backend not in BACKENDS:
+        raise UsageError(f"backend must be '' or 'mlx', got {case.backend!r}")
+    if case.backend != "mlx":
+        if case.transport or case.fast_synch:
+            raise UsageError("--transport and --mlx-fast-synch describe the MLX backend: "
+                             "add --backend mlx")
+        return ""
+    if case.star:
+        raise UsageError("--backend mlx: the star layout is llama.cpp RPC's, not an MLX "
+                         "backend's; use --layout pipeline, tensor or hybrid")
+    t = case.transport or ("rdma" if cluster.link.rdma else "ring")
+    if t not in MLX_TRANSPORTS:
+        raise UsageError(f"--transport must be one of {', '.join(MLX_TRANSPORTS)}, got {t!r}")
+    if t == "rdma" and len(cluster.nodes) > 1 and not cluster.link.rdma:
+        raise UsageError(f"--transport rdma (JACCL) needs an RDMA link; the link is "
+                         f"{cluster.link.name}: use --link tb5-rdma or --transport ring")
+    return t
+
+
 def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction:
     """Predicted decode and prefill for ``shape`` on ``cluster`` in ``case``'s layout."""
     tp, pp, B = case.tp, case.pp, case.batch
@@ -131,6 +176,16 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
         raise UsageError(f"tp, pp and batch must be >= 1, got {tp}, {pp}, {B}")
     if case.star and tp != 1:
         raise UsageError("the star layout (llama.cpp RPC) has no tensor groups: tp must be 1")
+    transport = mlx_transport(cluster, case)
+    mlx = mlx_cost.MLX if case.backend == "mlx" else None
+    if mlx is not None:
+        for n in cluster.nodes:
+            if not n.rates.gpu_read_gbs:
+                raise UsageError(
+                    f"--backend mlx: node {n.name} has no published GPU figures (a "
+                    "calibration measures hpcmac's CPU decoder, not a GPU): give --machine "
+                    f"({', '.join(MACHINES)}) or a hostfile 'machine'")
+    graph = host_syncs.graph_sums(tp, pp, transport)
     nranks = tp * pp
     where = cluster.placement(nranks)
     per_node = [where.count(i) for i in range(len(cluster.nodes))]
@@ -146,13 +201,20 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
     def rank_rates(s: int, active_per_node: int) -> tuple[float, float]:
         """(bytes/s, flop/s) of one rank of stage s when ``active_per_node`` ranks work."""
         node = node_of[s]
+        if mlx is not None:  # the node's one GPU, shared by its ranks
+            return (node.rates.gpu_read_gbs * 1e9 / active_per_node,
+                    node.rates.matrix_flops(1) / active_per_node)
         busy = max(1, min(node.rates.cores, active_per_node))
         bw = node.rates.read_bw_at(busy) / active_per_node
         flops = node.rates.matrix_flops(busy) / active_per_node
         return bw, flops
 
+    def stage_syncs(s: int) -> int:
+        return host_syncs.stage_syncs(bounds[s + 1] - bounds[s], s == 0, tp, graph)
+
     def stage_time(s: int, b: int, tokens: int, active: int, prefill: bool) -> tuple:
-        """(weights-or-flops s, fixed s, all-reduce s) of stage s for b sequences."""
+        """(weights-or-flops s, fixed s, all-reduce s, host syncs s) of stage s for b
+        sequences."""
         lo, hi = bounds[s], bounds[s + 1]
         bw, flops = rank_rates(s, active)
         nbytes = sum(shape.layer_bytes_read(i, tokens if prefill else b)
@@ -174,6 +236,17 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
         fixed = (hi - lo) * node_of[s].rates.layer_s
         link = _group_link(cluster, where, stages[s])
         ar = (hi - lo) * 2 * allreduce_s(link, tp, tokens * shape.hidden * case.act_bytes)
+        sync = 0.0
+        if mlx is not None:  # published MLX-on-Metal step costs (mlx_cost)
+            fixed += mlx.step_fixed_s(hi - lo)
+            if not host_syncs.pipelined(tp, pp):
+                sync = stage_syncs(s) * mlx.host_sync_s
+            if tp > 1:  # beside the layers': the embedding's sum (first stage) and the
+                # head's max-loc (last), each a collective over the group
+                edge = (s == 0) + (s == pp - 1)
+                ar += edge * allreduce_s(link, tp, tokens * shape.hidden * case.act_bytes)
+                if graph:  # no all_sum on Metal's GPU: each collective crosses to the CPU
+                    ar += ((hi - lo) * 2 + edge) * mlx.crossing(case.fast_synch)
         if tp > 1:  # the tensor runtime's own costs, measured at 2 ranks (calibrate)
             rt = node_of[s].rates
             # each rank posts to, and adds the part of, every other rank
@@ -181,7 +254,7 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
             # the slowest of tp ranks sets each segment's pace: the expected maximum
             # of tp draws grows about as log2(tp) times that of two
             ar += work * rt.tp_sync_frac * math.log2(tp)
-        return work, fixed, ar
+        return work, fixed, ar, sync
 
     def hops(b: int) -> float:
         if pp == 1:
@@ -206,11 +279,12 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
             sum(1 for r in g if where[r] == where[g[0]]) for g in stages)
 
     one = [stage_time(s, 1, 1, active(False), False) for s in range(pp)]
-    stream = sum(w for w, _, _ in one)
-    fixed = sum(f for _, f, _ in one)
-    ar = sum(a for _, _, a in one)
+    stream = sum(w for w, _, _, _ in one)
+    fixed = sum(f for _, f, _, _ in one)
+    ar = sum(a for _, _, a, _ in one)
+    sync = sum(y for _, _, _, y in one)
     hop = hops(1)
-    t1 = stream + fixed + ar + hop + node_of[0].rates.token_s
+    t1 = stream + fixed + ar + sync + hop + node_of[0].rates.token_s
     if B == 1:
         tb = t1
     else:
@@ -231,10 +305,19 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
         w += shape.cache_elements(lo, hi, B, case.context) * case.kv_bytes * share
         held.append(w)
     fits = all(h <= USABLE * m for h, m in zip(held, mem_rank))
+    extra: dict = {}
+    if mlx is not None:
+        bw = sorted({f"{n.rates.name} {n.rates.gpu_read_gbs:g} GB/s {n.rates.gpu_read_source}"
+                     for n in node_of})
+        extra = dict(backend="mlx", host_syncs=float(sum(stage_syncs(s) for s in range(pp))),
+                     sync_s=sync,
+                     figures=f"{mlx.describe(case.fast_synch)}; GPU weights at {', '.join(bw)}",
+                     sums=("in the graph" if graph else "numpy bridge") if tp > 1 else "")
     return LlmPrediction(
         model=shape.name, layout=case.layout, tp=tp, pp=pp, batch=B, decode_tok_s=1.0 / t1,
         batch_tok_s=B / tb, ttft_s=ttft, stream_s=stream, fixed_s=fixed, allreduce_s=ar,
-        hops_s=hop, layers=tuple(counts), memory_gb=max(held) / 1e9, fits=fits, note=note)
+        hops_s=hop, layers=tuple(counts), memory_gb=max(held) / 1e9, fits=fits, note=note,
+        **extra)
 
 
 def layouts(nranks: int, n_layers: int) -> list[tuple[int, int]]:
@@ -245,12 +328,13 @@ def layouts(nranks: int, n_layers: int) -> list[tuple[int, int]]:
 
 def choose(cluster: Cluster, shape: ModelShape, batch: int = 1, prompt: int = 512,
            context: int = 2048, nranks: int | None = None, act_bytes: int = 2,
-           kv_bytes: int = 2) -> list[LlmPrediction]:
+           kv_bytes: int = 2, **mlx) -> list[LlmPrediction]:
     """Every layout for the cluster's ranks, fastest first for ``batch`` sequences
-    (layouts that do not fit last)."""
+    (layouts that do not fit last). ``mlx``: ``backend``, ``transport``, ``fast_synch``
+    as :class:`LlmCase`'s."""
     nranks = nranks or cluster.ranks
     out = [predict(cluster, shape, LlmCase(t, p, False, batch, prompt, context, act_bytes,
-                                           kv_bytes))
+                                           kv_bytes, **mlx))
            for t, p in layouts(nranks, shape.n_layers)]
     out.sort(key=lambda r: (not r.fits, -(r.batch_tok_s if batch > 1 else r.decode_tok_s)))
     return out

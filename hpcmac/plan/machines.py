@@ -41,6 +41,16 @@ class Machine:
     source: str                 # key into docs/plan.md's source list
     fp64_per_cycle_p: int = 16  # 4 x 128-bit FMA pipes: 4 * 2 doubles * 2 flops
     fp64_per_cycle_e: int = 8   # 2 x 128-bit FMA pipes
+    gpu_sustained_gbs: float | None = None   # what the GPU sustains streaming, where
+    gpu_sustained_source: str = ""           # published (else the peak is used)
+
+    @property
+    def gpu_read(self) -> tuple[float, str]:
+        """(GB/s the GPU streams weights at, where the figure comes from): the published
+        sustained figure where there is one, else the published peak."""
+        if self.gpu_sustained_gbs:
+            return self.gpu_sustained_gbs, f"sustained [{self.gpu_sustained_source}]"
+        return self.mem_bw_gbs, f"peak [{self.source}]"
 
     @property
     def cores(self) -> int:
@@ -77,7 +87,9 @@ class Link:
 MACHINES: dict[str, Machine] = {m.name: m for m in (
     Machine("m1-ultra", 128, 800, 16, 3.2, 4, 2.06, 21.0, "apple-m1-ultra"),
     Machine("m2-ultra", 192, 800, 16, 3.5, 8, 2.4, 27.2, "apple-m2-ultra"),
-    Machine("m3-ultra", 512, 819, 24, 4.05, 8, 2.75, 28.4, "apple-m3-ultra"),
+    # the GPU sustains 650-690 GB/s of the 819 (source mlx-bw)
+    Machine("m3-ultra", 512, 819, 24, 4.05, 8, 2.75, 28.4, "apple-m3-ultra",
+            gpu_sustained_gbs=670, gpu_sustained_source="mlx-bw"),
     Machine("m4-max", 128, 546, 12, 4.5, 4, 2.9, 18.4, "apple-m4-max"),
     Machine("m4-pro", 64, 273, 10, 4.5, 4, 2.9, 9.2, "apple-m4-pro"),
     Machine("m4", 32, 120, 4, 4.4, 6, 2.9, 4.3, "apple-m4"),
@@ -130,7 +142,8 @@ class Rates:
     every all-reduce (the slower sets the pace); ``hop_s`` what a pipeline step of
     hpcmac's runtime pays per hop beyond one rank's step and the link (the stages'
     scheduling, the receiving stage's wake-up), measured in the same 2-rank job;
-    0 when unknown.
+    0 when unknown. ``gpu_read_gbs``: a table part's GPU streaming rate for the MLX
+    backend (published; 0 for a measured node, whose GPU nothing here measured).
     """
 
     name: str
@@ -152,6 +165,8 @@ class Rates:
     read_bw: dict[int, float] = field(default_factory=dict)   # GB/s reading, by busy cores
     sgemm: dict[int, float] = field(default_factory=dict)     # Gflop/s FP32, by busy cores
     source: str = ""
+    gpu_read_gbs: float = 0.0            # a table part's GPU streaming rate (MLX); 0: none
+    gpu_read_source: str = ""
 
     def dgemm_at(self, busy: int, k: float | None = None) -> float:
         """Node DGEMM Gflop/s with ``busy`` cores working (all ranks together)."""
@@ -213,4 +228,5 @@ def rates_of(m: Machine, memory_gb: float | None = None) -> Rates:
         name=m.name, cores=m.cores, memory_gb=memory_gb or m.memory_gb,
         dgemm={1: peak / m.cores, m.cores: peak},
         mem_bw={1: m.mem_bw_gbs, m.cores: m.mem_bw_gbs},
-        flops_fp32=m.gpu_fp32_tflops * 1e3, source=m.source)
+        flops_fp32=m.gpu_fp32_tflops * 1e3, source=m.source, gpu_read_gbs=m.gpu_read[0],
+        gpu_read_source=m.gpu_read[1])

@@ -223,7 +223,8 @@ def bring_up(group: Group, placement: Placement, model: str, cfg, *, backend: st
 def tensor_reduce(tg: TensorGroup, backend: str, world: Group):
     """The reduce callable the model gets: on MLX over an MLX group (``--transport ring``
     or ``rdma``, one tensor group of the whole job), the sums inside MLX's graph
-    (:meth:`TensorGroup.graph_sum`); otherwise the numpy all-reduce. ``--backend mlx``
+    (:meth:`TensorGroup.graph_sum`); otherwise the numpy all-reduce (the host syncs
+    either costs a token: :mod:`hpcmac.llm.parallel.host_syncs`). ``--backend mlx``
     over a transport that cannot carry MLX arrays falls back to the numpy bridge and
     says so once (world rank 0); ``HPCMAC_TRANSPORT_STRICT=1`` makes that an error (the
     same on every rank, before any weights load)."""
@@ -242,9 +243,11 @@ def tensor_reduce(tg: TensorGroup, backend: str, world: Group):
         raise UsageError(f"--backend mlx: {why} (HPCMAC_TRANSPORT_STRICT=1; use --transport "
                          "ring or rdma with one tensor group, or unset it for the numpy bridge)")
     if world.rank == 0:
+        from hpcmac.llm.parallel.host_syncs import BRIDGE_SYNCS_PER_LAYER
+
         print(f"note: --backend mlx: {why}; the tensor-parallel sums go through numpy "
-              "(two host syncs a layer; --transport ring or rdma keeps them in MLX's graph)",
-              file=sys.stderr, flush=True)
+              f"({BRIDGE_SYNCS_PER_LAYER} host syncs a layer; --transport ring or rdma keeps "
+              "them in MLX's graph)", file=sys.stderr, flush=True)
     return tg.allreduce
 
 
