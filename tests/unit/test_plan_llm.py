@@ -344,3 +344,44 @@ def test_release_formats_count_their_held_bits(q, bits, says):
 
     got, why = _hf_bits({"quantization_config": q})
     assert got == bits and says in why
+
+
+# ------------------------------------------------- the MLX terms against exo's rows
+
+def _exo_mlx(models, name, bits, k, fast_synch=True):
+    """exo's rows as hpcmac's MLX backend would run them: tensor parallel over JACCL, the
+    published MLX-on-Metal step costs (hpcmac.plan.mlx_cost); exo sets
+    MLX_METAL_FAST_SYNCH=1 [exo-fast-synch]."""
+    shape = load_shape(models[name]).with_bits(bits, "published")
+    return llm.predict(m3_ultra(k, "tb5-rdma"), shape,
+                       llm.LlmCase(tp=k, pp=1, backend="mlx", fast_synch=fast_synch))
+
+
+def test_mlx_terms_narrow_the_exo_gap(models):
+    """With the published MLX terms the one-node rows, where no link is involved, land
+    within 30% of exo's (Qwen3 +15%, DeepSeek +27%: 16 and 12 of the 23 and 22 missing
+    ms per token explained), and the mean |log error| over the seven rows is under half
+    the table model's. Not closed, and not by merit everywhere: the 4-node Qwen3 row
+    moves from +19% to -20%, and the multi-node rows lean on the link's alpha, known
+    only as "< 50 us" (docs/plan.md gives the table and the sensitivity)."""
+    base_err, mlx_err = [], []
+    for name, bits, rows in EXO:
+        for k, published in rows.items():
+            got = _exo_mlx(models, name, bits, k)
+            assert got.fits and got.figures
+            base_err.append(abs(math.log(_exo(models, name, bits, k).decode_tok_s / published)))
+            mlx_err.append(abs(math.log(got.decode_tok_s / published)))
+            if k == 1:
+                assert got.decode_tok_s == pytest.approx(published, rel=0.30)
+                assert got.decode_tok_s > published   # still an upper bound there
+    assert sum(mlx_err) < 0.5 * sum(base_err)
+
+
+@pytest.mark.parametrize("name, bits, rows", EXO)
+def test_with_the_default_fence_every_exo_tensor_row_is_too_slow(models, name, bits, rows):
+    """With MLX's default fence (180 us a collective's crossing, 2 a layer) every
+    multi-node row is predicted slower than exo ran: consistent with exo's runs having
+    MLX_METAL_FAST_SYNCH=1, and the cost hpcmac pays while it leaves the flag unset."""
+    for k, published in rows.items():
+        if k > 1:
+            assert _exo_mlx(models, name, bits, k, fast_synch=False).decode_tok_s < published
