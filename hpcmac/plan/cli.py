@@ -344,10 +344,13 @@ def cmd_machines(args) -> int:
         recs.append({"name": m.name, "memory_gb": m.memory_gb, "mem_bw_gbs": m.mem_bw_gbs,
                      "p_cores": m.p_cores, "e_cores": m.e_cores,
                      "cpu_fp64_gflops": m.cpu_fp64_gflops,
-                     "gpu_fp32_tflops": m.gpu_fp32_tflops, "source": m.source})
+                     "gpu_fp32_tflops": m.gpu_fp32_tflops, "source": m.source,
+                     "gpu_read_gbs": m.gpu_read[0], "gpu_read_source": m.gpu_read[1]})
         lines.append(f"{m.name:>9} {m.memory_gb:>5.0f}GB {m.mem_bw_gbs:>6.0f} "
                      f"{f'{m.p_cores}P+{m.e_cores}E':>7} {m.cpu_fp64_gflops:>8.0f}G "
-                     f"{m.gpu_fp32_tflops:>8.1f}T  {m.source}")
+                     f"{m.gpu_fp32_tflops:>8.1f}T  {m.source}"
+                     + (f"; GPU sustains {m.gpu_sustained_gbs:g} GB/s "
+                        f"[{m.gpu_sustained_source}]" if m.gpu_sustained_gbs else ""))
     lines.append("")
     lines.append(f"{'link':>9} {'alpha us':>9} {'GB/s':>6}  source")
     for lk in mc.LINKS.values():

@@ -1,4 +1,4 @@
-"""hpcmac.plan's MLX path: the sync-count rule, the published step costs adding up, labels, refusals.
+"""hpcmac.plan's MLX path: the sync-count rule, the published step costs, labels, refusals.
 
 No MPI, no MLX: the rule is the one the MLX backend's counters are held to
 (tests/unit/test_llm_mlx_sync.py and test_llm_mlx_matrix.py measure it on the backend).
