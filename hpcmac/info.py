@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"numpy        {numpy.__version__}")
     print(f"scipy        {scipy.__version__}")
     print(f"mlx          {mlx_line}")
+    if not mlx_line.startswith("not importable"):
+        from hpcmac.llm.parallel.host_syncs import HYBRID_RULE
+
+        print(f"mlx groups   {HYBRID_RULE}")
     ompi = {k: os.environ[k] for k in ("OMPI_MCA_btl", "OMPI_MCA_mtl", "OMPI_MCA_pml")
             if k in os.environ}
     for line in startup_lines(all_times, ompi, bool(mpi_start.STARTUP.get("ompi_defaults"))):

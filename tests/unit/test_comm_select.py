@@ -40,3 +40,15 @@ def test_unusable_rdma_falls_back_without_strict():
     proc = run_info("--transport", "rdma")
     assert proc.returncode == 0, proc.stderr
     assert "chosen       mpi" in proc.stdout
+
+
+def test_info_says_where_mlx_hybrids_sum():
+    """issue #30: MLX's groups cannot split, so hpcmac info says where a hybrid's sums go."""
+    pytest.importorskip("mlx.core")
+    from hpcmac.llm.parallel.host_syncs import HYBRID_RULE
+
+    proc = run_info()
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("mlx groups")]
+    assert lines == [f"mlx groups   {HYBRID_RULE}"], proc.stdout
+    assert "mlx#3205" in HYBRID_RULE and "MPI sub-groups" in HYBRID_RULE

@@ -27,6 +27,12 @@ from __future__ import annotations
 GRAPH_TRANSPORTS = ("ring", "rdma")
 #: host syncs per layer when a tensor group's sums go through numpy
 BRIDGE_SYNCS_PER_LAYER = 2
+#: where a tensor x pipeline hybrid's sums go under the MLX backend, and why (said by
+#: ``hpcmac info`` and by the runtime's note)
+HYBRID_RULE = ("tensor x pipeline hybrids keep their tensor groups on MPI sub-groups "
+               "(MLX's ring and JACCL groups cannot split, mlx#3205): their sums go through "
+               f"numpy, {BRIDGE_SYNCS_PER_LAYER} host syncs a layer; one tensor group of the "
+               "whole job over ring or rdma sums inside MLX's graph")
 
 
 def graph_sums(tp: int, pp: int, transport: str) -> bool:
