@@ -78,8 +78,12 @@ test-unit-serial: $(VENV)/.test-stamp
 test-unit-workers: $(VENV)/.test-stamp
 	@echo "==> unit tests (no MPI) in $(UNIT_WORKERS) pytest-xdist workers"
 	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q \
-	  -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial$(if $(UNIT_MARK), and $(UNIT_MARK))"
+	  -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
+	  -m "not serial$(if $(UNIT_MARK), and $(UNIT_MARK))"
 
+# the ranks yield their core while they wait (tests/conftest.py says why; pytest there
+# starts too late to set it for the ranks it runs in)
+test-mpi: export OMPI_MCA_mpi_yield_when_idle ?= 1
 test-mpi: $(VENV)/.test-stamp
 	@for np in $(TEST_NPS); do \
 	  echo "==> MPI tests at mpirun -np $$np"; \
