@@ -45,7 +45,9 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 # one file they kept one worker for minutes; the MLX matrix's cells share only their
 # family's folders (a module fixture that writes each when a cell first asks for it), so
 # a family is a unit: 13 of 40-70 s at load 30 (16 cells each), as one file a single
-# worker's ~15 minutes.
+# worker's ~15 minutes. The serve files start one server per layout (a module fixture with
+# a parameter a layout): a layout's tests are a unit, so each server still starts once
+# (test_llm_serve.py as one file: over 590 s at load 20, its three servers in turn).
 def _each_test(nodeid: str) -> str:
     return nodeid
 
@@ -56,8 +58,18 @@ def _first_param(nodeid: str) -> str:
     return head + bracket + params.split("-", 1)[0] if bracket else head.split("::", 1)[0]
 
 
+def _param_id(nodeid: str) -> str:
+    """``FILE::test[np2-tp2]`` -> ``FILE[np2-tp2``; a test without parameters: its file."""
+    head, bracket, params = nodeid.partition("[")
+    return head.split("::", 1)[0] + bracket + params.rstrip("]") if bracket else \
+        head.split("::", 1)[0]
+
+
 SPLIT = {"tests/unit/test_docs_commands.py": _each_test,
-         "tests/unit/test_llm_mlx_matrix.py": _first_param}
+         "tests/unit/test_llm_mlx_matrix.py": _first_param,
+         "tests/unit/test_llm_serve.py": _param_id,
+         "tests/unit/test_llm_serve_structured.py": _param_id,
+         "tests/unit/test_llm_serve_ops.py": _param_id}
 DURATIONS = Path(__file__).parent / "unit" / "durations.json"
 
 
@@ -91,7 +103,7 @@ try:
 except ImportError:   # no pytest-xdist: one process, nothing to schedule
     LoadFileScheduling = None
 else:
-    class _SpreadFileScheduling(LoadFileScheduling):
+    class _SplitFileScheduling(LoadFileScheduling):
         """--dist loadfile, but SPLIT's files are cut into several work units."""
 
         def _split_scope(self, nodeid: str) -> str:
@@ -99,7 +111,7 @@ else:
 
     def pytest_xdist_make_scheduler(config, log):
         if config.getoption("dist") == "loadfile":
-            return _SpreadFileScheduling(config, log)
+            return _SplitFileScheduling(config, log)
         return None
 
 

@@ -12,8 +12,8 @@ DOCS = "tests/unit/test_docs_commands.py::test_marked_block_runs_as_written"
 
 
 def test_a_file_is_one_unit_but_for_the_split_ones():
-    assert unit_of("tests/unit/test_llm_serve.py::test_completion_equals_generate[np2-tp2]") \
-        == "tests/unit/test_llm_serve.py"
+    assert unit_of("tests/unit/test_llm_tools.py::test_calls_parse[np2-tp2]") \
+        == "tests/unit/test_llm_tools.py"
     assert unit_of("tests/unit/test_x.py::TestA::test_b[1-2]") == "tests/unit/test_x.py"
     # each docs block alone
     assert unit_of(f"{DOCS}[README.md:95]") == f"{DOCS}[README.md:95]"
@@ -23,6 +23,12 @@ def test_a_file_is_one_unit_but_for_the_split_ones():
     assert fams == {f"{MATRIX}[qwen3_moe", f"{MATRIX}[glm4_moe_lite"}
     assert unit_of("tests/unit/test_llm_mlx_matrix.py::test_plain") \
         == "tests/unit/test_llm_mlx_matrix.py"
+    # a serve file's tests of one layout together (they share its server), layouts apart
+    serve = "tests/unit/test_llm_serve_structured.py"
+    assert {unit_of(f"{serve}::{t}[np2-tp2]") for t in ("test_a", "test_b")} \
+        == {f"{serve}[np2-tp2"}
+    assert unit_of(f"{serve}::test_a[np1]") == f"{serve}[np1"
+    assert unit_of(f"{serve}::test_plain") == serve
 
 
 class _Item:
