@@ -48,6 +48,8 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 # worker's ~15 minutes. The serve files start one server per layout (a module fixture with
 # a parameter a layout): a layout's tests are a unit, so each server still starts once
 # (test_llm_serve.py as one file: over 590 s at load 20, its three servers in turn).
+# test_stops.py's tests share nothing (each starts its own jobs): each is a unit (its 20
+# stops at np 1 took 538 s at load 22, 56 s of CPU; the 22 at np 2 as many again).
 def _each_test(nodeid: str) -> str:
     return nodeid
 
@@ -66,6 +68,7 @@ def _param_id(nodeid: str) -> str:
 
 
 SPLIT = {"tests/unit/test_docs_commands.py": _each_test,
+         "tests/unit/test_stops.py": _each_test,
          "tests/unit/test_llm_mlx_matrix.py": _first_param,
          "tests/unit/test_llm_serve.py": _param_id,
          "tests/unit/test_llm_serve_structured.py": _param_id,

@@ -17,6 +17,8 @@ def test_a_file_is_one_unit_but_for_the_split_ones():
     assert unit_of("tests/unit/test_x.py::TestA::test_b[1-2]") == "tests/unit/test_x.py"
     # each docs block alone
     assert unit_of(f"{DOCS}[README.md:95]") == f"{DOCS}[README.md:95]"
+    stops = "tests/unit/test_stops.py::test_repeated_stops_leave_nothing"
+    assert unit_of(f"{stops}[np1]") != unit_of(f"{stops}[np2]")
     # the matrix's cells of a family together (they share its folders), families apart
     fams = {unit_of(f"{MATRIX}[{f}-{form}-{lay}]") for f in ("qwen3_moe", "glm4_moe_lite")
             for form in ("float", "q4") for lay in ("np1", "tp2pp2")}
