@@ -147,7 +147,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     t0 = min(s[0] for s in _SPANS.values())
     tr = terminalreporter
-    tr.write_sep("-", "where the wall time went (units: a file, or a docs block)")
+    tr.write_sep("-", "where the wall time went (units: a file, or SPLIT's parts of one)")
     for unit, (a, b, secs, w) in sorted(_SPANS.items(), key=lambda kv: -kv[1][2])[:15]:
         tr.write_line(f"{secs:7.1f} s  {w:4s} {a - t0:6.0f}-{b - t0:<6.0f} {unit}")
     workers = sorted({s[3] for s in _SPANS.values()})
