@@ -127,23 +127,28 @@ def pytest_collection_modifyitems(session, config, items):
         handout_order(items, weights)
 
 
-# -- where the wall time went (the xdist controller, or one process) -----------------------
+# -- where the wall time went (the xdist controller) ---------------------------------------
 
 _SPANS: dict[str, list] = {}     # unit -> [first start, last stop, seconds, worker]
 
 
+def _controller(config) -> bool:
+    """This process hands tests to xdist workers (make test's unit workers; not the
+    MPI phases' ranks, whose every rank would print the summary)."""
+    return config.pluginmanager.hasplugin("dsession")
+
+
 def pytest_runtest_logreport(report):
-    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(report, "start", 0):
-        return
-    node = getattr(report, "node", None)
-    worker = getattr(getattr(node, "gateway", None), "id", "main")
+    if not getattr(report, "start", 0) or not hasattr(report, "node"):
+        return   # reports reach the controller with the worker that ran them
+    worker = getattr(getattr(report.node, "gateway", None), "id", "?")
     span = _SPANS.setdefault(unit_of(report.nodeid), [report.start, report.stop, 0.0, worker])
     span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
     span[2] += report.stop - report.start
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if os.environ.get("PYTEST_XDIST_WORKER") or len(_SPANS) < 2:
+    if not _controller(config) or len(_SPANS) < 2:
         return
     t0 = min(s[0] for s in _SPANS.values())
     tr = terminalreporter
