@@ -33,7 +33,8 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 # sooner than the longest unit, and a long unit handed out last keeps one worker busy while
 # the other has nothing left: the units go out longest first (with --no-loadscope-reorder),
 # by the seconds tests/unit/durations.json gives each (a unit it does not name: first if
-# it holds a ``slow`` test, else in the middle). The end of the phase prints where its
+# it holds a ``slow`` test, else in the middle: a docs block is named by its line, so an
+# edit above it makes it such a unit). The end of the phase prints where its
 # wall time went (the longest units, each worker's span); HPCMAC_STORE_DURATIONS=FILE
 # writes every unit's seconds of this run to FILE (the form durations.json has).
 # (--dist loadgroup would let a file's independent tests spread, but xdist 3.8 cannot set
