@@ -65,6 +65,29 @@ def test_fp8_blocks_dequantize_as_the_release_does():
         fp8.from_blocks(codes[:, :200], sinv)
 
 
+@pytest.mark.parametrize("block", [128, 32])  # 128: runs of 64 (AVX-512 VBMI); 32: chunks
+def test_fp8_kernel_gives_every_code_exactly(block):
+    """Each E4M3 code but the two NaNs, in every position of a run (rows of a rolled list
+    of all 254) and in a last odd row, times a one-hot activation: the kernel's output is
+    the code's value times its block's power-of-two scale, bit for bit (the decode to
+    float32 is exact on each path: :mod:`hpcmac.llm.model.qvec`)."""
+    from hpcmac.llm.model.qvec import E4M3_BYTES, VBMI_ORDER
+
+    assert sorted(VBMI_ORDER) == list(range(64)) and E4M3_BYTES.shape == (4, 64)
+    codes = np.array([c for c in range(256) if c & 127 != 127], np.uint8)
+    n, k = 255, 256
+    c = np.stack([np.roll(np.resize(codes, k), i) for i in range(n)])
+    rng = np.random.default_rng(3)
+    sinv = np.ldexp(np.float32(1), rng.integers(-6, 6, (-(-n // block), k // block)))
+    t = fp8.from_blocks(c, sinv.astype(np.float32), block)
+    nq = NQWeight(t)
+    w = t.dequantize()
+    for j in (0, 1, 7, 8, 31, 32, 63, 64, 100, 127, 128, 200, 255):
+        x = np.zeros((1, k), np.float32)
+        x[0, j] = 1.0
+        assert np.array_equal(qmatmul(x, nq)[0], w[:, j]), j
+
+
 def test_mxfp4_layout_is_mlxs():
     """gpt-oss's blocks and scales are MLX's mode="mxfp4" words and scales, bit for bit."""
     mx = pytest.importorskip("mlx.core")

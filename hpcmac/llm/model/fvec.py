@@ -65,16 +65,16 @@ def _emit(context, builder, sig, args):
     panel = b.mul(K, _c64(WIDTH))  # elements per panel
 
     def row(pbase, i):
-        """Row ``i`` of the panel at element ``pbase``: two ``<16 x float>``."""
+        """Row ``i`` of the panel at element ``pbase``: two ``<16 x float>``, columns 0-15
+        and 16-31 (float32), or for bfloat16 the even and the odd columns: the row's 64
+        bytes read as 16 pairs, the low value shifted into the high half, the high one
+        masked (two integer operations a 32, no widening shuffle)."""
         off = b.add(pbase, b.mul(i, _c64(WIDTH)))
-        halves = []
-        for k in (0, 16):
-            v = h.load(p.data, b.add(off, _c64(k)), _vec(ety, 16))
-            if bf16:
-                v = b.bitcast(b.shl(b.zext(v, _vec(_I32, 16)),
-                                    ir.Constant(_vec(_I32, 16), [16] * 16)), f16)
-            halves.append(v)
-        return halves
+        if bf16:
+            v = h.load(p.data, off, _vec(_I32, 16))
+            return [b.bitcast(b.shl(v, ir.Constant(_vec(_I32, 16), [16] * 16)), f16),
+                    b.bitcast(b.and_(v, ir.Constant(_vec(_I32, 16), [-65536] * 16)), f16)]
+        return [h.load(p.data, b.add(off, _c64(k)), _vec(ety, 16)) for k in (0, 16)]
 
     def step(pbase, xrow, i, pairs):
         """Inputs ``i .. i + len(pairs) - 1`` into accumulator pairs ``pairs``."""
@@ -102,14 +102,18 @@ def _emit(context, builder, sig, args):
                 step(pbase, xrow, i, range(UNROLL))
             with cgutils.for_range(b, b.sub(K, b.mul(steps, _c64(UNROLL)))) as lt:
                 step(pbase, xrow, b.add(b.mul(steps, _c64(UNROLL)), lt.index), [0])
+            tots = []
             for k in (0, 1):
                 tot = b.load(accs[k])
                 for a in range(1, UNROLL):
                     tot = b.fadd(tot, b.load(accs[2 * a + k]))
-                yo = b.add(b.mul(lm.index, b.mul(nbk, _c64(WIDTH))),
-                           b.add(b.mul(lb.index, _c64(WIDTH)), _c64(16 * k)))
-                dst = b.bitcast(b.gep(y.data, [yo]), f16.as_pointer())
-                b.store(tot, dst, align=1)
+                tots.append(tot)
+            # bfloat16: the even and odd columns interleaved back
+            idx = [j for c in range(16) for j in (c, 16 + c)] if bf16 else list(range(32))
+            out = b.shuffle_vector(tots[0], tots[1], ir.Constant(_vec(_I32, 32), idx))
+            yo = b.add(b.mul(lm.index, b.mul(nbk, _c64(WIDTH))), b.mul(lb.index, _c64(WIDTH)))
+            dst = b.bitcast(b.gep(y.data, [yo]), _vec(_F32, 32).as_pointer())
+            b.store(out, dst, align=1)
     return context.get_dummy_value()
 
 

@@ -65,6 +65,14 @@ from numba.extending import intrinsic
 R = 2
 #: bytes ahead of the codes being read that are prefetched (measured, see above)
 PREFETCH = 16384
+#: FP8 rows multiplied together where the CPU has AVX-512 VBMI (kind 4), and the bytes
+#: ahead of each row's codes prefetched there
+R_FP8 = 2
+PREFETCH_FP8 = 32768
+#: the FP8 kernels prefetch into L2, not L1 (measured on a decode's 94 MB of FP8 layers,
+#: interleaved in one process at load 27-31: 0.64-0.71 of the CPU time with L1 prefetches
+#: 16 KB ahead, both kernels; R_FP8 = 4 and distances of 16-64 KB within the noise)
+LOCALITY_FP8 = 2
 
 _F32, _I8, _I16, _I32, _I64 = (ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32),
                                ir.IntType(64))
@@ -266,6 +274,35 @@ class _IR:
             out.append(b.fpext(b.bitcast(h, _vec(ir.HalfType(), 16)), _vec(_F32, 16)))
         return tuple(out)
 
+    def e4m3x64_vbmi(self, by):
+        """``<64 x i8>`` E4M3 codes -> four ``<16 x float>`` of their values / 2^8, exact,
+        in the order of :data:`VBMI_ORDER`, with no half-precision step: a float32 of an
+        E4M3 value has only its high 16 bits set (sign, exponent, 3 mantissa bits), so two
+        ``vpermi2b`` look the code's 7 magnitude bits up in two 128-byte tables (the
+        float's bytes 3 and 2, :data:`E4M3_BYTES`), the sign is or-ed into byte 3, the
+        bytes interleave into words (``vpunpck[lh]bw``) and each 32-bit pair of words
+        gives two floats by a shift and a mask. Per 64 codes: two table lookups, one
+        or, two interleaves, two shifts, two masks (:meth:`e4m3x32_gfni`: four affine
+        maps, four interleaves and four ``vcvtph2ps``)."""
+        b = self.b
+        v64, i16 = _vec(_I8, 64), _vec(_I32, 16)
+        f = self.fn("llvm.x86.avx512.vpermi2var.qi.512", v64, [v64, v64, v64])
+
+        def table(k):
+            return ir.Constant(v64, [int(t) for t in E4M3_BYTES[k]])
+
+        hi = b.call(f, [table(0), by, table(1)])  # byte 3 of the float, codes 0-63 / 64-127
+        hi = b.or_(hi, b.and_(by, ir.Constant(v64, [0x80] * 64)))
+        lo = b.call(f, [table(2), by, table(3)])  # byte 2
+        out = []
+        for part in (0, 1):
+            w = b.bitcast(b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 64),
+                                                              _vbmi_pairs(part))), i16)
+            out.append(b.bitcast(b.shl(w, ir.Constant(i16, [16] * 16)), _vec(_F32, 16)))
+            out.append(b.bitcast(b.and_(w, ir.Constant(i16, [-65536] * 16)),
+                                 _vec(_F32, 16)))
+        return tuple(out)
+
     def dot_u8i8(self, codes, xq, width: int):
         """``<n x u8> . <n x i8>`` (n = 32 or 64) as ``<n/4 x i32>``: lane j sums bytes
         ``4j .. 4j+3``, as ``vpdpbusd`` does (``width``: see :func:`vnni_width`)."""
@@ -369,6 +406,21 @@ def _has_avx512f() -> bool:
     return bool(llvm.get_host_cpu_features().get("avx512f"))
 
 
+def _has_vbmi() -> bool:
+    """Whether numba compiles for an x86 CPU with AVX-512 VBMI and BW (``vpermi2b`` over
+    64 bytes: the FP8 decode of :meth:`_IR.e4m3x64_vbmi`)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if not llvm.get_process_triple().startswith(("x86_64", "i686")):
+        return False
+    if config.CPU_NAME not in (None, "host"):
+        feats = config.CPU_FEATURES or ""
+        return all(f in feats for f in ("+avx512f", "+avx512bw", "+avx512vbmi"))
+    f = llvm.get_host_cpu_features()
+    return bool(f.get("avx512f") and f.get("avx512bw") and f.get("avx512vbmi"))
+
+
 _HAS_PSHUFB = _has_pshufb()
 _HAS_AVX512F = _has_avx512f()
 _HAS_F16 = _has_f16()
@@ -377,6 +429,45 @@ _HAS_GFNI = _HAS_F16 and _has_gfni()
 #: activations in this order (the middle two runs of 8 swapped, as ``vpunpck[lh]bw``
 #: interleave per 128-bit lane)
 GFNI_ORDER = np.r_[0:8, 16:24, 8:16, 24:32]
+
+_HAS_VBMI = _HAS_AVX512F and _has_vbmi()
+
+
+def _vbmi_pairs(part: int) -> list[int]:
+    """The byte shuffle of ``vpunpcklbw`` (part 0) or ``vpunpckhbw`` (1) of two 512-bit
+    vectors (the first's byte, then the second's, per 128-bit lane): word ``w`` of the
+    result takes code ``_vbmi_pairs(part)[2 * w]``."""
+    half = range(0, 8) if part == 0 else range(8, 16)
+    return [j for lane in (0, 16, 32, 48) for i in half for j in (lane + i, 64 + lane + i)]
+
+
+def _vbmi_order() -> np.ndarray:
+    """Which code of a run of 64 lands in lane ``j`` of the four vectors of
+    :meth:`_IR.e4m3x64_vbmi` (lane ``16 v + d`` of vector ``v``): vectors 2p and 2p + 1
+    are the low and high words of part p's 32-bit pairs."""
+    order = []
+    for part in (0, 1):
+        code = _vbmi_pairs(part)[0::2]  # code of each of the 32 words
+        order += [code[2 * d] for d in range(16)] + [code[2 * d + 1] for d in range(16)]
+    return np.array(order, np.int64)
+
+
+def _e4m3_bytes() -> np.ndarray:
+    """(4, 64) uint8: bytes 3 (rows 0, 1: magnitude codes 0-63, 64-127) and 2 (rows 2, 3)
+    of the float32 of each E4M3 magnitude over 2^8; its low two bytes are zero (checked)."""
+    c = np.arange(128)
+    e, m = c >> 3, (c & 7).astype(np.float64)
+    v = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8) * 2.0 ** (e - 7.0)) / 256
+    v = np.where(c == 127, np.nan, v).astype(np.float32).view(np.uint32)
+    assert not np.any(v & np.uint32(0xFFFF))
+    return np.stack([(v >> np.uint32(24)).astype(np.uint8),
+                     (v >> np.uint32(16)).astype(np.uint8)]).reshape(4, 64)
+
+
+#: the FP8 kernel reads the activations in this order per run of 64 where the CPU has
+#: AVX-512 VBMI (:meth:`_IR.e4m3x64_vbmi`)
+VBMI_ORDER = _vbmi_order()
+E4M3_BYTES = _e4m3_bytes()
 
 
 def _half_like(t):
@@ -452,7 +543,7 @@ def _emit(context, builder, sig, args, int8: bool):
     kindv = bits4  # the code kind (see the module docstring)
     width = vnni_width() if int8 else 0
     f16 = _vec(_F32, 16)
-    accs = [cgutils.alloca_once(b, f16) for _ in range(R)]
+    accs = [cgutils.alloca_once(b, f16) for _ in range(max(R, R_FP8))]
     accs8 = [cgutils.alloca_once(b, _vec(_F32, 8)) for _ in range(R)]  # one-chunk steps
     accs2 = [cgutils.alloca_once(b, f16) for _ in range(R)]  # MXFP4's second (AVX-512F)
     ety = _F32 if sdt == types.float32 else _I16
@@ -503,7 +594,7 @@ def _emit(context, builder, sig, args, int8: bool):
                     x_hi = h.load(x.data, b.add(xo, _c64(16)), f16)
                     for r in range(nr):
                         qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(32)))
-                        h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
+                        h.prefetch(q.data, b.add(qo, _c64(PREFETCH_FP8)), LOCALITY_FP8)
                         if _HAS_GFNI:  # x in GFNI_ORDER (mv_f32)
                             lo, hi = h.e4m3x32_gfni(h.load(q.data, qo, _vec(_I8, 32)))
                         elif _HAS_F16:
@@ -520,10 +611,47 @@ def _emit(context, builder, sig, args, int8: bool):
                 b.store(h.hsum(b.load(accs[r])),
                         b.gep(y.data, [b.add(b.mul(m, N), b.add(o0, _c64(r)))]))
 
+    def rows_fp8_vbmi(o0, nr: int):
+        """FP8 rows ``[o0, o0 + nr)`` in runs of 64 codes (kind 4: AVX-512 VBMI, groups a
+        multiple of 64, the activations in :data:`VBMI_ORDER`; :func:`mv_f32` picks it):
+        one 64-byte load and prefetch a row per run, :meth:`_IR.e4m3x64_vbmi`, four FMAs
+        into two accumulators a row (two shorter chains), scaled once a group."""
+        ga = [[cgutils.alloca_once(b, f16) for _ in range(2)] for _ in range(nr)]
+        runs = b.udiv(b.udiv(K, _c64(64)), G)  # runs of 64 per group
+        with cgutils.for_range(b, M) as lm:
+            m = lm.index
+            for r in range(nr):
+                b.store(ir.Constant(f16, None), accs[r])
+            with cgutils.for_range(b, G) as lg:
+                for r in range(nr):
+                    for a in ga[r]:
+                        b.store(ir.Constant(f16, None), a)
+                with cgutils.for_range(b, runs) as lc:
+                    c = b.mul(b.add(b.mul(lg.index, runs), lc.index), _c64(64))
+                    xo = b.add(b.mul(m, K), c)
+                    xv = [h.load(x.data, b.add(xo, _c64(16 * v)), f16) for v in range(4)]
+                    for r in range(nr):
+                        qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), c)
+                        h.prefetch(q.data, b.add(qo, _c64(PREFETCH_FP8)), LOCALITY_FP8)
+                        w = h.e4m3x64_vbmi(h.load(q.data, qo, _vec(_I8, 64)))
+                        g0, g1 = ga[r]
+                        b.store(h.fma(w[0], xv[0], h.fma(w[2], xv[2], b.load(g0))), g0)
+                        b.store(h.fma(w[1], xv[1], h.fma(w[3], xv[3], b.load(g1))), g1)
+                for r in range(nr):
+                    sc = h.scale(s.data, b.add(b.mul(b.add(o0, _c64(r)), G), lg.index), sdt)
+                    g = b.fadd(b.load(ga[r][0]), b.load(ga[r][1]))
+                    b.store(h.fma(g, h.splat(sc, 16), b.load(accs[r])), accs[r])
+            for r in range(nr):
+                b.store(h.hsum(b.load(accs[r])),
+                        b.gep(y.data, [b.add(b.mul(m, N), b.add(o0, _c64(r)))]))
+
     def rows(o0, nr: int, kind: int):
         """Rows ``[o0, o0 + nr)`` for every activation row (codes of ``kind``)."""
         if kind == 3 and not int8:
             rows_fp8(o0, nr)
+            return
+        if kind == 4:
+            rows_fp8_vbmi(o0, nr)
             return
         bits4_static = kind in (1, 2)
         cb = 16 if bits4_static else 32  # code bytes per chunk
@@ -619,11 +747,12 @@ def _emit(context, builder, sig, args, int8: bool):
                 b.store(b.fadd(tot, phi), b.gep(y.data, [b.add(b.mul(m, N), o)]))
 
     def all_rows(kind: int):
-        nfull = b.udiv(N, _c64(R))
+        nrow = R_FP8 if kind == 4 else R
+        nfull = b.udiv(N, _c64(nrow))
         with cgutils.for_range(b, nfull) as lo:
-            rows(b.mul(lo.index, _c64(R)), R, kind)
-        with cgutils.for_range(b, b.sub(N, b.mul(nfull, _c64(R)))) as lo:
-            rows(b.add(b.mul(nfull, _c64(R)), lo.index), 1, kind)
+            rows(b.mul(lo.index, _c64(nrow)), nrow, kind)
+        with cgutils.for_range(b, b.sub(N, b.mul(nfull, _c64(nrow)))) as lo:
+            rows(b.add(b.mul(nfull, _c64(nrow)), lo.index), 1, kind)
 
     def dispatch(kinds):
         if len(kinds) == 1:
@@ -636,7 +765,7 @@ def _emit(context, builder, sig, args, int8: bool):
             with other:
                 dispatch(kinds[1:])
 
-    dispatch([1, 0] if int8 else [1, 0, 2, 3])
+    dispatch([1, 0] if int8 else [1, 0, 2, 3] + ([4] if _HAS_VBMI else []))
     return context.get_dummy_value()
 
 
@@ -661,6 +790,7 @@ def qgemv_i8(typingctx, q, s, b, xq, dx, xs, y, sc, bits4, bc):
 
 _opts = dict(cache=True, nogil=True, boundscheck=False, fastmath=True)
 HAS_GFNI = _HAS_GFNI  # (read by mv_f32 as a compile-time constant)
+HAS_VBMI = _HAS_VBMI
 
 
 @nb.njit(**_opts)
@@ -676,6 +806,14 @@ def mv_f32(q, s, b, x, y, group, bits4, bc):
                 a += x[m, i]
             xs[m, g] = a
     sc = np.empty((R, K // 32), np.float32)
+    if bits4 == 3 and HAS_VBMI and group % 64 == 0:  # FP8 in runs of 64 (kind 4)
+        xp = np.empty_like(x)
+        for m in range(M):
+            for c in range(0, K, 64):
+                for j in range(64):
+                    xp[m, c + j] = x[m, c + VBMI_ORDER[j]]
+        qgemv_f32(q, s, b, xp, xs, y, sc, bits4 + 1, bc)
+        return
     if bits4 == 3 and HAS_GFNI:  # FP8: the activations in the GFNI decode's order
         xp = np.empty_like(x)
         for m in range(M):
