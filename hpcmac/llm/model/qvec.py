@@ -39,8 +39,10 @@ instead scaled by the chunk's factor, once, and looked up as floats by ``vpermps
 half (sign to bit 15, exponent and mantissa shifted by 7: the value over 2^8,
 subnormals included) and widens to float32 (``vcvtph2ps``), so the scale
 carries 2^8 (where the CPU has GFNI, the half's two bytes come from two GF(2) affine
-byte maps and an interleave: :meth:`_IR.e4m3x32_gfni`). Both are exact. 8-bit
-activations take kinds 0 and 1 only.
+byte maps and an interleave: :meth:`_IR.e4m3x32_gfni`; where it has AVX-512 VBMI and
+the groups are a multiple of 64, kind 4: the float32 itself, the value over 2^8, from
+two 128-byte table lookups, 64 codes at a time, :meth:`_IR.e4m3x64_vbmi`). All are
+exact. 8-bit activations take kinds 0 and 1 only.
 
 Storage the kernels read (see :class:`~hpcmac.llm.model.qkernels.NQWeight`):
 codes ``q`` (out, bytes) uint8, one byte per code (8 bits and the widened 2,
@@ -795,11 +797,12 @@ HAS_VBMI = _HAS_VBMI
 
 @nb.njit(**_opts)
 def mv_f32(q, s, b, x, y, group, bits4, bc):
-    """y (M, N) = x (M, K) float32 times the codes; the group sums of x once per call."""
+    """y (M, N) = x (M, K) float32 times the codes; the group sums of x once per call
+    (not for FP8, which has no bias term)."""
     M, K = x.shape
     G = K // group
     xs = np.zeros((M, G), np.float32)
-    for m in range(M):
+    for m in range(M if bits4 != 3 else 0):
         for g in range(G):
             a = np.float32(0.0)
             for i in range(g * group, (g + 1) * group):
