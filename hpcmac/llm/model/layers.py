@@ -68,17 +68,17 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
         qkv = qkv + w["bqkv"]
     full = "q_norm_full" in w
     sinks = w.get("sinks")  # (H,) in the padded head order
-    if be.name == "numpy" and T == 1 and "q_pad" not in w and not full and not output_gate:
+    if be.name == "numpy" and T == 1 and "q_pad" not in w and not full and \
+            fused_kernels().ATTEND:  # one token of one sequence, any number of keys: one call
+        fk = fused_kernels()
         slot, _, _, pos = seqs[0]
         j0 = max(0, pos + 1 - window) if window else 0  # the keys the window sees
-        fk = fused_kernels()
-        if pos + 1 - j0 <= fk.MAX_KEYS:  # one token of one sequence: one compiled call
-            qn, kn = (w["q_norm"], w["k_norm"]) if cfg.qk_norm else (_NONE, _NONE)
-            o = fk.attend_one(qkv, H, KV, d, cos[0, 0], sin[0, 0], np.float32(scale), qn, kn,
-                              cfg.norm_eps, ck, cv, slot, pos, j0,
-                              _NONE if sinks is None else sinks)  # (1, H*d)
-            o = be.linear(o, w["wo"])
-            return o + w["bo"] if "bo" in w else o
+        qn, kn = (w["q_norm"], w["k_norm"]) if cfg.qk_norm else (_NONE, _NONE)
+        o = fk.attend_one(qkv, H, KV, d, cos[0, 0], sin[0, 0], np.float32(scale), qn, kn,
+                          cfg.norm_eps, ck, cv, slot, pos, j0,
+                          _NONE if sinks is None else sinks, output_gate)  # (1, H*d)
+        o = be.linear(o, w["wo"])
+        return o + w["bo"] if "bo" in w else o
     qd = 2 * d if output_gate else d
     q = qkv[:, :Hq * qd].reshape(T, Hq, qd)
     gate = None

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 #: tokens per chunk of a prompt (transformers' and flash-linear-attention's)
 CHUNK = 64
+#: a decode step (one new token per sequence) runs as one compiled call,
+#: :func:`hpcmac.llm.model.fused.delta_step`; False: the numpy form below (tests compare)
+STEP = True
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -107,11 +110,20 @@ def gated_delta_net(be, cfg: ModelConfig, w: dict, x, seqs, conv, state):
     nk, nv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     C = 2 * nk * dk + nv * dv
     p = np.asarray(be.to_numpy(be.linear(x, w["w_lin_in"])), dtype=np.float32)
+    decode = T == len(seqs)  # one new token per sequence
+    if decode and STEP:  # the whole mixer in one compiled call (fused.delta_step)
+        from hpcmac.llm.model.backend import fused_kernels
+
+        slots = np.fromiter((s[0] for s in seqs), dtype=np.int64, count=T)
+        pos = np.fromiter((s[3] for s in seqs), dtype=np.int64, count=T)
+        o = fused_kernels().delta_step(np.ascontiguousarray(p), nk, dk, slots, pos, conv,
+                                       w["conv_w"], state, w["lin_A"], w["dt_bias"],
+                                       w["lin_vk"], w["lin_norm"], np.float32(cfg.norm_eps))
+        return be.linear(o, w["w_lin_out"])
     mixed, z = p[:, :C], p[:, C:C + nv * dv]
     b, a = p[:, C + nv * dv:C + nv * dv + nv], p[:, C + nv * dv + nv:]
     cw, K = w["conv_w"], w["conv_w"].shape[1]
     conved = np.empty((T, C), dtype=np.float32)
-    decode = T == len(seqs)  # one new token per sequence
     if decode:
         slots = np.fromiter((s[0] for s in seqs), dtype=np.int64, count=T)
         fresh = np.fromiter((s[3] == 0 for s in seqs), dtype=bool, count=T)
