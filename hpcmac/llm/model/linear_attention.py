@@ -16,12 +16,13 @@ then ``o`` is RMS-normalised per head, times ``weight * silu(z)``. A prompt runs
 flash-linear-attention do), a decode step as the recurrence itself. A sequence at position
 0 starts from zero states, so a freed slot needs no reset to be reused.
 
-numpy: the recurrence in float32 numpy. MLX: the whole layer in MLX ops, its states MLX
-arrays in the cache, written in the step's graph (no host sync; :func:`_mlx_layer`): the
-same decode step and 64-token chunks, the chunk's triangular system solved by its inverse
-made with matmuls (MLX's triangular solve is a CPU-only op). Nothing here communicates:
-under tensor parallelism each rank runs its own value heads and the output projection's
-partial sum is the caller's.
+numpy: a decode step as one compiled call (:func:`hpcmac.llm.model.fused.delta_step`,
+the numpy form below its reference), a prompt in float32 numpy. MLX: the whole layer in
+MLX ops, its states MLX arrays in the cache, written in the step's graph (no host sync;
+:func:`_mlx_layer`): the same decode step and 64-token chunks, the chunk's triangular
+system solved by its inverse made with matmuls (MLX's triangular solve is a CPU-only
+op). Nothing here communicates: under tensor parallelism each rank runs its own value
+heads and the output projection's partial sum is the caller's.
 """
 
 from __future__ import annotations
