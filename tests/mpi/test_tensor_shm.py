@@ -49,3 +49,41 @@ def test_shm_sum_equals_mpi_sum():
         parallel_assert(np.array_equal(got, via_mpi), f"call {i} {shape}: same bits as MPI")
     # decode-sized calls went through the mapping (7 rounds x 4 shapes), the rest through MPI
     parallel_assert(shm.s == 28, f"shared-memory reductions: {shm.s}")
+
+
+def test_shm_sum_sleeps_in_the_kernel_for_a_late_peer(monkeypatch):
+    """On Linux a rank whose peer is late sleeps on the peer's sequence word and is
+    woken by its publish: the sums are still right, and the sleeps were woken."""
+    import time
+
+    from hpcmac.llm.parallel import shmsum
+    from hpcmac.llm.parallel.tensor import TensorGroup
+
+    g = world()
+    hosts = g.allgather_obj(socket.gethostname())
+    if g.size == 1 or not shmsum.eligible(hosts):
+        pytest.skip("one rank, several hosts or not x86-64: the group sums through MPI")
+    monkeypatch.setenv("HPCMAC_PIPELINE_SPIN", "1e-4")  # a 0.1 ms poll budget, then sleep
+    tg = TensorGroup(g, hosts, 30.0)
+    shm = tg.shm
+    parallel_assert(shm is not None, "the group mapped its shared memory")
+    on = g.allgather_obj(shmsum.futex_available())
+    if not all(on):
+        parallel_assert(shm.futex is None, "no futex unless every rank has one")
+        pytest.skip("no futex here (macOS, or HPCMAC_TP_FUTEX=0)")
+    parallel_assert(shm.futex is not None, "every rank has a futex: the group uses it")
+    late = g.size - 1  # the last rank is 10 ms late for every other reduction
+    for i in range(6):
+        a = np.full((1, 1024), float(g.rank + 1 + i), dtype=np.float32)
+        if g.rank == late and i % 2 == 0:
+            time.sleep(0.01)
+        got = tg.allreduce(a)
+        want = sum(float(r + 1 + i) for r in range(g.size))
+        parallel_assert(np.all(got == want), f"call {i}: the sum")
+    slept, ran_out, _ = shm.counts
+    if g.rank != late:  # 10 ms is far past the budget: the others slept, and were woken
+        # (a sleep that ran to its 50 ms end is taken again; a lost wake would leave
+        # only those: a peer descheduled that long on a crowded host, seldom)
+        assert slept - ran_out >= 3, f"rank {g.rank}: {slept} sleeps, {ran_out} ran out"
+    woke = g.allgather_obj(shm.counts[2])
+    parallel_assert(woke[late] >= 3, f"the late rank woke its peers: {woke}")

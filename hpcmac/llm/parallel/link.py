@@ -85,7 +85,10 @@ class Watchdog:
     far: twice the median of the last 32, at least 50 us and at most
     :attr:`spin_s`. Past the budget it sleeps, growing to half a millisecond
     between tests, so Ctrl-C is seen at once and a long wait (a pipeline stage
-    waiting on the stage before it) leaves the core to others. :attr:`spin_s`
+    waiting on the stage before it) leaves the core to others; a request that the
+    peer can wake (``req.block(seconds)``: the tensor group's shared-memory sum on
+    Linux, a futex) sleeps in the kernel instead, until the peer's part lands, after
+    at least the 20 us spin. :attr:`spin_s`
     depends on the host: 50 ms when this host has a core for each of its
     ranks, 0.2 ms when ranks share cores. A killed rank is reported by the
     launcher (Open MPI names rank and host); a hung one (stopped, or behind a
@@ -99,6 +102,9 @@ class Watchdog:
     SPIN_FIRST_S, BUDGET_MIN_S = 2e-5, 5e-5
     #: the longest sleep between two polls (HPCMAC_PIPELINE_MAX_SLEEP overrides)
     MAX_SLEEP_S = 5e-4
+    #: the longest kernel sleep of a request that can be woken (``req.block``), between
+    #: two looks at the clock (the timeout, Ctrl-C)
+    BLOCK_SLICE_S = 0.05
 
     def __init__(self, group: Group, hosts: Sequence[str], timeout: float,
                  max_sleep: float | None = None, spin: float | None = None,
@@ -129,10 +135,13 @@ class Watchdog:
         limit = self.timeout + grace
         t0 = time.monotonic()
         budget = min(self.budget, self.spin_s)
+        block = getattr(req, "block", None)
         delay = 0.0
         while not req.test():
             el = time.monotonic() - t0
-            if el > budget:
+            if el > budget and el > self.SPIN_FIRST_S and block is not None:
+                block(self.BLOCK_SLICE_S)  # woken by the peer's publish (or the slice ends)
+            elif el > budget:
                 time.sleep(delay)
                 delay = min(2 * delay or 2e-5, self.max_sleep)
             elif el > self.SPIN_FIRST_S:

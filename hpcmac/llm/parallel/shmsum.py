@@ -24,16 +24,33 @@ silicon) reorder, so there the group keeps using MPI. So does a group spread
 over several hosts, a message over :data:`MAX_BYTES`, or
 ``HPCMAC_TP_SHM=0``.
 
+Waking (Linux): a rank whose poll budget (the watchdog's) runs out before its
+peer publishes sleeps in the kernel on the peer's sequence word (``FUTEX_WAIT``
+on its low 32 bits, the value it last saw), after raising a flag in the peer's
+line; a rank that publishes and finds its flag raised lowers it and wakes the
+sleepers (``FUTEX_WAKE``). The waiter is on a core again as soon as the part
+lands, not after a sleep of up to half a millisecond, and costs nothing while
+it waits. A publisher that finds no flag makes no system call. The flag and the
+sequence word are a store then a load on each side (Dekker's pattern, which
+x86's store buffer can reorder): the waiter's side is ordered by the kernel
+(``futex_wait`` fences before it compares the word), the publisher's by a
+locked instruction between its store and its load (a lock taken and released).
+Each sleep is bounded anyway (the watchdog's slice), so a wake missed for any
+reason costs that slice, never a hang. macOS has no futex: there (and with
+``HPCMAC_TP_FUTEX=0``) the watchdog's poll-then-sleep stays.
+
 The file backing the mapping is unlinked as soon as every rank has mapped it,
 so nothing is left in ``/dev/shm`` whatever happens to the job.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
 import tempfile
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,8 +59,69 @@ from hpcmac.comm.base import Group
 
 #: the largest reduction that goes through shared memory (decode of a few sequences)
 MAX_BYTES = 64 << 10
-_LINE = 64  # bytes: each rank's sequence number on a cache line of its own
+_LINE = 64  # bytes: each rank's sequence number (int64 at 0) and waiter flag (int32 at 8)
 _STRIDE = _LINE + 2 * MAX_BYTES  # bytes per rank
+_FLAG = 8  # byte offset of the waiter flag in a rank's line
+
+_SYS_FUTEX = 202  # x86-64 Linux (the only place the mapping is used, see eligible)
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not _PRIVATE: the word is shared between processes
+_EAGAIN, _EINTR, _ETIMEDOUT = 11, 4, 110
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class Futex:
+    """``futex(2)`` on a 32-bit word of a shared mapping, through libc's ``syscall``.
+
+    ctypes drops the GIL for the call, so a rank's other threads (serve's HTTP
+    front on rank 0) run while it sleeps.
+    """
+
+    def __init__(self):
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._call = libc.syscall
+        self._call.restype = ctypes.c_long
+        self._call.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                               ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_long]
+        self._ts = _Timespec()
+        self._pts = ctypes.addressof(self._ts)
+
+    def wait(self, addr: int, expected: int, timeout_s: float) -> bool:
+        """Sleep while the word at ``addr`` holds ``expected`` (its low 32 bits), at
+        most ``timeout_s``; False when the time ran out, True otherwise (woken, the
+        word already different, a signal)."""
+        ns = max(int(timeout_s * 1e9), 1000)
+        self._ts.tv_sec, self._ts.tv_nsec = divmod(ns, 1_000_000_000)
+        rc = self._call(_SYS_FUTEX, addr, _FUTEX_WAIT, expected & 0xFFFFFFFF,
+                        self._pts, None, 0)
+        if rc == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (_EAGAIN, _EINTR):
+            return True
+        if err == _ETIMEDOUT:
+            return False
+        raise OSError(err, f"futex wait: {os.strerror(err)}")
+
+    def wake(self, addr: int) -> int:
+        """Wake every sleeper on the word at ``addr``; how many there were."""
+        rc = self._call(_SYS_FUTEX, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        if rc < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"futex wake: {os.strerror(err)}")
+        return rc
+
+
+def futex_available() -> bool:
+    """True when waits may sleep on a futex here: Linux on x86-64, ``HPCMAC_TP_FUTEX``
+    not 0 (macOS has no futex: the watchdog's poll-then-sleep stays there)."""
+    if os.environ.get("HPCMAC_TP_FUTEX", "1").strip() == "0":
+        return False
+    return (os.uname().sysname == "Linux"
+            and platform.machine().lower() in ("x86_64", "amd64"))
 
 
 def eligible(hosts: Sequence[str]) -> bool:
@@ -55,15 +133,33 @@ def eligible(hosts: Sequence[str]) -> bool:
 
 
 class _Published:
-    """A request-like test: has the peer published reduction ``s``?"""
+    """A request-like test: has the peer published reduction ``s``? With a futex,
+    :meth:`block` sleeps until it has (the watchdog calls it past its poll budget)."""
 
-    __slots__ = ("seq", "s")
+    __slots__ = ("seq", "s", "block")
 
-    def __init__(self, seq: np.ndarray, s: int):
+    def __init__(self, seq: np.ndarray, s: int, block=None):
         self.seq, self.s = seq, s
+        if block is not None:
+            self.block = block
 
     def test(self) -> bool:
         return bool(self.seq[0] >= self.s)
+
+
+class _Sleep:
+    """The kernel-side wait on one peer's sequence word (see module doc, Waking)."""
+
+    def __init__(self, futex: Futex, seq: np.ndarray, flag: np.ndarray, counts: list):
+        self.futex, self.seq, self.flag, self.counts = futex, seq, flag, counts
+        self.addr = seq.ctypes.data  # the low 32 bits of the int64 (little-endian)
+        self.s = 0
+
+    def __call__(self, timeout_s: float) -> None:
+        self.flag[0] = 1  # the publisher wakes us (the kernel fences before it compares)
+        self.counts[0] += 1
+        if not self.futex.wait(self.addr, self.s - 1, timeout_s):
+            self.counts[1] += 1
 
 
 class ShmSum:
@@ -110,6 +206,20 @@ class ShmSum:
         self.slots = [[buf[r * _STRIDE + _LINE + k * MAX_BYTES:
                            r * _STRIDE + _LINE + (k + 1) * MAX_BYTES].view(np.float32)
                        for k in (0, 1)] for r in range(self.size)]
+        self.flags = [buf[r * _STRIDE + _FLAG:r * _STRIDE + _FLAG + 4].view(np.int32)
+                      for r in range(self.size)]
+        #: local: sleeps in the kernel, those that ran to their timeout, wakes issued
+        self.counts = [0, 0, 0]
+        # the futex choice must agree on every rank (a sleeper relies on its peer's
+        # wake): each rank's answer gathered, used only if all said yes
+        want = futex_available()
+        if all(group.allgather_obj(want)):
+            self.futex = Futex()
+            self._sleeps = [_Sleep(self.futex, self.seqs[r], self.flags[r], self.counts)
+                            if r != self.rank else None for r in range(self.size)]
+            self._fence = threading.Lock()
+        else:
+            self.futex = None
         self.ok = True
 
     def sum(self, a: np.ndarray, wait) -> np.ndarray:
@@ -124,9 +234,23 @@ class ShmSum:
         n = a.size
         self.slots[self.rank][k][:n] = a.reshape(-1)
         self.seqs[self.rank][0] = s  # publish: the part is in place (TSO, see module doc)
+        futex = self.futex
+        if futex is not None:
+            with self._fence:  # a locked instruction: the store above is seen before the load
+                pass
+            flag = self.flags[self.rank]
+            if flag[0]:
+                flag[0] = 0
+                self.counts[2] += 1
+                futex.wake(self.seqs[self.rank].ctypes.data)
         for r in range(self.size):
             if r != self.rank:
-                wait(_Published(self.seqs[r], s), r)
+                if futex is None:
+                    wait(_Published(self.seqs[r], s), r)
+                else:
+                    sleep = self._sleeps[r]
+                    sleep.s = s
+                    wait(_Published(self.seqs[r], s, sleep), r)
         out = self.slots[0][k][:n] + self.slots[1][k][:n]
         for r in range(2, self.size):
             out += self.slots[r][k][:n]
