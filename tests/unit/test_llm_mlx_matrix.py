@@ -1,6 +1,5 @@
 """The MLX backend's correctness matrix (issue #30): every family with a random fixture,
-float and quantized, at every layout, against the numpy backend; and against mlx-lm's
-own tensor parallelism.
+float and quantized, at every layout, against the numpy backend.
 
 Each cell is one family, one form of its folder and one layout:
 
@@ -22,16 +21,12 @@ Every cell: greedy tokens equal to the numpy backend's on the same folder at one
 (a quantized folder kept quantized there too, its own kernels), and the backend's
 ``host_syncs_per_token`` at the issue's targets where the transport is an MLX group
 (one rank: 1; tensor parallel over ring: 1 on every rank, only the leader's ids
-cross). The whole matrix is ``slow`` (212 tests, about 25 minutes at load 5-16 on
+cross). The whole matrix is ``slow`` (208 tests, about 25 minutes at load 5-16 on
 two cores); a few cells, each layout and each
 form at least once, run always (about 45 s on a quiet machine).
 
-The mlx-lm reference: for a dense family (llama) and an MoE family (qwen3_moe) that
-mlx-lm shards, hpcmac ``--backend mlx --tp 2 --transport ring`` gives the greedy tokens
-of mlx-lm's own sharded generation on the same folder (``model.shard`` on the ring group
-under ``mlx.launch --backend ring``, what ``mlx_lm.utils.sharded_load`` does after
-loading; a random folder has no tokenizer, which ``sharded_load`` loads: the script is
-:data:`hpcmac.bench.llm_mlx.MLX_LM`, the benchmark's).
+The mlx-lm reference (mlx-lm's own generation and its ``model.shard``, every family
+it implements): ``tests/unit/test_llm_mlx_mlxlm.py``.
 """
 
 from __future__ import annotations
@@ -46,8 +41,6 @@ import pytest
 
 pytest.importorskip("mlx.core")
 pytest.importorskip("transformers")
-
-from ports import free_base_port  # noqa: E402
 
 from hpcmac.comm.local import LocalGroup  # noqa: E402
 from hpcmac.llm.parallel.pipeline import Request, run_pipeline  # noqa: E402
@@ -209,52 +202,3 @@ def test_mlx_matrix_greedy_tokens_equal_numpy(fam, form, layout, folders, tmp_pa
     else:  # MPI sub-groups: the numpy bridge, said once (no target: not an MLX group)
         assert len(notes) == 1 and "mlx#3205" in notes[0], stderr[-2000:]
         assert all(h["host_syncs_per_token"] > 1.0 for h in host), host
-
-
-# -- mlx-lm's own tensor parallelism as the reference ----------------------------------
-
-#: the mlx-lm folders: family -> config.json fields (what mlx-lm's shard needs: query and
-#: KV heads that divide by 2)
-MLX_LM_FAMILIES = {"llama": dict(_A, intermediate_size=128, vocab_size=128),
-                   "qwen3_moe": dict(_A, moe_intermediate_size=64, intermediate_size=128,
-                                     vocab_size=128)}
-
-
-def mlx_lm_sharded(folder, tp: int, tmp: Path) -> list[int]:
-    """mlx-lm's greedy tokens with the model sharded over ``tp`` ranks of MLX's ring."""
-    from hpcmac.bench.llm_mlx import MLX_LM
-
-    script = tmp / "mlx_lm_sharded.py"
-    script.write_text(MLX_LM)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = ["timeout", "-k", "5", "200", str(launcher), "-n", str(tp), "--backend", "ring",
-           "--starting-port", str(free_base_port(tp)), "--", sys.executable, str(script),
-           str(folder), str(N), str(tp), ",".join(map(str, PROMPT))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=230,
-                          cwd=ROOT, start_new_session=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return json.loads(line[-1])["tokens"]
-
-
-@pytest.mark.parametrize("fam, bits", [
-    pytest.param("llama", None, id="llama-float"),
-    pytest.param("qwen3_moe", None, id="qwen3_moe-float", marks=pytest.mark.slow),
-    pytest.param("llama", 4, id="llama-q4", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", 4, id="qwen3_moe-q4", marks=pytest.mark.slow)])
-def test_tp2_ring_tokens_equal_mlx_lm_sharded(fam, bits, tmp_path):
-    pytest.importorskip("mlx_lm")
-    from hpcmac.llm.model.fixtures import mlx_lm_greedy, mlx_lm_quantize, random_checkpoint
-
-    src = random_checkpoint(fam, tmp_path / "hf", seed=5, initializer_range=0.3,
-                            eos_token_id=None, **MLX_LM_FAMILIES[fam])
-    folder = mlx_lm_quantize(src, tmp_path / "mlx", bits, 32)  # as mlx_lm.convert writes it
-    theirs = mlx_lm_sharded(folder, 2, tmp_path)
-    assert len(theirs) == N and len(set(theirs)) > 2, theirs
-    doc, stderr = generate(2, folder, "--tp", "2", tmp=tmp_path)
-    assert doc["tokens"] == theirs, f"hpcmac {doc['tokens']} != mlx-lm sharded {theirs}"
-    # and mlx-lm's own sharding changes nothing: its one-process tokens are the same
-    assert mlx_lm_greedy(folder, PROMPT, N) == theirs
-    assert bridge_notes(stderr) == [] and doc["host_syncs_per_token"] == 1.0, doc["host"]

@@ -401,10 +401,13 @@ def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int | None, group
 
     ``recipe``: one of mlx-lm's mixed-precision recipes (e.g. ``mixed_3_6``); ``mode``:
     MLX's quantization mode (``mxfp4``: ``--q-mode mxfp4``).
-    mlx-lm wants ``rope_theta`` and ``num_experts`` at the top of config.json
-    (transformers 5 writes ``rope_parameters`` and may write ``num_local_experts``):
-    both are added to the source folder first, with the same values, so both
-    sides read one model. mlx-lm is the oracle (test extra), never a dependency.
+    mlx-lm reads config.json's fields where the releases (transformers 4) put them:
+    ``rope_theta``, ``rope_scaling`` (None for plain rotary: glm4_moe requires the key;
+    gpt-oss's YaRN), ``partial_rotary_factor`` and ``num_experts`` at the top, MiniMax
+    M2's ``rotary_dim`` and ``shared_intermediate_size`` (0: it has none), where
+    transformers 5 writes ``rope_parameters`` and ``num_local_experts``: they are added to
+    the source folder first, with the same values, so both sides read one model. mlx-lm
+    is the oracle (test extra), never a dependency.
     """
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
@@ -414,8 +417,15 @@ def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int | None, group
     cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
     if "partial_rotary_factor" in rope:  # Qwen3-Next's, at the top in its releases
         cfg.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    cfg.setdefault("rope_scaling", None if scaling.get("rope_type", "default") == "default"
+                   else scaling)
     if "num_local_experts" in cfg:
         cfg.setdefault("num_experts", cfg["num_local_experts"])
+    if cfg.get("model_type") == "minimax_m2":  # as MiniMax-M2's release writes them
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        cfg.setdefault("rotary_dim", int(head * cfg.get("partial_rotary_factor", 1.0)))
+        cfg.setdefault("shared_intermediate_size", 0)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     model, config = load_model(folder, lazy=False)
     pred = None
@@ -428,6 +438,35 @@ def mlx_lm_quantize(folder: str | Path, out: str | Path, bits: int | None, group
                                        quant_predicate=pred)
     save_model(out, model)
     save_config(config, out / "config.json")
+    return out
+
+
+def qwen3_5_released(folder: str | Path, out: str | Path, model_type: str) -> Path:
+    """A random ``qwen3_5_text`` / ``qwen3_5_moe_text`` folder laid out as Qwen3.5's
+    releases are (what mlx-lm reads: it has no text-only model type): config.json under
+    ``text_config`` with ``model_type`` (``qwen3_5`` or ``qwen3_5_moe``), tensors under
+    ``model.language_model.``, routed experts fused as ``experts.gate_up_proj`` (E, 2I, D)
+    (gate's rows, then up's) and ``experts.down_proj`` (E, D, I)."""
+    from safetensors.numpy import load_file, save_file
+
+    folder, out = Path(folder), Path(out)
+    cfg = json.loads((folder / "config.json").read_text())
+    t = {"model.language_model." + k[len("model."):] if k.startswith("model.") else k: v
+         for k, v in load_file(folder / "model.safetensors").items()}
+    for layer in range(cfg["num_hidden_layers"]):
+        pre = f"model.language_model.layers.{layer}.mlp.experts"
+        if f"{pre}.0.gate_proj.weight" not in t:
+            continue
+        parts = {p: [t.pop(f"{pre}.{e}.{p}_proj.weight") for e in range(cfg["num_experts"])]
+                 for p in ("gate", "up", "down")}
+        t[f"{pre}.gate_up_proj"] = np.concatenate([np.stack(parts["gate"]),
+                                                   np.stack(parts["up"])], axis=1)
+        t[f"{pre}.down_proj"] = np.stack(parts["down"])
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(dict(
+        model_type=model_type, text_config=cfg,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False)), indent=1))
     return out
 
 

@@ -143,6 +143,32 @@ class SafetensorsCheckpoint:
         self._packed = {n[:-len("_packed")]: n for n in self._file_of
                         if n.endswith(".weight_packed")}
         self._sanitized: bool | None = None  # see mlx_lm_sanitized
+        #: latent attention as mlx-lm's sanitize stores it (DeepSeek V3/V3.2, GLM-4.7-Flash,
+        #: Kimi): no kv_b_proj, its per-head halves embed_q (H, r, nope) and unembed_out
+        #: (H, v, r), quantized or not: X.kv_b_proj.weight -> (X.embed_q, X.unembed_out)
+        self._mla_split = {}
+        for n in self._file_of:
+            if n.endswith(".self_attn.embed_q.weight"):
+                base = n[:-len("embed_q.weight")]
+                if base + "unembed_out.weight" in self._file_of and \
+                        base + "kv_b_proj.weight" not in self._file_of:
+                    self._mla_split[base + "kv_b_proj.weight"] = (n, base + "unembed_out.weight")
+        #: gpt-oss's experts as mlx-lm's sanitize stores them (mlx-community's folders):
+        #: ``experts.{gate,up,down}_proj.weight`` (E, out, in), quantized or not, and
+        #: ``.bias``; read under transformers' names (gate_up_proj (E, in, 2I) with gate and
+        #: up columns interleaved, down_proj (E, in, out), their _bias): canonical -> parts
+        self._oss_split: dict[str, tuple[str, ...]] = {}
+        for n in self._file_of:
+            if n.endswith(".mlp.experts.gate_proj.weight"):
+                e = n[:-len("gate_proj.weight")]
+                parts = {"gate_up_proj": (e + "gate_proj.weight", e + "up_proj.weight"),
+                         "gate_up_proj_bias": (e + "gate_proj.bias", e + "up_proj.bias"),
+                         "down_proj": (e + "down_proj.weight",),
+                         "down_proj_bias": (e + "down_proj.bias",)}
+                for canon, stored in parts.items():
+                    if e + canon not in self._file_of and all(
+                            x in self._file_of for x in stored):
+                        self._oss_split[e + canon] = stored
 
     def _header(self, f: Path) -> tuple[int, dict]:
         """(data start offset, tensor table) of one file; checks it is complete."""
@@ -357,7 +383,48 @@ class SafetensorsCheckpoint:
         return list(self._file_of)
 
     def has(self, name: str) -> bool:
-        return name in self._file_of or name in self._mxfp4 or name in self._packed
+        return name in self._file_of or name in self._mxfp4 or name in self._packed or \
+            name in self._mla_split or name in self._oss_split
+
+    def _oss_stored(self, name: str):
+        """A gpt-oss expert tensor of mlx-lm's layout (:attr:`_oss_split`) in the stored
+        orientation: gate_up_proj (E, 2I, D), the gate and up rows interleaved (2j, 2j+1)
+        as transformers' columns are; down_proj (E, D, I); the biases (E, 2I) interleaved
+        and (E, D). A QuantTensor where the parts are kept quantized, else float32."""
+        parts = [self.get_weight(n) for n in self._oss_split[name]]
+        if len(parts) == 1:
+            return parts[0]
+        g, u = parts
+        if isinstance(g, QuantTensor) != isinstance(u, QuantTensor) or \
+                tuple(g.shape) != tuple(u.shape):
+            raise UsageError(f"{self.path}: tensors {' and '.join(self._oss_split[name])}: "
+                             "expected the same shape and format")
+
+        def pairs(a, b):  # (..., n, k) twice -> (..., 2n, k), rows a0 b0 a1 b1 ...
+            if a.ndim == 2 and name.endswith("_bias"):  # (E, I): columns
+                return np.stack([a, b], axis=-1).reshape(*a.shape[:-1], -1)
+            return np.stack([a, b], axis=-2).reshape(*a.shape[:-2], -1, a.shape[-1])
+
+        if isinstance(g, QuantTensor):
+            if g.format != u.format:
+                raise UsageError(f"{self.path}: tensors {' and '.join(self._oss_split[name])}"
+                                 ": expected one quantization format")
+            return QuantTensor(pairs(g.words, u.words), pairs(g.scales, u.scales),
+                               None if g.biases is None else pairs(g.biases, u.biases),
+                               g.bits, g.group, g.source, g.mode)
+        return np.ascontiguousarray(pairs(g, u))
+
+    def _kv_b_from_split(self, name: str) -> np.ndarray:
+        """kv_b_proj (H*(nope+v), r), float32, rebuilt from mlx-lm's embed_q (H, r, nope)
+        and unembed_out (H, v, r) (each dequantized if stored quantized; hpcmac holds
+        kv_b_proj in floats: it is absorbed per head, never multiplied as stored)."""
+        k_name, v_name = self._mla_split[name]
+        k_b, v_b = self.get(k_name), self.get(v_name)
+        if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
+            raise UsageError(f"{self.path}: tensors {k_name} {list(k_b.shape)} and {v_name} "
+                             f"{list(v_b.shape)}: expected (H, r, nope) and (H, v, r)")
+        kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # (H, nope+v, r)
+        return np.ascontiguousarray(kv.reshape(-1, kv.shape[-1]))
 
     # -- MXFP4 (gpt-oss's experts) -------------------------------------------------
     def get_weight_t(self, name: str) -> QuantTensor | None:
@@ -366,6 +433,9 @@ class SafetensorsCheckpoint:
         None when the file holds it as floats."""
         from hpcmac.llm.model import mxfp4
 
+        if name in self._oss_split and not name.endswith("_bias"):
+            w = self._oss_stored(name)
+            return w if isinstance(w, QuantTensor) else None
         if name not in self._mxfp4:
             return None
         bname, sname = self._mxfp4[name]
@@ -383,8 +453,10 @@ class SafetensorsCheckpoint:
         """(group, the canonical axis its groups run along) of a tensor kept quantized;
         None for a float one. A tensor-parallel cut of that axis off the groups makes
         the loader dequantize it (see :func:`hpcmac.llm.model.spec.take`)."""
-        if name in self._mxfp4:
-            return 32, len(self.shape(name)) - 2
+        if name in self._mxfp4 or (name in self._oss_split and
+                                   self.is_quantized(self._oss_split[name][0])):
+            return (32 if name in self._mxfp4 else
+                    self.quant_params(self._oss_split[name][0])[1]), len(self.shape(name)) - 2
         if self.is_quantized(name) and self.stored_nbytes(name) < 4 * self.numel(name):
             return self.quant_params(name)[1], len(self.shape(name)) - 1
         return None
@@ -419,6 +491,15 @@ class SafetensorsCheckpoint:
         return self._sanitized
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._mla_split:  # see _kv_b_from_split
+            (h, r, nope), (_, v, _) = (self.shape(n) for n in self._mla_split[name])
+            return (h * (nope + v), r)
+        if name in self._oss_split:  # see _oss_stored: (E, in, out), the biases (E, out)
+            stored, n = self.shape(self._oss_split[name][0]), len(self._oss_split[name])
+            if name.endswith("_bias"):
+                return (*stored[:-1], stored[-1] * n)
+            *lead, out, inp = stored
+            return (*lead, inp, out * n)
         if name in self._mxfp4:  # see _mxfp4_get: (E, in, out)
             from hpcmac.llm.model.mxfp4 import logical_shape
 
@@ -438,6 +519,8 @@ class SafetensorsCheckpoint:
         (gpt-oss's MXFP4 experts: as :meth:`get_weight_t` gives them)."""
         if name in self._mxfp4:
             return float_mode_nbytes(self.numel(name), "mxfp4")
+        if name in self._oss_split:
+            return sum(self.stored_nbytes(n) for n in self._oss_split[name])
         if self.bf16_kept(name):
             return 2 * self.numel(name)
         if self.is_fp8(name):
@@ -467,6 +550,11 @@ class SafetensorsCheckpoint:
         :meth:`get_weight_t` for them kept 4-bit)."""
         if name in self._mxfp4:
             return self._mxfp4_get(name)
+        if name in self._mla_split:
+            return self._kv_b_from_split(name)
+        if name in self._oss_split:  # transformers' orientation, (E, in, out)
+            w = as_float(self._oss_stored(name))
+            return w if name.endswith("_bias") else np.ascontiguousarray(w.swapaxes(-1, -2))
         if self.is_quantized(name):
             return self._quant(name)
         return self._float(name)

@@ -126,6 +126,7 @@ def write_gguf_meta(w, cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
     quant_methods=FP8,
     summary=("multi-head latent attention; sigmoid routing with correction bias and group-limited "
              "top-k, shared experts, dense first layers, routed scaling"),

@@ -48,6 +48,7 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
     summary=("DeepSeek-V3's latent attention and routing, plus the lightning indexer's top-k "
              "sparse attention (its key cached per token; replicated under tensor "
              "parallelism)"),

@@ -100,6 +100,7 @@ def write_gguf_meta(w, cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
     quant_methods=FP8,
     summary=("GLM-4.5 to 4.7: partial rotary, optional QK-norm, DeepSeek's routing, shared "
              "experts, dense first layers"),

@@ -62,6 +62,7 @@ def write_gguf_meta(w, cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
     quant_methods=FP8,
     summary=("GLM-4.7-Flash: DeepSeek-V3's latent attention with GLM-4's routing, shared experts, "
              "dense layers by `mlp_layer_types`"),

@@ -121,6 +121,7 @@ def write_gguf_meta(w, cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
     summary=("attention sinks, alternating sliding-window and full layers, top-k-then-softmax "
              "router with a bias, clamped SwiGLU experts with biases, YaRN"),
     model_type="gpt_oss", gguf_arch="gpt-oss", from_hf=from_hf, from_gguf=from_gguf,

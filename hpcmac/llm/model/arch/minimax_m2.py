@@ -101,6 +101,7 @@ def write_gguf_meta(w, cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
     quant_methods=FP8,
     summary=("RMSNorm over all of Q's and K's projected dimensions, partial rotary (`rotary_dim`),"
              " sigmoid-routed experts with correction bias in every layer"),

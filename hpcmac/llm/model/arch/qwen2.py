@@ -18,6 +18,7 @@ def from_gguf(meta) -> ModelConfig:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
     summary="Llama's layers with Q/K/V biases",
     model_type="qwen2", gguf_arch="qwen2", from_hf=from_hf, from_gguf=from_gguf,
     layer=lambda cfg, i: _LAYER, hf_class="Qwen2Config",

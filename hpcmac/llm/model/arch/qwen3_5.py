@@ -82,6 +82,7 @@ def write_gguf_meta(w, cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
+    mlx_quant_tested=True,
     summary=("Qwen3.5's text part: Qwen3-Next's hybrid Gated DeltaNet / gated-attention "
              "layers, unfused linear-attention projections, dense MLPs; mrope read with "
              "text positions; nested `text_config`, tensors under `model.language_model.`"),

@@ -1,0 +1,184 @@
+"""mlx-lm's own generation as the reference for the MLX backend, every family mlx-lm
+implements (issue #30).
+
+Each family's random folder (the matrix's tiny shapes, :data:`FAMILIES`, vocabulary 128)
+is converted **by mlx-lm** (``mlx_lm_quantize``: its ``sanitize`` and, quantized, its
+``quantize_model``), so the folder is in mlx-lm's own layout: MLA's ``kv_b_proj`` split
+into ``embed_q``/``unembed_out``, experts stacked in ``switch_mlp`` (gpt-oss's
+``experts.{gate,up,down}_proj``), Gated DeltaNet norms stored ``1 + w``. Forms: ``float``
+(converted, not quantized), ``q4`` (affine, groups of 32) and ``mxfp4`` (``--q-mode
+mxfp4``). Exceptions, each mlx-lm's:
+
+* gpt-oss: mlx-lm reads only the MXFP4 release (``*_blocks``/``*_scales``): a float
+  folder in transformers' layout (``experts.gate_up_proj`` (E, D, 2I)) is refused, its
+  sanitize slicing the input axis and naming the parameter ``experts.gate_proj`` with no
+  ``.weight`` (``mlx_lm/models/gpt_oss.py``, ``Model.sanitize``, 0.32.2). Its forms here are
+  the release converted (``mxfp4``: experts MXFP4, the rest float) and that quantized
+  (``q4``: the rest 4-bit affine).
+* Qwen3.5: mlx-lm has no text-only model type; the folder is laid out as released
+  (``text_config``, ``model.language_model.``, fused experts: ``qwen3_5_released``).
+* Kimi K2 / K2.5: mlx-lm reads them as DeepSeek-V3 (``kimi_k2``) and K2.5's vision wrapper;
+  hpcmac's ``kimi_k2`` is DeepSeek-V3's layers (that cell) and K2.5 has no random fixture.
+
+Cells:
+
+* one rank (in this process): hpcmac ``--backend mlx`` and ``--backend numpy`` give
+  mlx-lm's greedy tokens (``mlx_lm_greedy``, its ``generate_step`` with an argmax);
+* ``--tp 2 --transport ring`` (``tools/mpirun``, ``generate``) gives the tokens of
+  mlx-lm's model sharded over MLX's ring (``model.shard`` under ``mlx.launch --backend
+  ring``, as ``mlx_lm.utils.sharded_load`` does once loaded; the script is
+  :data:`hpcmac.bench.llm_mlx.MLX_LM`), for every family whose mlx-lm model has
+  ``shard``. Its constraints, met by the shapes: query and KV heads (MLA: heads; Gated
+  DeltaNet: key and value heads) divisible by 2; quantized, each sharded-to-all input
+  (``o_proj``'s heads x head_dim, ``down_proj``'s intermediate, the experts') divisible
+  by 2 x 32. Qwen3-Next's mlx-lm model has no ``shard``.
+
+Two cells run always (a dense family at one rank, an MoE one over the ring); the rest
+are ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+pytest.importorskip("transformers")
+
+from ports import free_base_port  # noqa: E402
+from test_llm_mlx_matrix import FAMILIES, PROMPT, N, bridge_notes, generate, one_rank  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(300)
+
+#: the families mlx-lm implements -> whether its model has ``shard``
+MLX_LM_SHARDS = {"llama": True, "qwen2": True, "qwen3": True, "qwen3_moe": True,
+                 "deepseek_v3": True, "glm4_moe": True, "gpt_oss": True, "minimax_m2": True,
+                 "glm4_moe_lite": True, "deepseek_v32": True, "qwen3_next": False,
+                 "qwen3_5": True, "qwen3_5_moe": True}
+#: what mlx-lm calls Qwen3.5's released folders
+_RELEASED = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
+#: the cells that run without ``-m slow``
+CHEAP_ONE = {("llama", "q4")}
+CHEAP_TP = {("qwen3_moe", "float")}
+#: each family's unquantized form (gpt-oss: its MXFP4 release, see above)
+BASE = {f: "mxfp4" if f == "gpt_oss" else "float" for f in MLX_LM_SHARDS}
+#: one-rank forms: unquantized and q4 for every family; mlx-lm's mxfp4 for a dense and
+#: an MLA one
+ONE_RANK = [(f, form) for f in MLX_LM_SHARDS for form in (BASE[f], "q4")] + \
+    [("llama", "mxfp4"), ("deepseek_v3", "mxfp4")]
+#: sharded: unquantized for every family with shard; q4 for a dense, an MoE, an MLA one
+#: and gpt-oss (Qwen3.5-MoE's experts of 32 inputs cannot shard 4-bit in groups of 32)
+SHARDED = [(f, BASE[f]) for f, s in MLX_LM_SHARDS.items() if s] + \
+    [("llama", "q4"), ("qwen3_moe", "q4"), ("deepseek_v3", "q4"), ("gpt_oss", "q4")]
+
+
+class Folders:
+    """mlx-lm's conversions of each family's random folder, made the first time asked."""
+
+    def __init__(self, root: Path):
+        self.root, self.made = root, {}
+
+    def __call__(self, fam: str, form: str) -> Path:
+        if (fam, form) in self.made:
+            return self.made[fam, form]
+        from hpcmac.llm.model.fixtures import (
+            mlx_lm_quantize,
+            mxfp4_checkpoint,
+            qwen3_5_released,
+            random_checkpoint,
+        )
+
+        base = self.root / fam
+        if not (base / "src").exists():
+            arch = fam + "_text" if fam in _RELEASED else fam
+            src = random_checkpoint(arch, base / "hf", seed=5, initializer_range=0.3,
+                                    eos_token_id=None, vocab_size=128, **FAMILIES[fam])
+            if fam in _RELEASED:
+                src = qwen3_5_released(src, base / "released", _RELEASED[fam])
+            elif fam == "gpt_oss":  # the only gpt-oss mlx-lm reads: the MXFP4 release
+                src = mxfp4_checkpoint(src, base / "release", seed=5)
+            (base / "src").write_text(str(src))
+        src = Path((base / "src").read_text())
+        bits, mode = {"float": (None, "affine"), "q4": (4, "affine"),
+                      "mxfp4": (4, "mxfp4")}[form]
+        if fam == "gpt_oss":  # the release's experts stay MXFP4; q4: the rest 4-bit
+            bits, mode = {"mxfp4": (None, "affine"), "q4": (4, "affine")}[form]
+        out = mlx_lm_quantize(src, base / form, bits, 32, mode=mode)
+        self.made[fam, form] = out
+        return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return Folders(tmp_path_factory.mktemp("mlxlm"))
+
+
+_THEIRS: dict = {}
+
+
+def mlx_lm_tokens(folder) -> list[int]:
+    """mlx-lm's one-process greedy tokens (checked not degenerate), once per folder."""
+    from hpcmac.llm.model.fixtures import mlx_lm_greedy
+
+    key = str(folder)
+    if key not in _THEIRS:
+        toks = mlx_lm_greedy(folder, PROMPT, N)
+        assert len(toks) == N and len(set(toks)) > 2, \
+            f"{folder}: degenerate greedy sequence {toks} (choose another seed)"
+        _THEIRS[key] = toks
+    return _THEIRS[key]
+
+
+def _param(fam, form, cheap):
+    return pytest.param(fam, form, id=f"{fam}-{form}",
+                        marks=() if (fam, form) in cheap else (pytest.mark.slow,))
+
+
+@pytest.mark.parametrize("fam, form", [_param(f, m, CHEAP_ONE) for f, m in ONE_RANK])
+def test_one_rank_tokens_equal_mlx_lm(fam, form, folders):
+    folder = folders(fam, form)
+    theirs = mlx_lm_tokens(folder)
+    got, host = one_rank(folder, "mlx")
+    assert got == theirs, f"{fam} {form}: hpcmac mlx {got} != mlx-lm {theirs}"
+    assert host[0]["host_syncs_per_token"] == 1.0, host
+    ref = one_rank(folder, "numpy")[0]
+    assert ref == theirs, f"{fam} {form}: hpcmac numpy {ref} != mlx-lm {theirs}"
+
+
+def mlx_lm_sharded(folder, tp: int, tmp: Path) -> list[int]:
+    """mlx-lm's greedy tokens with the model sharded over ``tp`` ranks of MLX's ring."""
+    from hpcmac.bench.llm_mlx import MLX_LM
+
+    script = tmp / "mlx_lm_sharded.py"
+    script.write_text(MLX_LM)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    cmd = ["timeout", "-k", "5", "200", str(launcher), "-n", str(tp), "--backend", "ring",
+           "--starting-port", str(free_base_port(tp)), "--", sys.executable, str(script),
+           str(folder), str(N), str(tp), ",".join(map(str, PROMPT))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=230,
+                          cwd=ROOT, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(line[-1])["tokens"]
+
+
+@pytest.mark.parametrize("fam, form", [_param(f, m, CHEAP_TP) for f, m in SHARDED])
+def test_tp2_ring_tokens_equal_mlx_lm_sharded(fam, form, folders, tmp_path):
+    folder = folders(fam, form)
+    theirs = mlx_lm_sharded(folder, 2, tmp_path)
+    assert len(theirs) == N and len(set(theirs)) > 2, theirs
+    doc, stderr = generate(2, folder, "--tp", "2", tmp=tmp_path)
+    assert doc["tokens"] == theirs, f"{fam} {form}: hpcmac {doc['tokens']} != mlx-lm " \
+                                    f"sharded {theirs}"
+    # and mlx-lm's own sharding changes nothing: its one-process tokens are the same
+    assert mlx_lm_tokens(folder) == theirs
+    assert bridge_notes(stderr) == [] and doc["host_syncs_per_token"] == 1.0, doc["host"]
