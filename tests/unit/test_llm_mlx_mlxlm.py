@@ -65,7 +65,7 @@ MLX_LM_SHARDS = {"llama": True, "qwen2": True, "qwen3": True, "qwen3_moe": True,
 #: what mlx-lm calls Qwen3.5's released folders
 _RELEASED = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
 #: the cells that run without ``-m slow``
-CHEAP_ONE = {("llama", "q4")}
+CHEAP_ONE = {("deepseek_v3", "q4")}  # mlx-lm's split kv_b_proj, quantized
 CHEAP_TP = {("qwen3_moe", "float")}
 #: each family's unquantized form (gpt-oss: its MXFP4 release, see above)
 BASE = {f: "mxfp4" if f == "gpt_oss" else "float" for f in MLX_LM_SHARDS}
