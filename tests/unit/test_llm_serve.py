@@ -409,6 +409,7 @@ def _rank_pids(tag: bytes) -> dict[int, int]:
     return out
 
 
+@pytest.mark.serial  # it times how fast the job ends: alone, not beside the workers' jobs
 @pytest.mark.parametrize("layout", [(), pytest.param(("--tp", "2"), marks=pytest.mark.slow)],
                          ids=["pipeline", "tp2"])
 def test_killed_rank_ends_the_server(layout):

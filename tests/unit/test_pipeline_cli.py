@@ -225,6 +225,7 @@ LAYOUTS = pytest.mark.parametrize("layout", [("--pp", "3"), ("--tp", "3")],
                                   ids=["pipeline", "tensor"])
 
 
+@pytest.mark.serial  # it times how fast the job ends: alone, not beside the workers' jobs
 @needs_proc
 @LAYOUTS
 def test_killed_rank_ends_the_job_naming_it(slow_llama, layout):

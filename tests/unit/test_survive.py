@@ -387,6 +387,7 @@ def test_survive_flags_are_checked_before_anything_starts(flags, says):
 
 # -- one real front over a local mpirun ------------------------------------------------------
 
+@pytest.mark.serial  # it times the front's end after SIGTERM: alone, not beside the workers
 def test_a_killed_rank_pauses_the_streams_and_they_finish_as_without_it(tmp_path):
     pytest.importorskip("openai")
     pytest.importorskip("starlette")
