@@ -50,9 +50,18 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 # a parameter a layout): a layout's tests are a unit, so each server still starts once
 # (test_llm_serve.py as one file: over 590 s at load 20, its three servers in turn).
 # test_stops.py's tests share nothing (each starts its own jobs): each is a unit (its 20
-# stops at np 1 took 538 s at load 22, 56 s of CPU; the 22 at np 2 as many again).
+# stops at np 1 took 538 s at load 22, 56 s of CPU; the 22 at np 2 as many again). So
+# with test_comm_ring.py's launcher tests (each starts its own job; as one file 1040 s at
+# load 15-37, its 4-rank contracts 117 s and 84 s of it at load 16, MLX's ring spinning on
+# 2 cores): each is a unit, but for its singleton contract class (a fraction of a second).
 def _each_test(nodeid: str) -> str:
     return nodeid
+
+
+def _each_test_a_class_whole(nodeid: str) -> str:
+    """``FILE::Class::test[p]`` -> ``FILE::Class``; a test outside a class: itself."""
+    parts = nodeid.split("::")
+    return "::".join(parts[:2]) if len(parts) > 2 else nodeid
 
 
 def _first_param(nodeid: str) -> str:
@@ -70,6 +79,7 @@ def _param_id(nodeid: str) -> str:
 
 SPLIT = {"tests/unit/test_docs_commands.py": _each_test,
          "tests/unit/test_stops.py": _each_test,
+         "tests/unit/test_comm_ring.py": _each_test_a_class_whole,
          "tests/unit/test_llm_mlx_matrix.py": _first_param,
          "tests/unit/test_llm_serve.py": _param_id,
          "tests/unit/test_llm_serve_structured.py": _param_id,

@@ -19,6 +19,13 @@ def test_a_file_is_one_unit_but_for_the_split_ones():
     assert unit_of(f"{DOCS}[README.md:95]") == f"{DOCS}[README.md:95]"
     stops = "tests/unit/test_stops.py::test_repeated_stops_leave_nothing"
     assert unit_of(f"{stops}[np1]") != unit_of(f"{stops}[np2]")
+    # the ring's launcher tests each alone (a job each), its singleton contract class whole
+    ring = "tests/unit/test_comm_ring.py"
+    assert unit_of(f"{ring}::test_ring_contract_under_mpirun[4]") \
+        != unit_of(f"{ring}::test_ring_contract_under_mpirun[2]")
+    single = {unit_of(f"{ring}::TestRingSingletonContract::{t}") for t in
+              ("test_bcast_every_root[int32]", "test_objects")}
+    assert single == {f"{ring}::TestRingSingletonContract"}
     # the matrix's cells of a family together (they share its folders), families apart
     fams = {unit_of(f"{MATRIX}[{f}-{form}-{lay}]") for f in ("qwen3_moe", "glm4_moe_lite")
             for form in ("float", "q4") for lay in ("np1", "tp2pp2")}
