@@ -136,7 +136,7 @@ def _layer_cache(cfg) -> tuple[tuple[int, int], ...]:
 
     out = []
     for i in range(cfg.n_layers):
-        tok, fixed = layer_bytes(cfg, arch.layer(cfg, i))
+        tok, fixed = layer_bytes(cfg.at(i), arch.layer(cfg, i))
         out.append((tok // 4, fixed // 4))
     return tuple(out)
 

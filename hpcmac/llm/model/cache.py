@@ -109,7 +109,7 @@ def stage_cache_bytes(cfg: ModelConfig, start: int, end: int, slots: int,
 
     total = 0
     for i in range(start, end):
-        per_token, fixed = layer_bytes(cfg, arch.layer(cfg, i))
+        per_token, fixed = layer_bytes(cfg.at(i), arch.layer(cfg, i))
         total += per_token * tokens + fixed * slots
     return total
 
@@ -132,8 +132,6 @@ class KVCache:
         if cfg.mla:
             kv = ((max_slots, max_len, cfg.kv_lora_rank),
                   (max_slots, max_len, cfg.qk_rope_head_dim))
-        else:
-            kv = ((max_slots, cfg.n_kv_heads, max_len, cfg.head_dim),) * 2
         #: the local indices of the layers with recurrent states
         self.recurrent: list[int] = []
         self.k, self.v = [], []
@@ -150,6 +148,9 @@ class KVCache:
                 self.k.append(backend.zeros((max_slots, *conv)))
                 self.v.append(backend.zeros((max_slots, *state)))
             else:
+                lc = cfg.at(start + j)  # its layer type's KV heads and head size
+                if not cfg.mla:
+                    kv = ((max_slots, lc.n_kv_heads, max_len, lc.head_dim),) * 2
                 self.k.append(zeros(kv[0]))
                 self.v.append(zeros(kv[1]))
 
@@ -161,7 +162,7 @@ class KVCache:
         linear-attention layer's state does not grow and is not in it)."""
         from hpcmac.llm.model import arch
 
-        total = sum(layer_bytes(cfg, arch.layer(cfg, i))[0] for i in range(cfg.n_layers))
+        total = sum(layer_bytes(cfg.at(i), arch.layer(cfg, i))[0] for i in range(cfg.n_layers))
         return 4 * -(-total // (4 * cfg.n_layers))
 
     @property

@@ -54,7 +54,9 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     ``total``: the tensor group's sum of a partial result (the full-width Q/K norm's
     sums of squares under tensor parallelism; None on one rank). ``output_gate``: each
     head's query is followed by as many gate logits, and its output is multiplied by their
-    sigmoid (Qwen3-Next).
+    sigmoid (Qwen3-Next). ``cfg.v_from_k``: ``w["wqkv"]`` holds Q and K only and V is K's
+    projection (Gemma 4's full layers); ``cfg.v_norm``: each head of V RMS-normalised
+    (``w["v_norm"]``: ones).
     """
     xp = be.xp
     T = x.shape[0]
@@ -69,7 +71,8 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     full = "q_norm_full" in w
     sinks = w.get("sinks")  # (H,) in the padded head order
     if be.name == "numpy" and T == 1 and "q_pad" not in w and not full and \
-            fused_kernels().ATTEND:  # one token of one sequence, any number of keys: one call
+            not cfg.v_norm and not cfg.v_from_k and fused_kernels().ATTEND:
+        # one token of one sequence, any number of keys: one call
         fk = fused_kernels()
         slot, _, _, pos = seqs[0]
         j0 = max(0, pos + 1 - window) if window else 0  # the keys the window sees
@@ -85,7 +88,9 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
     if output_gate:  # (T, Hq, d) each, per head: its query, then its gate
         q, gate = q[..., :d], q[..., d:].reshape(T, Hq * d)
     k = qkv[:, Hq * qd:Hq * qd + KV * d].reshape(T, KV, d)
-    v = qkv[:, Hq * qd + KV * d:].reshape(T, KV, d)
+    v = k if cfg.v_from_k else qkv[:, Hq * qd + KV * d:].reshape(T, KV, d)
+    if cfg.v_norm:
+        v = be.rms_norm(v, w["v_norm"], cfg.norm_eps)
     if "q_pad" not in w and not cfg.qk_norm and not full and not output_gate:  # one rotation
         qk = apply_rope(qkv[:, :(Hq + KV) * d].reshape(T, Hq + KV, d), cos, sin, False, xp)
         q, k = qk[:, :Hq] * scale, qk[:, Hq:]  # (T, H, d), (T, KV, d)
@@ -311,13 +316,20 @@ def top_keys(xp, score, k: int):
     return above | (tied & (xp.cumsum(tied.astype(xp.int32), axis=-1) <= need))
 
 
-def mlp(be, w: dict, x, pre: str = ""):
-    """SwiGLU MLP with fused gate/up weights: down(silu(gate x) * up x)."""
+def gelu_tanh(xp, x):
+    """GELU, tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    return 0.5 * x * (1.0 + xp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def mlp(be, w: dict, x, pre: str = "", act: str = "silu"):
+    """Gated MLP with fused gate/up weights: down(act(gate x) * up x); ``act`` "silu"
+    (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)."""
     gu = be.linear(x, w[pre + "w_gu"])
     if pre + "b_gu" in w:
         gu = gu + w[pre + "b_gu"]
     i = gu.shape[1] // 2
-    y = be.linear(be.silu(gu[:, :i]) * gu[:, i:], w[pre + "w_down"])
+    g = be.silu(gu[:, :i]) if act == "silu" else gelu_tanh(be.xp, gu[:, :i])
+    y = be.linear(g * gu[:, i:], w[pre + "w_down"])
     if pre + "b_down" in w:
         y = y + w[pre + "b_down"]
     return y

@@ -1,7 +1,9 @@
 """Rotary position embedding: inverse frequencies for each scaling type, and its application.
 
 Follows transformers' ``modeling_rope_utils`` for the types these families use:
-``default``, ``linear``, ``llama3``, ``yarn`` (DeepSeek-V3, Qwen3 long context).
+``default``, ``linear``, ``llama3``, ``yarn`` (DeepSeek-V3, Qwen3 long context),
+``proportional`` (Gemma 4's full-attention layers: the first ``partial_rotary_factor`` of
+each half-head pair rotated at the frequencies of the whole head, the rest at frequency 0).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from hpcmac.errors import UsageError
 if TYPE_CHECKING:
     from hpcmac.llm.model.arch.fields import ModelConfig
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -36,6 +38,12 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     inv = inv.astype(np.float32)
     if kind == "default":
         return inv, 1.0
+    if kind == "proportional":  # rotate-half over the whole head; unrotated pairs: angle 0
+        d = cfg.head_dim
+        n = int(float(p.get("partial_rotary_factor", 1.0)) * d // 2)
+        inv = np.zeros(d // 2, np.float32)
+        inv[:n] = 1.0 / (base ** (np.arange(0, 2 * n, 2, dtype=np.float32) / np.float32(d)))
+        return (inv / np.float32(p.get("factor", 1.0))).astype(np.float32), 1.0
     if kind == "linear":
         return (inv / np.float32(p["factor"])).astype(np.float32), 1.0
     if kind == "llama3":
@@ -80,7 +88,10 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
-    """Attention logit scale: 1/sqrt(qk head dim), times the YaRN mscale^2 for MLA."""
+    """Attention logit scale: ``cfg.attention_scale`` where set (Gemma 4: 1), else
+    1/sqrt(qk head dim), times the YaRN mscale^2 for MLA."""
+    if cfg.attention_scale:
+        return float(cfg.attention_scale)
     scale = cfg.head_dim ** -0.5
     p = cfg.rope_scaling
     if cfg.mla and p.get("rope_type", "default") != "default" and p.get("mscale_all_dim"):

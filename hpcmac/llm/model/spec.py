@@ -173,14 +173,39 @@ def full_shard(cfg: ModelConfig) -> Shard:
                  (0, cfg.linear_v_heads), (0, cfg.linear_k_heads))
 
 
+def layer_shard(shard: Shard, lcfg: ModelConfig) -> Shard:
+    """``shard`` as a layer whose config is ``lcfg`` (``cfg.at(i)``) sees it: the KV heads
+    its query heads read in that layer (Gemma 4's full-attention layers have fewer KV heads
+    than the sliding ones; the query heads split the same)."""
+    from dataclasses import replace
+
+    if lcfg.mla:
+        return shard
+    if shard.size == 1:
+        kv = (0, lcfg.n_kv_heads)
+    else:
+        g = lcfg.n_heads // lcfg.n_kv_heads
+        kv = (shard.heads[0] // g, (shard.heads[1] - 1) // g + 1)
+    return shard if kv == shard.kv_heads else replace(shard, kv_heads=kv)
+
+
 def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The config the layers and the cache see on the rank holding ``shard``: its heads,
     KV heads and linear-attention heads (query heads padded to whole KV groups, see
-    :func:`padded_heads`)."""
+    :func:`padded_heads`); a layer type's own fields (:attr:`ModelConfig.by_layer_type`)
+    made local alike, so that ``local.at(i)`` is layer ``i``'s local config."""
     from dataclasses import replace
 
     if shard.size == 1:
         return cfg
+    if cfg.by_layer_type:
+        base = local_config(replace(cfg, by_layer_type={}), shard)
+        by = {}
+        for kind, over in cfg.by_layer_type.items():
+            lcfg = replace(cfg, **over, by_layer_type={})
+            loc = local_config(lcfg, layer_shard(shard, lcfg))
+            by[kind] = {**over, "n_heads": loc.n_heads, "n_kv_heads": loc.n_kv_heads}
+        return replace(base, by_layer_type=by)
     if cfg.mla:
         return replace(cfg, n_heads=shard.n_heads)
     pad = padded_heads(cfg, shard)

@@ -94,10 +94,14 @@ class Stage:
         #: the reduce takes and gives MLX arrays, in the graph (MLX backend only)
         self.in_graph = bool(getattr(self.reduce, "in_graph", False)) and backend.name == "mlx"
         self.local = spec.local_config(config, self.shard)
-        self._inv_freq, self._att = rope_frequencies(config)
-        self._scale = softmax_scale(config)
         #: each layer's blocks (its family's :class:`~hpcmac.llm.model.arch.blocks.Layer`)
         self._blocks = [arch.layer(config, i) for i in range(start, end)]
+        # each layer's rope and logit scale: one per distinct layer config (Gemma 4's
+        # sliding and full layers differ), the layers' index into them
+        ropes: dict = {}
+        self._rope_of = [ropes.setdefault(id(config.at(i)), (len(ropes), config.at(i)))[0]
+                         for i in range(start, end)]
+        self._ropes = [(*rope_frequencies(c), softmax_scale(c)) for _, c in ropes.values()]
 
     @property
     def vocab(self) -> tuple[int, int]:
@@ -138,10 +142,12 @@ class Stage:
             if tok.size and (tok.min() < 0 or tok.max() >= self.config.vocab):
                 raise UsageError(f"token id {int(tok.max() if tok.max() >= 0 else tok.min())} "
                                  f"is outside the vocabulary [0, {self.config.vocab})")
+        scale = self.config.embed_scale
         if be.name == "mlx":
             mx = be.mx
             tok = tokens.astype(mx.int32) if device else mx.array(tok.astype(np.int32))
-            return self._mlx_embed(tok)
+            out = self._mlx_embed(tok)
+            return out * np.float32(scale) if scale != 1.0 else out
         v0, v1 = self.vocab
         if self.reduce is not None:
             loc = tok - v0
@@ -149,8 +155,10 @@ class Stage:
             out = np.zeros((tok.size, self.config.hidden), dtype=np.float32)
             if mine.size:
                 out[mine] = self._rows(loc[mine])
-            return self.reduce(out)
-        return self._rows(tok)
+            out = self.reduce(out)
+        else:
+            out = self._rows(tok)
+        return out * np.float32(scale) if scale != 1.0 else out
 
     def _mlx_embed(self, tok):
         """The MLX lookup of int32 ids ``tok`` (this rank's vocabulary rows, summed over
@@ -203,14 +211,18 @@ class Stage:
                                  f"{cache.lengths[slot]} cached tokens; a linear-attention "
                                  "state cannot rewind (restore a snapshot, or start at 0)")
             cache.truncate(slot, pos)  # a step from an earlier position drops what follows
-        cos, sin = cos_sin(self._inv_freq, self._att, batch.token_positions())
-        cos, sin = be.asarray(cos[:, None, :]), be.asarray(sin[:, None, :])
+        positions = batch.token_positions()
         x = be.asarray(h)
         seqs = batch.seqs()
-        cfg = self.local  # this rank's heads (all of them on one rank)
-        step = Step(seqs, cos, sin, self._scale, self._sum)
+        steps = []
+        for inv_freq, att, scale in self._ropes:
+            cos, sin = cos_sin(inv_freq, att, positions)
+            steps.append(Step(seqs, be.asarray(cos[:, None, :]), be.asarray(sin[:, None, :]),
+                              scale, self._sum))
         for j, (layer, w) in enumerate(zip(self._blocks, self.layers)):
-            x = layer.forward(be, cfg, w, x, step, cache.k[j], cache.v[j], cache.index[j])
+            cfg = self.local.at(self.start + j)  # this rank's heads (all on one rank)
+            x = layer.forward(be, cfg, w, x, steps[self._rope_of[j]], cache.k[j], cache.v[j],
+                              cache.index[j])
         for slot, _, n, pos in seqs:
             cache.lengths[slot] = pos + n
         if lazy:
@@ -236,6 +248,9 @@ class Stage:
         be = self.backend
         x = be.rms_norm(be.asarray(h), self.extra["norm"], self.config.norm_eps)
         out = be.linear(x, self.extra["head"])
+        cap = self.config.final_logit_softcap
+        if cap:  # Gemma: cap * tanh(logits / cap)
+            out = be.xp.tanh(out * np.float32(1.0 / cap)) * np.float32(cap)
         return out if lazy else be.host(out)
 
 
@@ -276,6 +291,7 @@ class _Loader:
     def __init__(self, ckpt, backend, cfg: ModelConfig, shard: Shard,
                  keep_quantized: bool = True):
         self.ckpt, self.cfg, self.shard = ckpt, cfg, shard
+        self.model_cfg, self.model_shard = cfg, shard
         self.be = _Packing(backend, self)
         self.keep = keep_quantized and hasattr(ckpt, "get_weight")
         self.nbytes = 0
@@ -283,8 +299,14 @@ class _Loader:
         #: what was kept quantized: source ("gguf Q4_1", "mlx q4 g64") -> tensors
         self.formats: dict[str, int] = {}
 
-    def layer(self, i: int) -> None:
-        self.specs = {t.name: t for t in arch.layer_tensors(self.cfg, i)}
+    def layer(self, i: int | None) -> None:
+        """Read layer ``i``'s tensors next (its layer type's config and KV heads); None:
+        the model's own tensors (embedding, head)."""
+        self.cfg = self.model_cfg if i is None else self.model_cfg.at(i)
+        self.shard = self.model_shard if i is None else spec.layer_shard(self.model_shard,
+                                                                          self.cfg)
+        self.specs = {} if i is None else {t.name: t for t in
+                                          arch.layer_tensors(self.model_cfg, i)}
 
     def _read(self, name: str, sp: TensorSpec, keep: bool):
         if spec.is_expert_stack(sp):
@@ -379,7 +401,7 @@ def _load_layer(ld: _Loader, cfg: ModelConfig, i: int) -> dict:
     """Weights of global layer ``i`` in the backend's arrays, projections fused
     (this rank's part of each under tensor parallelism), as its family's blocks read them."""
     ld.layer(i)
-    return arch.layer(cfg, i).load(ld, cfg, i)
+    return arch.layer(cfg, i).load(ld, cfg.at(i), i)
 
 
 def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: bool = True,
@@ -443,6 +465,7 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
                 extra["embed_np"] = emb
         del emb, packed  # the stage holds what it needs of them
     layers = [_load_layer(ld, cfg, i) for i in range(start, end)]
+    ld.layer(None)
     if last:
         norm, *head = spec.head_tensors(cfg)
         extra["norm"] = norm_weight(ld, cfg, "model.norm.weight", norm)

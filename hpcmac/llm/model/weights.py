@@ -679,7 +679,12 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
     held = getattr(ckpt, "experts_held", None)
     total = 0
     for t in arch.stage_tensors(cfg, start, end, first, last):
-        shape = spec.local_shape(t, cfg, shard)
+        if t.name.startswith("model.layers."):  # its layer type's shapes and KV heads
+            lcfg = cfg.at(int(t.name.split(".")[2]))
+            lshard = spec.layer_shard(shard, lcfg)
+        else:
+            lcfg, lshard = cfg, shard
+        shape = spec.local_shape(t, lcfg, lshard)
         numel = int(np.prod(shape, dtype=np.int64))
         frac = numel / max(1, int(np.prod(t.shape, dtype=np.int64)))
         if spec.is_expert_stack(t):
@@ -687,7 +692,7 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
             kept = held(int(parts[2]), parts[-1], parts[3]) if held is not None else None
             if kept is not None:  # kept quantized unless cut off its groups
                 nbytes, group = kept
-                if spec.cut_on_groups(t, cfg, shard, group, len(t.shape) - 1):
+                if spec.cut_on_groups(t, lcfg, lshard, group, len(t.shape) - 1):
                     total += nbytes * numel // int(np.prod(t.shape, dtype=np.int64))
                 else:
                     total += 4 * numel
@@ -704,7 +709,7 @@ def stage_nbytes(path_or_ckpt, start: int, end: int, first: bool, last: bool,
             if stored is not None and t.kind == "matrix" and not bf16 and \
                     stored(t.name) < 4 * ckpt.numel(t.name):
                 layout = getattr(ckpt, "quant_layout", lambda _: None)(t.name)
-                if layout is None or spec.cut_on_groups(t, cfg, shard, *layout):
+                if layout is None or spec.cut_on_groups(t, lcfg, lshard, *layout):
                     total += int(stored(t.name) * frac)  # kept quantized as stored
                 else:  # cut off its groups: dequantized at load
                     total += 4 * numel

@@ -216,8 +216,8 @@ def layer(cfg: ModelConfig, i: int):
 
 def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     """The tensors of global layer ``i`` (routed experts as one (E, out, in) stack each),
-    as its family's blocks describe them."""
-    return layer(cfg, i).tensors(cfg, i)
+    as its family's blocks describe them (with the layer's own config, ``cfg.at(i)``)."""
+    return layer(cfg, i).tensors(cfg.at(i), i)
 
 
 def stage_tensors(cfg: ModelConfig, start: int, end: int, first: bool,

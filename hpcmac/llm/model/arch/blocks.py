@@ -15,8 +15,9 @@ DeepSeek-V3.2's top-k lightning indexer), :class:`GatedDeltaNet` (linear
 attention with a per-sequence recurrent state), :class:`MLP` (SwiGLU, optional
 biases), :class:`MoE` (routed experts with a router, optional correction bias,
 optional shared experts), :class:`InterleavedMoE` (gpt-oss's experts: interleaved
-gate/up, biases, clamped SwiGLU) and :class:`Layer` (the pre-norm residual layer:
-``x + attn(norm x)``, ``x + ffn(norm x)``).
+gate/up, biases, clamped SwiGLU), :class:`Layer` (the pre-norm residual layer:
+``x + attn(norm x)``, ``x + ffn(norm x)``) and :class:`SandwichLayer` (Gemma's: each block's
+output normalised too).
 Routers: :func:`softmax_topk`, :func:`sigmoid_grouped`, :func:`topk_softmax`.
 """
 
@@ -80,6 +81,9 @@ class GQA:
         under tensor parallelism the group sums the sums of squares.
     output_gate : ``q_proj`` gives each head its query and then as many gate logits; the
         heads' outputs are multiplied by ``sigmoid(gate)`` before ``o_proj`` (Qwen3-Next)
+
+    ``cfg.v_from_k``: no ``v_proj``, V is K's projection; ``cfg.v_norm``: V's heads
+    RMS-normalised without a weight (Gemma 4).
     """
 
     sinks: bool = False
@@ -99,6 +103,8 @@ class GQA:
                            "q_gated" if self.output_gate else "q"),
                     tensor(i, "self_attn.k_proj.bias", "attn_k.bias", (KV * d,), "vector", "kv"),
                     tensor(i, "self_attn.v_proj.bias", "attn_v.bias", (KV * d,), "vector", "kv")]
+        if cfg.v_from_k:
+            out = [t for t in out if ".v_proj." not in t.name]
         out.append(tensor(i, "self_attn.o_proj.weight", "attn_output.weight", (D, H * d),
                           "matrix", "heads_in", 1))
         if cfg.o_bias:
@@ -119,10 +125,13 @@ class GQA:
 
     def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
         be, a = ld.be, _p(i) + "self_attn."
-        qkv = [ld.raw(a + f"{x}_proj.weight") for x in "qkv"]
+        proj = "qk" if cfg.v_from_k else "qkv"
+        qkv = [ld.raw(a + f"{x}_proj.weight") for x in proj]
         w["wqkv"] = be.weight(concat_rows(qkv))
         if cfg.attention_bias:
-            w["bqkv"] = be.asarray(np.concatenate([ld.np(a + f"{x}_proj.bias") for x in "qkv"]))
+            w["bqkv"] = be.asarray(np.concatenate([ld.np(a + f"{x}_proj.bias") for x in proj]))
+        if cfg.v_norm:
+            w["v_norm"] = be.asarray(np.ones(cfg.head_dim, np.float32))
         w["wo"] = ld.w(a + "o_proj.weight")
         if cfg.o_bias and ld.has_part(a + "o_proj.bias"):
             w["bo"] = ld(a + "o_proj.bias")
@@ -362,7 +371,8 @@ class GatedDeltaNet:
 # -- feed-forward -----------------------------------------------------------------
 
 class MLP:
-    """Dense SwiGLU MLP, gate and up fused; ``cfg.mlp_bias``."""
+    """Dense gated MLP, gate and up fused: SwiGLU, or GeGLU where ``cfg.hidden_act`` is
+    ``gelu_tanh`` (Gemma); ``cfg.mlp_bias``."""
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D, I = cfg.hidden, cfg.intermediate
@@ -387,7 +397,7 @@ class MLP:
                 w["b_down"] = ld(m + "down_proj.bias")
 
     def forward(self, be, cfg: ModelConfig, w: dict, x):
-        return layers.mlp(be, w, x)
+        return layers.mlp(be, w, x, act=cfg.hidden_act)
 
 
 def softmax_topk(xp, logits, w: dict, cfg: ModelConfig):
@@ -566,3 +576,46 @@ class Layer:
                                    *caches)
         x, y = be.add_rms_norm(x, step.sum(a), w["ln2"], cfg.norm_eps)
         return x + step.sum(self.ffn.forward(be, cfg, w, y))
+
+
+@dataclass(frozen=True)
+class SandwichLayer:
+    """Gemma's decoder layer: each block's input and its output normalised,
+    ``x += norm(attention(norm x))``, ``x += norm(ffn(norm x))`` (``input_layernorm``,
+    ``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+    ``post_feedforward_layernorm``); with ``scalar``, the layer's output multiplied by its
+    ``layer_scalar`` (Gemma 4). Under tensor parallelism the output norms follow the sum."""
+
+    attention: object
+    ffn: object
+    scalar: bool = False
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D = cfg.hidden
+        out = [tensor(i, f"{n}.weight", f"{g}.weight", (D,), "vector") for n, g in (
+            ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attention_norm"),
+            ("pre_feedforward_layernorm", "ffn_norm"),
+            ("post_feedforward_layernorm", "post_ffw_norm"))]
+        out += [*self.attention.tensors(cfg, i), *self.ffn.tensors(cfg, i)]
+        if self.scalar:
+            out.append(tensor(i, "layer_scalar", "layer_output_scale.weight", (1,), "vector"))
+        return out
+
+    def load(self, ld, cfg: ModelConfig, i: int) -> dict:
+        p = _p(i)
+        w: dict = {k: norm_weight(ld, cfg, p + f"{n}.weight") for k, n in (
+            ("ln1", "input_layernorm"), ("ln1_post", "post_attention_layernorm"),
+            ("ln2", "pre_feedforward_layernorm"), ("ln2_post", "post_feedforward_layernorm"))}
+        self.attention.load(ld, cfg, i, w)
+        self.ffn.load(ld, cfg, i, w)
+        if self.scalar:
+            w["scalar"] = ld(p + "layer_scalar")
+        return w
+
+    def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv, ci=None):
+        eps = cfg.norm_eps
+        a = self.attention.forward(be, cfg, w, be.rms_norm(x, w["ln1"], eps), step, ck, cv)
+        x = x + be.rms_norm(step.sum(a), w["ln1_post"], eps)
+        f = self.ffn.forward(be, cfg, w, be.rms_norm(x, w["ln2"], eps))
+        x = x + be.rms_norm(step.sum(f), w["ln2_post"], eps)
+        return x * w["scalar"] if self.scalar else x

@@ -77,6 +77,17 @@ class ModelConfig:
     linear_v_dim: int = 0
     linear_conv_kernel: int = 0
     norm_offset: float = 0.0  # added to every RMSNorm weight as stored (Qwen3-Next: 1 + w)
+    # Gemma 4: what its layers add to the others'
+    attention_scale: float = 0.0  # the attention logits' scale (0: 1/sqrt(head_dim))
+    v_norm: bool = False  # RMSNorm without a weight on each head of V
+    v_from_k: bool = False  # no v_proj: V is K's projection (before K's norm and rope)
+    hidden_act: str = "silu"  # the dense MLP's gate activation: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # the embedding rows are multiplied by it (Gemma: sqrt(hidden))
+    final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (0: none)
+    #: per layer type (``layer_types``' names), the fields whose value differs there from
+    #: the above (Gemma 4's full-attention layers: head_dim, n_kv_heads, v_from_k, rope):
+    #: :meth:`at` gives a layer's config
+    by_layer_type: dict[str, dict[str, Any]] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -133,7 +144,35 @@ class ModelConfig:
         if max_layers is not None and self.n_layers > max_layers:
             raise UsageError(f"{where}: {self.n_layers} layers declared, the checkpoint's "
                              f"tensors hold {max_layers}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise UsageError(f"{where}: hidden_act {self.hidden_act!r} is not supported; "
+                             "expected 'silu' or 'gelu_tanh'")
+        for name in ("attention_scale", "final_logit_softcap"):
+            v = getattr(self, name)
+            if not isinstance(v, float) or not math.isfinite(v) or v < 0:
+                raise UsageError(f"{where}: {name} = {v!r}: expected a finite number >= 0")
+        for kind, over in self.by_layer_type.items():
+            from dataclasses import replace
+
+            if self.n_heads % over.get("n_kv_heads", self.n_kv_heads):
+                raise UsageError(f"{where}: the {kind} layers' {over['n_kv_heads']} KV heads "
+                                 f"do not divide the {self.n_heads} query heads")
+            replace(self, **over, by_layer_type={}).check(f"{where} ({kind} layers)")
         return self
+
+    def at(self, i: int) -> ModelConfig:
+        """The config global layer ``i``'s blocks see: this one, with the fields
+        :attr:`by_layer_type` sets for its layer type (the same object when none)."""
+        over = self.by_layer_type.get(self.layer_types[i]) if self.by_layer_type else None
+        if not over:
+            return self
+        cache = self.__dict__.setdefault("_at", {})
+        key = self.layer_types[i]
+        if key not in cache:
+            from dataclasses import replace
+
+            cache[key] = replace(self, **over, by_layer_type={})
+        return cache[key]
 
     @property
     def shared_width(self) -> int:
