@@ -45,8 +45,9 @@ def random_checkpoint(arch: str, folder: str | Path, seed: int = 0,
             elif name.endswith("_bias"):  # per-expert biases (E, n): gpt-oss
                 t.copy_(0.1 * torch.randn(t.shape, generator=gen))
             elif t.ndim == 1 and "inv_freq" not in name:
-                # norms and Gemma 4's layer_scalar multiply: around 1
-                base = 1.0 if name.endswith(("norm.weight", "layer_scalar")) else 0.0
+                # norms and Gemma 4's layer_scalar and router scales multiply: around 1
+                base = 1.0 if name.endswith(("norm.weight", "layer_scalar", "router.scale",
+                                             "router.per_expert_scale")) else 0.0
                 t.copy_(base + 0.1 * torch.randn(t.shape, generator=gen))
     folder = Path(folder)
     model.save_pretrained(folder, safe_serialization=True)

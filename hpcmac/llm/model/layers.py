@@ -397,6 +397,34 @@ def route_topk_softmax(xp, logits, k: int):
     return idx, (e / e.sum(axis=-1, keepdims=True)).astype(xp.float32)
 
 
+def glu(be, cfg: ModelConfig, gu):
+    """The experts' gated activation of a fused (..., 2I) gate/up product: GeGLU where
+    ``cfg.hidden_act`` is ``gelu_tanh`` (Gemma 4), else :func:`swiglu`."""
+    if cfg.hidden_act == "gelu_tanh":
+        i = gu.shape[-1] // 2
+        return gelu_tanh(be.xp, gu[..., :i]) * gu[..., i:]
+    return swiglu(be, gu, cfg.swiglu_limit, cfg.swiglu_alpha)
+
+
+def routed_experts(be, cfg: ModelConfig, w: dict, x, idx, wts):
+    """The chosen experts ``idx`` (T, k) of each token of ``x`` (T, hidden), summed with
+    the routing weights ``wts`` (T, k)."""
+    if be.name == "mlx":
+        return gathered_experts(be, cfg, w, x, idx, wts)
+    return _experts_per_expert(be, cfg, w, x, idx, wts)
+
+
+def route_gemma4(be, cfg: ModelConfig, w: dict, x):
+    """Gemma 4's router over the residual ``x`` (T, hidden): ``x`` RMS-normalised (no
+    weight), times ``w["router_scale"]`` / sqrt(hidden), projected; softmax over the
+    experts, top ``n_experts_per_tok``, renormalised, times each chosen expert's
+    ``w["per_expert_scale"]``."""
+    xp = be.xp
+    r = be.rms_norm(x, w["router_ones"], cfg.norm_eps) * w["router_scale"]
+    idx, wts = route_softmax(xp, be.linear(r, w["router"]), cfg.n_experts_per_tok, True)
+    return idx, wts * w["per_expert_scale"][idx]
+
+
 def moe(be, cfg: ModelConfig, w: dict, x, route):
     """Routed experts (plus shared experts, ``s_*`` weights) over packed tokens (T, hidden);
     ``route(xp, logits, w, cfg) -> (expert ids (T, k), weights (T, k))`` chooses them, on
@@ -407,10 +435,7 @@ def moe(be, cfg: ModelConfig, w: dict, x, route):
     one gathered matmul per projection (:func:`gathered_experts`), nothing leaves the
     graph."""
     idx, wts = route(be.xp, be.linear(x, w["router"]), w, cfg)
-    if be.name == "mlx":
-        out = gathered_experts(be, cfg, w, x, idx, wts)
-    else:
-        out = _experts_per_expert(be, cfg, w, x, idx, wts)
+    out = routed_experts(be, cfg, w, x, idx, wts)
     if "s_w_gu" in w:
         shared = mlp(be, w, x, pre="s_")
         if "s_gate" in w:  # (T, 1) a gate logit per token
@@ -431,7 +456,7 @@ def _experts_per_expert(be, cfg: ModelConfig, w: dict, x, idx, wts):
         gu = be.linear(xe, e_gu[int(e)])
         if b_gu is not None:
             gu = gu + b_gu[int(e)]
-        ye = be.linear(swiglu(be, gu, cfg.swiglu_limit, cfg.swiglu_alpha), e_down[int(e)])
+        ye = be.linear(glu(be, cfg, gu), e_down[int(e)])
         if b_down is not None:
             ye = ye + b_down[int(e)]
         ye = ye * be.asarray(wts[rows, which][:, None])
@@ -461,8 +486,7 @@ def gathered_experts(be, cfg: ModelConfig, w: dict, x, idx, wts):
     gu = be.gather_linear(xs, w["e_gu"], ids, pairs)  # (..., 1, 2I)
     if "e_b_gu" in w:
         gu = gu + w["e_b_gu"][ids][..., None, :]
-    y = be.gather_linear(swiglu(be, gu, cfg.swiglu_limit, cfg.swiglu_alpha), w["e_down"],
-                         ids, pairs)  # (..., 1, D)
+    y = be.gather_linear(glu(be, cfg, gu), w["e_down"], ids, pairs)  # (..., 1, D)
     if "e_b_down" in w:
         y = y + w["e_b_down"][ids][..., None, :]
     if pairs:

@@ -565,13 +565,14 @@ class SafetensorsCheckpoint:
         ``keep_quant``: a QuantTensor stack when mlx-lm stored them quantized
         (``switch_mlp``), else float32. ``module``: the layer's submodule holding them
         (``mlp``; ``block_sparse_moe`` for Mixtral and MiniMax, whose experts are
-        ``w1`` (gate), ``w3`` (up), ``w2`` (down)).
+        ``w1`` (gate), ``w3`` (up), ``w2`` (down); ``experts``: directly under the layer,
+        Gemma 4's ``experts.gate_up_proj``).
         """
         switch = f"model.layers.{layer}.{module}.switch_mlp.{which}_proj.weight"
         if self.has(switch):  # mlx-lm's stacked experts
             w = self.get_weight(switch)
             return w if keep_quant else as_float(w)
-        prefix = f"model.layers.{layer}.{module}.experts"
+        prefix = _experts_prefix(layer, module)
         fused = f"{prefix}.gate_up_proj"
         if which in ("gate", "up") and self.has(fused):
             w = self.get(fused)  # (E, 2I, H)
@@ -614,7 +615,7 @@ class SafetensorsCheckpoint:
         switch = f"model.layers.{layer}.{module}.switch_mlp.{which}_proj.weight"
         if self.has(switch) and self.is_quantized(switch):
             return self.stored_nbytes(switch), self.quant_params(switch)[1]
-        prefix = f"model.layers.{layer}.{module}.experts"
+        prefix = _experts_prefix(layer, module)
         for leaf in (f"{which}_proj", {"gate": "w1", "up": "w3", "down": "w2"}[which]):
             first = f"{prefix}.0.{leaf}.weight"
             if self.has(first) and (self.is_fp8(first) or first in self._packed):
@@ -624,6 +625,14 @@ class SafetensorsCheckpoint:
                     e += 1
                 return total, self.quant_params(first)[1]
         return None
+
+
+def _experts_prefix(layer: int, module: str) -> str:
+    """Where a layer's routed experts are: under ``module`` (``mlp``...), or, for
+    ``experts``, directly under the layer (Gemma 4)."""
+    if module == "experts":
+        return f"model.layers.{layer}.experts"
+    return f"model.layers.{layer}.{module}.experts"
 
 
 #: a Gated DeltaNet layer's conv weight (Hugging Face (C, 1, K), mlx-lm's sanitized (C, K, 1))

@@ -540,6 +540,56 @@ class InterleavedMoE:
         return layers.moe(be, cfg, w, x, topk_softmax)
 
 
+class ResidualRoutedExperts:
+    """Gemma 4's routed experts, beside its dense MLP: ``router.proj`` (E, hidden),
+    ``router.scale`` (hidden,) and ``router.per_expert_scale`` (E,) choose from the layer's
+    residual (:func:`~hpcmac.llm.model.layers.route_gemma4`); the experts
+    (``experts.gate_up_proj`` (E, 2I, hidden), ``experts.down_proj``, directly under the
+    layer, GeGLU) read it normalised by ``pre_feedforward_layernorm_2``, and their sum is
+    normalised by ``post_feedforward_layernorm_2`` (:class:`SandwichLayer` adds it to the
+    MLP's, normalised by ``post_feedforward_layernorm_1``). The router is replicated under
+    tensor parallelism, the experts' columns split."""
+
+    def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
+        D, E, I = cfg.hidden, cfg.n_experts, cfg.moe_intermediate
+        return [tensor(i, "router.proj.weight", "ffn_gate_inp.weight", (E, D), "matrix"),
+                tensor(i, "router.scale", "ffn_gate_inp.scale", (D,), "vector"),
+                tensor(i, "router.per_expert_scale", "ffn_down_exps.scale", (E,), "vector"),
+                tensor(i, "experts.gate", "ffn_gate_exps.weight", (E, I, D), "matrix",
+                       "expert_ffn", 1),
+                tensor(i, "experts.up", "ffn_up_exps.weight", (E, I, D), "matrix",
+                       "expert_ffn", 1),
+                tensor(i, "experts.down", "ffn_down_exps.weight", (E, D, I), "matrix",
+                       "expert_ffn", 2),
+                *[tensor(i, f"{n}.weight", f"{g}.weight", (D,), "vector") for n, g in (
+                    ("pre_feedforward_layernorm_2", "pre_ffw_norm_2"),
+                    ("post_feedforward_layernorm_1", "post_ffw_norm_1"),
+                    ("post_feedforward_layernorm_2", "post_ffw_norm_2"))]]
+
+    def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
+        be, p = ld.be, _p(i)
+        w["router"] = ld.w(p + "router.proj.weight")
+        w["router_scale"] = be.asarray(ld.np(p + "router.scale")
+                                       * np.float32(cfg.hidden ** -0.5))
+        w["router_ones"] = be.asarray(np.ones(cfg.hidden, np.float32))
+        w["per_expert_scale"] = ld(p + "router.per_expert_scale")
+        gate, up = ld.raw(p + "experts.gate"), ld.raw(p + "experts.up")
+        w["e_gu"] = be.weight(concat_rows([gate, up], axis=1))  # (E, 2I, D)
+        del gate, up
+        w["e_down"] = be.weight(ld.raw(p + "experts.down"))
+        for k, n in (("ln2_moe", "pre_feedforward_layernorm_2"),
+                     ("ln2_post_mlp", "post_feedforward_layernorm_1"),
+                     ("ln2_post_moe", "post_feedforward_layernorm_2")):
+            w[k] = norm_weight(ld, cfg, p + f"{n}.weight")
+
+    def forward(self, be, cfg: ModelConfig, w: dict, x):
+        """The experts' partial output (T, hidden) for the residual ``x`` (this rank's
+        columns of each expert; the caller sums and normalises)."""
+        idx, wts = layers.route_gemma4(be, cfg, w, x)
+        return layers.routed_experts(be, cfg, w, be.rms_norm(x, w["ln2_moe"], cfg.norm_eps),
+                                     idx, wts)
+
+
 # -- the layer ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -584,11 +634,14 @@ class SandwichLayer:
     ``x += norm(attention(norm x))``, ``x += norm(ffn(norm x))`` (``input_layernorm``,
     ``post_attention_layernorm``, ``pre_feedforward_layernorm``,
     ``post_feedforward_layernorm``); with ``scalar``, the layer's output multiplied by its
-    ``layer_scalar`` (Gemma 4). Under tensor parallelism the output norms follow the sum."""
+    ``layer_scalar`` (Gemma 4); with ``experts`` (:class:`ResidualRoutedExperts`), routed
+    experts beside the MLP, ``x += norm(norm1(mlp) + norm2(experts))``. Under tensor
+    parallelism the output norms follow the sums."""
 
     attention: object
     ffn: object
     scalar: bool = False
+    experts: object = None
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D = cfg.hidden
@@ -597,6 +650,8 @@ class SandwichLayer:
             ("pre_feedforward_layernorm", "ffn_norm"),
             ("post_feedforward_layernorm", "post_ffw_norm"))]
         out += [*self.attention.tensors(cfg, i), *self.ffn.tensors(cfg, i)]
+        if self.experts is not None:
+            out += self.experts.tensors(cfg, i)
         if self.scalar:
             out.append(tensor(i, "layer_scalar", "layer_output_scale.weight", (1,), "vector"))
         return out
@@ -608,6 +663,8 @@ class SandwichLayer:
             ("ln2", "pre_feedforward_layernorm"), ("ln2_post", "post_feedforward_layernorm"))}
         self.attention.load(ld, cfg, i, w)
         self.ffn.load(ld, cfg, i, w)
+        if self.experts is not None:
+            self.experts.load(ld, cfg, i, w)
         if self.scalar:
             w["scalar"] = ld(p + "layer_scalar")
         return w
@@ -616,6 +673,9 @@ class SandwichLayer:
         eps = cfg.norm_eps
         a = self.attention.forward(be, cfg, w, be.rms_norm(x, w["ln1"], eps), step, ck, cv)
         x = x + be.rms_norm(step.sum(a), w["ln1_post"], eps)
-        f = self.ffn.forward(be, cfg, w, be.rms_norm(x, w["ln2"], eps))
-        x = x + be.rms_norm(step.sum(f), w["ln2_post"], eps)
+        f = step.sum(self.ffn.forward(be, cfg, w, be.rms_norm(x, w["ln2"], eps)))
+        if self.experts is not None:
+            e = step.sum(self.experts.forward(be, cfg, w, x))
+            f = be.rms_norm(f, w["ln2_post_mlp"], eps) + be.rms_norm(e, w["ln2_post_moe"], eps)
+        x = x + be.rms_norm(f, w["ln2_post"], eps)
         return x * w["scalar"] if self.scalar else x
