@@ -9,12 +9,14 @@ of 8 and 5 tokens; the full layers' proportional rope on 2 of 10 and 4 of 8 pair
 1e6 and 1e4), the sliding ones' default rope (theta 1e4 and 100); transformers' default
 layer pattern (the last layer made full) and a given one; the logit soft-cap at 10 (it bites:
 capped logits reach 6.2, 7.3 before the cap) and none; Q/K/V/O biases; every norm, bias and
-``layer_scalar`` perturbed. The heads are untied: with Gemma's embedding scale a random tied
-head repeats the last token (seeds 0-7 of the first case and 0-3 of the second, tied, gave
-degenerate greedy runs). The oracle is transformers itself (``family_util``: rank 0 runs
-it, each prompt alone): 16 greedy tokens equal and logits within 1e-4 of the largest at
-every step, three prompts (23, 9 and 17 tokens: longer than the windows) prefilled together
-in chunks of 3 tokens and decoded together.
+``layer_scalar`` perturbed; and the MoE block (26B-A4B's form: 7 routed experts of 13
+columns, 3 a token, beside the MLP in every layer, the router's scales perturbed around 1;
+13 columns split 7/6 and 5/4/4, off any even cut). The heads are untied: with Gemma's
+embedding scale a random tied head repeats the last token (seeds 0-7 of the first case and
+0-3 of the second, tied, gave degenerate greedy runs). The oracle is transformers itself
+(``family_util``: rank 0 runs it, each prompt alone): 16 greedy tokens equal and logits
+within 1e-4 of the largest at every step, three prompts (23, 9 and 17 tokens: longer than
+the windows) prefilled together in chunks of 3 tokens and decoded together.
 
 Then the issue's long case: prompts of 300, 40 and 13 tokens prefilled in chunks of 64 and
 decoded together in three cache slots, tensor parallel over all ranks (the window of 8, far
@@ -48,6 +50,16 @@ CASES = {
         vocab_size=VOCAB, hidden_size=48, intermediate_size=13, num_hidden_layers=4,
         num_attention_heads=6, num_key_value_heads=2, head_dim=8, global_head_dim=16,
         attention_k_eq_v=False, sliding_window=5, attention_bias=True, layer_types=None,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": 1e4,
+                                            "partial_rotary_factor": 0.5}})),
+    # the MoE block (26B-A4B's form): 7 experts of 13 columns (3 a token) beside the MLP
+    "moe-h6-kv2-e7-top3-keqv-cap30": (0, dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=13, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=5,
+        final_logit_softcapping=30.0, enable_moe_block=True, num_experts=7, top_k_experts=3,
+        moe_intermediate_size=13,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "proportional", "rope_theta": 1e4,
                                             "partial_rotary_factor": 0.5}})),
@@ -201,7 +213,7 @@ def test_config_mapping():
 @pytest.mark.parametrize("field, value, says", [
     ("hidden_size_per_layer_input", 256, "field 'hidden_size_per_layer_input'"),
     ("num_kv_shared_layers", 2, "field 'num_kv_shared_layers'"),
-    ("enable_moe_block", True, "field 'enable_moe_block'"),
+    ("enable_moe_block", "yes", "field 'enable_moe_block'"),
     ("use_bidirectional_attention", "all", "field 'use_bidirectional_attention'"),
     ("hidden_activation", "silu", "field 'hidden_activation'"),
     ("layer_types", ["sliding_attention"] * 3, "field 'layer_types'"),

@@ -20,9 +20,16 @@ The folder as released (``model_type`` ``gemma4``: the text model described by t
 loaded), or the text model alone (``gemma4_text``, as transformers' ``Gemma4ForCausalLM``
 saves it: :mod:`.gemma4_text`). Refused in one line naming the field: per-layer input
 embeddings (``hidden_size_per_layer_input`` > 0: Gemma 4 E2B / E4B), KV shared across layers
-(``num_kv_shared_layers``), the MoE block (``enable_moe_block``: 26B-A4B), bidirectional
-attention over all tokens, another activation or rope type. Float checkpoints only; no GGUF
-form yet.
+(``num_kv_shared_layers``), bidirectional attention over all tokens, another activation or
+rope type.
+
+The MoE block (``enable_moe_block``: 26B-A4B): in every layer ``num_experts`` routed
+experts (``top_k_experts`` a token, ``moe_intermediate_size`` wide, GeGLU) beside the dense
+MLP, chosen from the layer's residual by a router that RMS-normalises it, scales it by
+``router.scale / sqrt(hidden)``, and weights each chosen expert (softmax, top-k,
+renormalised) by its ``per_expert_scale`` (:class:`~.blocks.ResidualRoutedExperts`).
+
+Float checkpoints only; no GGUF form yet.
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ import math
 from hpcmac.errors import UsageError
 from hpcmac.llm.model.arch import qwen3_5
 from hpcmac.llm.model.arch.base import Family
-from hpcmac.llm.model.arch.blocks import GQA, MLP, SandwichLayer
+from hpcmac.llm.model.arch.blocks import GQA, MLP, ResidualRoutedExperts, SandwichLayer
 from hpcmac.llm.model.arch.fields import ModelConfig, hf_fields, json_float, json_int
 
 _SLIDING = SandwichLayer(GQA(sliding=True), MLP(), scalar=True)
 _FULL = SandwichLayer(GQA(), MLP(), scalar=True)
+_SLIDING_MOE = SandwichLayer(GQA(sliding=True), MLP(), True, ResidualRoutedExperts())
+_FULL_MOE = SandwichLayer(GQA(), MLP(), True, ResidualRoutedExperts())
 _KINDS = ("sliding_attention", "full_attention")
 #: transformers' Gemma4TextConfig rope when config.json names none
 _ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -117,8 +126,7 @@ def text_fields(raw: dict, where: str) -> dict:
              "0 (per-layer input embeddings, Gemma 4 E2B/E4B, are not supported yet)"),
             ("num_kv_shared_layers", 0, lambda v: not v,
              "0 (KV shared across layers is not supported yet)"),
-            ("enable_moe_block", False, lambda v: v is False,
-             "false (the MoE block, Gemma 4 26B-A4B, is not supported yet)"),
+            ("enable_moe_block", False, lambda v: isinstance(v, bool), "true or false"),
             ("use_bidirectional_attention", None, lambda v: v in (None, "vision"),
              "null or 'vision' (text is causal)"),
             ("hidden_activation", "gelu_pytorch_tanh",
@@ -138,7 +146,15 @@ def text_fields(raw: dict, where: str) -> dict:
     full_theta, full_scaling = _rope({**_ROPE, **params}, "full_attention", where)
     full_dim, full_kv = _full_layers(raw, types, head_dim, n_kv, where)
     cap = raw.get("final_logit_softcapping")
-    return {**base,
+    moe = {}
+    if raw.get("enable_moe_block"):  # every layer: routed experts beside the MLP
+        moe = dict(n_experts=json_int(raw, "num_experts", where),
+                   n_experts_per_tok=json_int(raw, "top_k_experts", where),
+                   moe_intermediate=json_int(raw, "moe_intermediate_size", where))
+        for k, v in moe.items():
+            if v < 1:
+                raise UsageError(f"{where}: the MoE block's {k} = {v}: expected >= 1")
+    return {**base, **moe,
             "head_dim": head_dim, "n_kv_heads": n_kv,
             "intermediate": json_int(raw, "intermediate_size", where),
             "tie_embeddings": bool(raw.get("tie_word_embeddings", True)),
@@ -164,9 +180,11 @@ FAMILY = Family(
     summary=("sliding-window and full-attention layers (their own head size and KV heads, "
              "K as V, proportional rope), Q/K/V RMSNorm, sandwich norms, GeGLU, embedding "
              "scale, logit soft-cap; nested `text_config`, tensors under "
-             "`model.language_model.`; not yet: per-layer embeddings, shared KV, MoE"),
+             "`model.language_model.`; the MoE block (routed experts beside the MLP, "
+             "scaled router); not yet: per-layer embeddings, shared KV"),
     model_type="gemma4", gguf_arch=None, from_hf=from_hf, from_gguf=None,
-    layer=lambda cfg, i: _SLIDING if cfg.is_sliding(i) else _FULL,
+    layer=lambda cfg, i: (_SLIDING_MOE if cfg.n_experts else _SLIDING) if cfg.is_sliding(i)
+    else (_FULL_MOE if cfg.n_experts else _FULL),
     hf_class="Gemma4TextConfig",
     tiny=dict(vocab_size=96, hidden_size=40, intermediate_size=24, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=24,
