@@ -77,6 +77,49 @@ def test_fused_decode_equals_numpy_ops(arch, over, tmp_path, monkeypatch):
         assert np.abs(a - b).max() <= tol * np.abs(b).max(), f"step {i}"
 
 
+@pytest.mark.parametrize("arch,over", [("llama", dict(num_key_value_heads=3)),
+                                       ("gpt_oss", {}), ("qwen3_next", HYBRID)])
+def test_fused_decode_of_a_padded_shard_equals_numpy_ops(arch, over, tmp_path, monkeypatch):
+    """A tensor-parallel shard holding part of a KV group (its queries padded to whole
+    groups: llama 6 heads / 3 KV heads, gpt-oss's sinks and window, Qwen3-Next's gate, each
+    5 heads / 1 KV head at 2 ranks) takes the fused one-token attention too: every rank's
+    partial logits equal the numpy path's. The group's sums are left out (each shard's own
+    partial results, summed by no one): the kernel path alone is compared here;
+    tests/mpi/test_tensor_parity.py checks the group's tokens and logits against one rank."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.fixtures import random_checkpoint
+    from hpcmac.llm.model.spec import make_shards, padded_heads
+    from hpcmac.llm.model.stage import load_stage
+
+    folder = random_checkpoint(arch, tmp_path, seed=6, initializer_range=0.3, **over)
+    cfg = load_config(folder)
+    kinds = json.loads((folder / "config.json").read_text()).get("layer_types")
+    n_attn = sum(k != "linear_attention" for k in kinds) if kinds else cfg.n_layers
+    calls = [0]
+
+    def counted(*a):
+        calls[0] += 1
+        return attend(*a)
+
+    attend = fused.attend_one
+    monkeypatch.setattr(fused, "attend_one", counted)
+    tokens = list(np.random.default_rng(1).integers(0, cfg.vocab, STEPS))
+    for r, shard in enumerate(make_shards(cfg, [1.0, 1.0])):
+        assert padded_heads(cfg, shard) is not None  # the case under test
+        stage = load_stage(folder, 0, cfg.n_layers, shard=shard, reduce=lambda a: a)
+        monkeypatch.setattr(fused, "ATTEND", True)
+        calls[0] = 0
+        on = _decode(stage, tokens)
+        assert calls[0] == STEPS * n_attn  # every decode step of every attention layer
+        monkeypatch.setattr(fused, "ATTEND", False)
+        off = _decode(stage, tokens)
+        tol = 2e-5 if over is HYBRID else 2e-6
+        for i, (a, b) in enumerate(zip(on, off)):
+            assert np.abs(a - b).max() <= tol * np.abs(b).max(), f"rank {r} step {i}"
+
+
 def stage_layers(folder) -> int:
     from hpcmac.llm.model.config import load_config
 

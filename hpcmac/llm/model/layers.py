@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 NEG_INF = float("-inf")
 _NONE = np.empty(0, np.float32)  # no norm weights, no sinks (fused.attend_one)
+_ZERO = np.zeros(1, np.float32)  # the value of a padded query slot (spec.padded_qkv_source)
 
 
 def _causal_mask(pos: int, n: int, length: int, window: int = 0) -> np.ndarray:
@@ -70,16 +71,20 @@ def attention(be, cfg: ModelConfig, w: dict, x, seqs, ck, cv, cos, sin, scale: f
         qkv = qkv + w["bqkv"]
     full = "q_norm_full" in w
     sinks = w.get("sinks")  # (H,) in the padded head order
-    if be.name == "numpy" and T == 1 and "q_pad" not in w and not full and \
-            not cfg.v_norm and not cfg.v_from_k and fused_kernels().ATTEND:
+    if be.name == "numpy" and T == 1 and not full and not cfg.v_norm and \
+            not cfg.v_from_k and fused_kernels().ATTEND:
         # one token of one sequence, any number of keys: one call
         fk = fused_kernels()
         slot, _, _, pos = seqs[0]
         j0 = max(0, pos + 1 - window) if window else 0  # the keys the window sees
         qn, kn = (w["q_norm"], w["k_norm"]) if cfg.qk_norm else (_NONE, _NONE)
+        if "q_pad" in w:  # part of a KV group (tensor parallel): queries padded to groups
+            qkv = np.concatenate([qkv[0], _ZERO]).take(w["q_src"])[None]
         o = fk.attend_one(qkv, H, KV, d, cos[0, 0], sin[0, 0], np.float32(scale), qn, kn,
                           cfg.norm_eps, ck, cv, slot, pos, j0,
                           _NONE if sinks is None else sinks, output_gate)  # (1, H*d)
+        if "o_take" in w:  # the real heads' outputs, in the shard's order
+            o = o.reshape(H, d)[w["o_take"]].reshape(1, Hq * d)
         o = be.linear(o, w["wo"])
         return o + w["bo"] if "bo" in w else o
     qd = 2 * d if output_gate else d

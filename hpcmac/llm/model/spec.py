@@ -363,6 +363,19 @@ def padded_heads(cfg: ModelConfig, shard: Shard) -> tuple[int, np.ndarray, np.nd
     return n_pad, q_pad, o_take
 
 
+def padded_qkv_source(q_pad: np.ndarray, hq: int, qd: int, tail: int) -> np.ndarray:
+    """Where each value of a padded one-token QKV row comes from, for ``take``.
+
+    ``q_pad`` as :func:`padded_heads` returns it (``hq``, the local query head count,
+    marks an empty slot); ``qd`` values per query head; ``tail`` the K and V values after
+    the queries. The source row is the shard's QKV row ``(hq qd + tail,)`` with one zero
+    appended, the value every empty slot takes. Returns (len(q_pad) qd + tail,) int64.
+    """
+    zero = hq * qd + tail  # the appended zero
+    q = np.where((q_pad < hq)[:, None], q_pad[:, None] * qd + np.arange(qd), zero)
+    return np.concatenate([q.reshape(-1), hq * qd + np.arange(tail)]).astype(np.int64)
+
+
 def is_expert_stack(spec: TensorSpec) -> bool:
     """A routed-expert stack (read with ``ckpt.experts``, not ``ckpt.get``): the canonical
     ``mlp.experts.gate`` / ``up`` / ``down``. A family whose checkpoints hold the experts as

@@ -31,7 +31,7 @@ import numpy as np
 
 from hpcmac.llm.model import layers, linear_attention
 from hpcmac.llm.model.quant import concat_rows
-from hpcmac.llm.model.spec import TensorSpec, padded_heads
+from hpcmac.llm.model.spec import TensorSpec, padded_heads, padded_qkv_source
 
 if TYPE_CHECKING:
     from hpcmac.llm.model.arch.fields import ModelConfig
@@ -150,6 +150,11 @@ class GQA:
         pad = padded_heads(cfg, ld.shard)
         if pad is not None:  # part of a KV group: heads padded to whole groups
             w["q_pad"], w["o_take"] = be.index(pad[1]), be.index(pad[2])
+            if be.name == "numpy":  # one token's padded QKV row (layers.attention)
+                qd = 2 * cfg.head_dim if self.output_gate else cfg.head_dim
+                kv = 1 if cfg.v_from_k else 2  # K (and V) rows after the queries
+                w["q_src"] = padded_qkv_source(pad[1], len(pad[2]), qd,
+                                               kv * ld.shard.n_kv_heads * cfg.head_dim)
         if self.sinks:
             sinks = ld.np(a + "sinks")  # this rank's query heads
             if pad is not None:  # an empty slot's sink: any finite value (its output is dropped)
