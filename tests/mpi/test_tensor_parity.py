@@ -172,3 +172,12 @@ def test_smollm2_tensor_matches_one_rank():
         err = float(np.max(np.abs(np.array(s.logits) - logits)))
         parallel_assert(err <= 1e-4 * float(np.max(np.abs(logits))),
                         f"{what}: logits differ by {err:.3g}", g)
+    # one sequence alone: its decode steps are one token each, the fused one-token
+    # attention on both ranks' padded heads
+    res = run("smollm2", tp, None, prompts[:1], cfg=cfg)
+    s, (toks, logits) = res.seqs[0], ref[0]
+    what = f"smollm2 np={g.size} tp={tp} one sequence"
+    parallel_assert(s.tokens == toks, f"{what}: {s.tokens} != {toks}", g)
+    err = float(np.max(np.abs(np.array(s.logits) - logits)))
+    parallel_assert(err <= 1e-4 * float(np.max(np.abs(logits))),
+                    f"{what}: logits differ by {err:.3g}", g)
