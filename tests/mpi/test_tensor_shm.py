@@ -87,3 +87,41 @@ def test_shm_sum_sleeps_in_the_kernel_for_a_late_peer(monkeypatch):
         assert slept - ran_out >= 3, f"rank {g.rank}: {slept} sleeps, {ran_out} ran out"
     woke = g.allgather_obj(shm.counts[2])
     parallel_assert(woke[late] >= 3, f"the late rank woke its peers: {woke}")
+
+
+def test_followers_wait_on_the_leaders_doorbell(monkeypatch):
+    """The leader's steps ring the mapping's doorbell once posted; a follower past its poll
+    budget sleeps on it and is woken. A step with a message too big to go eagerly (a
+    prefill's hidden states) is rung before its sends complete: no deadlock."""
+    import time
+
+    from hpcmac.llm.parallel import shmsum
+    from hpcmac.llm.parallel.tags import TAG_STEP
+    from hpcmac.llm.parallel.tensor import PING, TensorGroup
+
+    g = world()
+    hosts = g.allgather_obj(socket.gethostname())
+    if g.size == 1 or not shmsum.eligible(hosts):
+        pytest.skip("one rank, several hosts or not x86-64: the group sends through MPI")
+    monkeypatch.setenv("HPCMAC_PIPELINE_SPIN", "1e-4")  # a 0.1 ms poll budget, then sleep
+    tg = TensorGroup(g, hosts, 30.0)
+    shm = tg.shm
+    parallel_assert(shm is not None, "the group mapped its shared memory")
+    big = np.arange(1 << 18, dtype=np.float32)  # 1 MB: past any eager limit
+    for i in range(6):
+        payload = big + i
+        if g.rank == 0:
+            time.sleep(0.01)  # the followers are past their budget: asleep, if futex
+            tg._send_all([np.array([PING, i, 0, 0], dtype=np.int32), payload])
+            continue
+        tg.wait_step(0.0)
+        hdr = tg._recv(np.empty(4, dtype=np.int32), TAG_STEP, 0, "to send a step")
+        got = tg._recv(np.empty_like(big), TAG_STEP, 0, "to send a step")
+        assert int(hdr[1]) == i and np.array_equal(got, payload), f"step {i}"
+    rings = g.allgather_obj(shm.rings)
+    parallel_assert(rings == [6] * g.size, f"every step rung and taken once: {rings}")
+    if shm.futex is not None:
+        slept, ran_out, woke = shm.counts
+        if g.rank != 0:  # woken by the leader, not by the end of a 50 ms slice
+            assert slept - ran_out >= 3, f"rank {g.rank}: {slept} sleeps, {ran_out} ran out"
+        parallel_assert(g.allgather_obj(woke)[0] >= 3, "the leader woke its followers")

@@ -39,6 +39,15 @@ Each sleep is bounded anyway (the watchdog's slice), so a wake missed for any
 reason costs that slice, never a hang. macOS has no futex: there (and with
 ``HPCMAC_TP_FUTEX=0``) the watchdog's poll-then-sleep stays.
 
+The leader's doorbell: rank 0's line also holds a step counter (int64 at 16) and
+its own waiter flag (int32 at 24). Once the leader has posted a step's messages
+(through MPI, tag ``TAG_STEP``) it raises the counter (:meth:`ShmSum.ring`) and,
+if a follower's flag is up, wakes it; a follower waits for the counter to pass
+the steps it has taken (:meth:`ShmSum.rung`) with the same poll, then futex, as a
+sum's part, and only then posts its receives (whose waits cover a message still
+on its way). A follower idle between requests (its poll budget spent) is back on
+a core as the step is sent, not up to half a millisecond later.
+
 The file backing the mapping is unlinked as soon as every rank has mapped it,
 so nothing is left in ``/dev/shm`` whatever happens to the job.
 """
@@ -62,6 +71,7 @@ MAX_BYTES = 64 << 10
 _LINE = 64  # bytes: each rank's sequence number (int64 at 0) and waiter flag (int32 at 8)
 _STRIDE = _LINE + 2 * MAX_BYTES  # bytes per rank
 _FLAG = 8  # byte offset of the waiter flag in a rank's line
+_BELL, _BELL_FLAG = 16, 24  # rank 0's line: the step counter (int64), its waiter flag
 
 _SYS_FUTEX = 202  # x86-64 Linux (the only place the mapping is used, see eligible)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not _PRIVATE: the word is shared between processes
@@ -208,6 +218,9 @@ class ShmSum:
                        for k in (0, 1)] for r in range(self.size)]
         self.flags = [buf[r * _STRIDE + _FLAG:r * _STRIDE + _FLAG + 4].view(np.int32)
                       for r in range(self.size)]
+        self.bell = buf[_BELL:_BELL + 8].view(np.int64)  # rank 0's line
+        self.bell_flag = buf[_BELL_FLAG:_BELL_FLAG + 4].view(np.int32)
+        self.rings = 0  # local: steps rung (leader) or taken (a follower)
         #: local: sleeps in the kernel, those that ran to their timeout, wakes issued
         self.counts = [0, 0, 0]
         # the futex choice must agree on every rank (a sleeper relies on its peer's
@@ -218,9 +231,32 @@ class ShmSum:
             self._sleeps = [_Sleep(self.futex, self.seqs[r], self.flags[r], self.counts)
                             if r != self.rank else None for r in range(self.size)]
             self._fence = threading.Lock()
+            self._bell_sleep = _Sleep(self.futex, self.bell, self.bell_flag, self.counts)
         else:
             self.futex = None
         self.ok = True
+
+    def ring(self) -> None:
+        """Leader (rank 0): a step's messages are sent; the followers may take them."""
+        self.rings += 1
+        self.bell[0] = self.rings
+        if self.futex is not None:
+            with self._fence:  # as in sum: the store above is seen before the flag's load
+                pass
+            if self.bell_flag[0]:
+                self.bell_flag[0] = 0
+                self.counts[2] += 1
+                self.futex.wake(self.bell.ctypes.data)
+
+    def rung(self):
+        """A follower: a request-like test of the leader's next step (``block`` sleeps on
+        the doorbell past the poll budget), for the caller's wait; counts it as taken."""
+        self.rings += 1
+        if self.futex is None:
+            return _Published(self.bell, self.rings)
+        sleep = self._bell_sleep
+        sleep.s = self.rings
+        return _Published(self.bell, self.rings, sleep)
 
     def sum(self, a: np.ndarray, wait) -> np.ndarray:
         """The sum over the group of every rank's ``a`` (C-contiguous float32, the same

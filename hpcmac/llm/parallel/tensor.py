@@ -20,6 +20,9 @@ rank and host named):
   bits (greedy tokens and expert routing agree on every rank). When the whole
   group is on one x86-64 host, partials of up to 64 KB (decode) go through a
   shared mapping instead (:mod:`.shmsum`: same parts, same order, same bits).
+  There the leader also rings the mapping's doorbell once it has posted each
+  message below (header and payload), and a follower waits on it (a futex on
+  Linux) before it receives them.
 * leader -> followers, tag ``TAG_STEP``: ``int32[4] = (kind, n, T, mode)``,
   then for ``FWD`` the meta rows ``int32 (n, 5)`` and the token ids (int64,
   first stage) or hidden states (float32 ``(T, hidden)``); for ``CTRL`` a
@@ -234,8 +237,17 @@ class TensorGroup:
 
     def _send_all(self, bufs: Sequence[np.ndarray]) -> None:
         reqs = [(self.group.isend(b, r, TAG_STEP), r) for r in self.peers for b in bufs]
+        if self.shm is not None:  # the followers' doorbell, once the sends are posted (a
+            self.shm.ring()  # large one completes only when a follower has posted its receive)
         for req, r in reqs:
             self.wd.wait(req, r, "to take a step")
+
+    def wait_step(self, grace: float) -> None:
+        """A follower: return once the leader has sent its next step's messages (through
+        the shared mapping's doorbell when the group has one; else the receive of the
+        header waits)."""
+        if self.shm is not None:
+            self.wd_step.wait(self.shm.rung(), 0, "to send a step", grace=grace)
 
     def send_step(self, meta: np.ndarray, x: np.ndarray, mode: int,
                   masks: np.ndarray | None = None, topk: int = -1) -> None:
@@ -391,6 +403,7 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
     while True:
         if on_step is not None:
             on_step(busy_s, cpu_s)
+        tg.wait_step(grace)
         hdr = tg._recv(np.empty(4, dtype=np.int32), TAG_STEP, 0, "to send a step", grace,
                        wd=tg.wd_step)
         kind, n, T, mode = (int(v) for v in hdr)
