@@ -39,31 +39,34 @@ from hpcmac.lifecycle import run_cli
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [1, 5, 9, 33, 70, 2, 17, 11, 4, 90, 81, 7, 3, 64, 12, 8]
 
-#: mlx-lm's side, run as a script (one process, or each rank under mlx.launch)
+#: mlx-lm's side, run as a script (one process, or each rank under mlx.launch): argv
+#: FOLDERS (os.pathsep between several: one JSON line each, in turn, on one start-up) N TP
+#: PROMPT_IDS
 MLX_LM = r'''
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-path, n, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+paths, n, tp = sys.argv[1].split(os.pathsep), int(sys.argv[2]), int(sys.argv[3])
 prompt = [int(t) for t in sys.argv[4].split(",")]
-model, _ = load_model(Path(path), lazy=True)
-rank = 0
-if tp > 1:
-    group = mx.distributed.init(backend="ring", strict=True)
-    rank = group.rank()
-    model.shard(group)
-mx.eval(model.parameters())
-stamps, toks = [], []
-steps = generate_step(mx.array(prompt), model, max_tokens=n,
-                      sampler=lambda logits: mx.argmax(logits, axis=-1))
-for (tok, _), _ in zip(steps, range(n)):
-    toks.append(int(tok))
-    stamps.append(time.perf_counter())
-if rank == 0:
-    print(json.dumps({"rate": (n - 1) / (stamps[-1] - stamps[0]), "tokens": toks}))
+group = mx.distributed.init(backend="ring", strict=True) if tp > 1 else None
+rank = group.rank() if group is not None else 0
+for path in paths:
+    model, _ = load_model(Path(path), lazy=True)
+    if group is not None:
+        model.shard(group)
+    mx.eval(model.parameters())
+    stamps, toks = [], []
+    steps = generate_step(mx.array(prompt), model, max_tokens=n,
+                          sampler=lambda logits: mx.argmax(logits, axis=-1))
+    for (tok, _), _ in zip(steps, range(n)):
+        toks.append(int(tok))
+        stamps.append(time.perf_counter())
+    if rank == 0:
+        print(json.dumps({"model": path, "rate": (n - 1) / (stamps[-1] - stamps[0]),
+                          "tokens": toks}), flush=True)
 '''
 
 

@@ -31,16 +31,14 @@ it implements): ``tests/unit/test_llm_mlx_mlxlm.py``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("mlx.core")
 pytest.importorskip("transformers")
+
+from generate_cells import generate_cells, session_cells  # noqa: E402
 
 from hpcmac.comm.local import LocalGroup  # noqa: E402
 from hpcmac.llm.parallel.pipeline import Request, run_pipeline  # noqa: E402
@@ -50,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [3, 17, 42, 5, 9]
 N = 6
 
-pytestmark = pytest.mark.timeout(300)
+#: the first cell of a family at a layout waits for its job, every form's (generate_cells)
+pytestmark = pytest.mark.timeout(600)
 
 #: attention widths that are multiples of 32 (heads of 16, 4 query and 2 KV heads)
 _A = dict(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2)
@@ -157,20 +156,34 @@ def numpy_tokens(folder) -> list[int]:
     return _REFS[key]
 
 
-def generate(np_: int, folder, *args: str, tmp: Path) -> tuple[dict, str]:
-    """``generate --backend mlx --transport ring`` through tools/mpirun: its JSON, stderr."""
-    out = tmp / f"g{np_}.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HPCMAC_MPIRUN_TIMEOUT="200",
-               OMP_NUM_THREADS="1")
-    env.pop("HPCMAC_TRANSPORT", None)
-    env.pop("HPCMAC_QUIET_TRANSPORT", None)
-    cmd = [str(ROOT / "tools" / "mpirun"), str(np_), sys.executable, "-m", "hpcmac.llm",
-           "generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, PROMPT)),
-           "--max-tokens", str(N), "--quiet", "--json", str(out), "--backend", "mlx",
-           "--transport", "ring", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stderr
+MATRIX_TEST = "test_mlx_matrix_greedy_tokens_equal_numpy"
+#: layout -> (tensor ranks, pipeline stages)
+SHAPES = {"tp2": (2, 1), "tp3": (3, 1), "tp2pp2": (2, 2)}
+
+
+class Jobs:
+    """Each family's forms at one layout in one job (:mod:`generate_cells`: its start-up
+    once, not once a cell), run the first time a cell of that family and layout asks;
+    the forms are the cells of this session (``-m``, ``-k``) that will ask."""
+
+    def __init__(self, items, folders: Folders, root: Path):
+        self.items, self.folders, self.root, self.done = items, folders, root, {}
+
+    def __call__(self, fam: str, form: str, layout: str) -> tuple[dict, str] | str:
+        if (fam, layout) not in self.done:
+            forms = [c["form"] for c in session_cells(self.items, MATRIX_TEST)
+                     if (c["fam"], c["layout"]) == (fam, layout)]
+            tp, pp = SHAPES[layout]
+            flags = ["--tp", str(tp), *(["--pp", str(pp)] if pp > 1 else [])]
+            cells = {f: (self.folders(fam, f), flags) for f in forms or [form]}
+            self.done[fam, layout] = generate_cells(tp * pp, cells, self.root / f"{fam}-{layout}",
+                                                    PROMPT, N)
+        return self.done[fam, layout].get(form) or f"{fam} {form} {layout}: not run"
+
+
+@pytest.fixture(scope="module")
+def jobs(request, folders, tmp_path_factory):
+    return Jobs(request.session.items, folders, tmp_path_factory.mktemp("jobs"))
 
 
 def bridge_notes(stderr: str) -> list[str]:
@@ -178,7 +191,7 @@ def bridge_notes(stderr: str) -> list[str]:
 
 
 @pytest.mark.parametrize("fam, form, layout", list(_cells()))
-def test_mlx_matrix_greedy_tokens_equal_numpy(fam, form, layout, folders, tmp_path):
+def test_mlx_matrix_greedy_tokens_equal_numpy(fam, form, layout, folders, jobs):
     folder = folders(fam, form)
     ref = numpy_tokens(folder)
     if layout == "np1":
@@ -187,9 +200,10 @@ def test_mlx_matrix_greedy_tokens_equal_numpy(fam, form, layout, folders, tmp_pa
         assert host == [{"rank": 0, "host_syncs_per_token": 1.0,
                          "host_bytes_per_token": 4.0}], host
         return
-    tp, pp = {"tp2": (2, 1), "tp3": (3, 1), "tp2pp2": (2, 2)}[layout]
-    doc, stderr = generate(tp * pp, folder, "--tp", str(tp), *(["--pp", "2"] if pp > 1 else []),
-                           tmp=tmp_path)
+    tp, pp = SHAPES[layout]
+    got = jobs(fam, form, layout)
+    assert not isinstance(got, str), got
+    doc, stderr = got
     assert doc["tokens"] == ref, f"{fam} {form} {layout}: mlx {doc['tokens']} != numpy {ref}"
     host = doc["host"]
     assert [h["rank"] for h in host] == list(range(tp * pp)), host

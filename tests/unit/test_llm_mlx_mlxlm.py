@@ -51,8 +51,9 @@ pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 pytest.importorskip("transformers")
 
+from generate_cells import generate_cells, session_cells  # noqa: E402
 from ports import free_base_port  # noqa: E402
-from test_llm_mlx_matrix import FAMILIES, PROMPT, N, bridge_notes, generate, one_rank  # noqa: E402
+from test_llm_mlx_matrix import FAMILIES, PROMPT, N, bridge_notes, one_rank  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
@@ -152,31 +153,68 @@ def test_one_rank_tokens_equal_mlx_lm(fam, form, folders):
     assert ref == theirs, f"{fam} {form}: hpcmac numpy {ref} != mlx-lm {theirs}"
 
 
-def mlx_lm_sharded(folder, tp: int, tmp: Path) -> list[int]:
-    """mlx-lm's greedy tokens with the model sharded over ``tp`` ranks of MLX's ring."""
+SHARDED_TEST = "test_tp2_ring_tokens_equal_mlx_lm_sharded"
+
+
+def mlx_lm_sharded(folders: dict, tp: int, tmp: Path) -> dict[str, list[int] | str]:
+    """mlx-lm's greedy tokens with each model sharded over ``tp`` ranks of MLX's ring, all
+    in one ``mlx.launch`` job (the script's folders in turn): name -> tokens, or a line
+    saying why there are none."""
     from hpcmac.bench.llm_mlx import MLX_LM
 
+    tmp.mkdir(parents=True, exist_ok=True)
     script = tmp / "mlx_lm_sharded.py"
     script.write_text(MLX_LM)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = ["timeout", "-k", "5", "200", str(launcher), "-n", str(tp), "--backend", "ring",
+    cap = 150 + 30 * len(folders)  # start-up once, then each folder's load and decode
+    cmd = ["timeout", "-k", "5", str(cap), str(launcher), "-n", str(tp), "--backend", "ring",
            "--starting-port", str(free_base_port(tp)), "--", sys.executable, str(script),
-           str(folder), str(N), str(tp), ",".join(map(str, PROMPT))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=230,
+           os.pathsep.join(map(str, folders.values())), str(N), str(tp),
+           ",".join(map(str, PROMPT))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=cap + 30,
                           cwd=ROOT, start_new_session=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return json.loads(line[-1])["tokens"]
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    by_path = {d["model"]: d["tokens"] for d in lines}
+    why = f"mlx.launch exit {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"
+    return {name: by_path.get(str(folder), f"{name}: no tokens; {why}")
+            for name, folder in folders.items()}
 
 
+class Sharded:
+    """Both sides of every sharded cell this session runs, in two jobs (mlx-lm's under
+    ``mlx.launch``, hpcmac's ``generate`` cells under ``tools/mpirun``), run the first
+    time a cell asks: name -> (mlx-lm's tokens, hpcmac's (JSON, stderr)), either a line
+    saying why it is missing."""
+
+    def __init__(self, items, folders: Folders, root: Path):
+        self.items, self.folders, self.root, self.done = items, folders, root, None
+
+    def __call__(self, fam: str, form: str) -> tuple:
+        if self.done is None:
+            cells = [(c["fam"], c["form"]) for c in session_cells(self.items, SHARDED_TEST)]
+            paths = {f"{f}-{m}": self.folders(f, m) for f, m in cells or [(fam, form)]}
+            theirs = mlx_lm_sharded(paths, 2, self.root / "mlx_lm")
+            ours = generate_cells(2, {k: (p, ["--tp", "2"]) for k, p in paths.items()},
+                                  self.root / "hpcmac", PROMPT, N)
+            self.done = {k: (theirs[k], ours[k]) for k in paths}
+        return self.done.get(f"{fam}-{form}", (f"{fam} {form}: not run",) * 2)
+
+
+@pytest.fixture(scope="module")
+def sharded(request, folders, tmp_path_factory):
+    return Sharded(request.session.items, folders, tmp_path_factory.mktemp("sharded"))
+
+
+@pytest.mark.timeout(300 + 120 * len(SHARDED))  # the first cell runs every cell's jobs
 @pytest.mark.parametrize("fam, form", [_param(f, m, CHEAP_TP) for f, m in SHARDED])
-def test_tp2_ring_tokens_equal_mlx_lm_sharded(fam, form, folders, tmp_path):
+def test_tp2_ring_tokens_equal_mlx_lm_sharded(fam, form, folders, sharded):
     folder = folders(fam, form)
-    theirs = mlx_lm_sharded(folder, 2, tmp_path)
+    theirs, ours = sharded(fam, form)
+    assert not isinstance(theirs, str), theirs
     assert len(theirs) == N and len(set(theirs)) > 2, theirs
-    doc, stderr = generate(2, folder, "--tp", "2", tmp=tmp_path)
+    assert not isinstance(ours, str), ours
+    doc, stderr = ours
     assert doc["tokens"] == theirs, f"{fam} {form}: hpcmac {doc['tokens']} != mlx-lm " \
                                     f"sharded {theirs}"
     # and mlx-lm's own sharding changes nothing: its one-process tokens are the same
