@@ -40,17 +40,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [1, 5, 9, 33, 70, 2, 17, 11, 4, 90, 81, 7, 3, 64, 12, 8]
 
 #: mlx-lm's side, run as a script (one process, or each rank under mlx.launch): argv
-#: FOLDERS (os.pathsep between several: one JSON line each, in turn, on one start-up) N TP
-#: PROMPT_IDS
+#: N TP PROMPT_IDS FOLDER... (several: one JSON line each, in turn, on one start-up)
 MLX_LM = r'''
-import json, os, sys, time
+import json, sys, time
 from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-paths, n, tp = sys.argv[1].split(os.pathsep), int(sys.argv[2]), int(sys.argv[3])
-prompt = [int(t) for t in sys.argv[4].split(",")]
+n, tp, paths = int(sys.argv[1]), int(sys.argv[2]), sys.argv[4:]
+prompt = [int(t) for t in sys.argv[3].split(",")]
 group = mx.distributed.init(backend="ring", strict=True) if tp > 1 else None
 rank = group.rank() if group is not None else 0
 for path in paths:
@@ -113,7 +112,7 @@ def _starting_port(n: int) -> int:
 
 def mlx_lm_rate(model: str, tp: int, n: int, script: Path, timeout: float) -> dict:
     """mlx-lm's decode at ``tp`` ranks (mlx.launch --backend ring when > 1)."""
-    args = [str(script), model, str(n), str(tp), ",".join(map(str, PROMPT))]
+    args = [str(script), str(n), str(tp), ",".join(map(str, PROMPT)), model]
     if tp == 1:
         cmd = [sys.executable, *args]
     else:

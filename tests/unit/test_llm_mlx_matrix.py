@@ -15,7 +15,10 @@ Each cell is one family, one form of its folder and one layout:
   group), ``--tp 2`` and ``--tp 3`` over MLX's TCP ring (``--transport ring``: the sums
   and the greedy max-loc inside MLX's graph), and ``--tp 2 --pp 2`` over ring (MLX's
   groups cannot split, mlx#3205: the tensor groups are MPI sub-groups and the sums go
-  through the numpy bridge, said once), each through ``tools/mpirun`` and ``generate``.
+  through the numpy bridge, said once), each through ``tools/mpirun`` and ``generate``:
+  a family's forms at one layout in one job (:mod:`generate_cells`, each cell its own
+  JSON and stderr), so the job's start-up is paid once a family and layout, not once a
+  cell; the cells of a family are one work unit under xdist (tests/conftest.py).
 
 Every cell: greedy tokens equal to the numpy backend's on the same folder at one rank
 (a quantized folder kept quantized there too, its own kernels), and the backend's
@@ -202,7 +205,7 @@ def test_mlx_matrix_greedy_tokens_equal_numpy(fam, form, layout, folders, jobs):
         return
     tp, pp = SHAPES[layout]
     got = jobs(fam, form, layout)
-    assert not isinstance(got, str), got
+    assert not isinstance(got, str), f"{fam} {form} {layout}: {got}"
     doc, stderr = got
     assert doc["tokens"] == ref, f"{fam} {form} {layout}: mlx {doc['tokens']} != numpy {ref}"
     host = doc["host"]

@@ -28,7 +28,9 @@ Cells:
   mlx-lm's model sharded over MLX's ring (``model.shard`` under ``mlx.launch --backend
   ring``, as ``mlx_lm.utils.sharded_load`` does once loaded; the script is
   :data:`hpcmac.bench.llm_mlx.MLX_LM`), for every family whose mlx-lm model has
-  ``shard``. Its constraints, met by the shapes: query and KV heads (MLA: heads; Gated
+  ``shard``; every sharded cell of the session in two jobs, one of mlx-lm's and one of
+  hpcmac's ``generate`` cells (:mod:`generate_cells`), each cell checking its own result.
+  mlx-lm's shard's constraints, met by the shapes: query and KV heads (MLA: heads; Gated
   DeltaNet: key and value heads) divisible by 2; quantized, each sharded-to-all input
   (``o_proj``'s heads x head_dim, ``down_proj``'s intermediate, the experts') divisible
   by 2 x 32. Qwen3-Next's mlx-lm model has no ``shard``.
@@ -170,8 +172,7 @@ def mlx_lm_sharded(folders: dict, tp: int, tmp: Path) -> dict[str, list[int] | s
     cap = 150 + 30 * len(folders)  # start-up once, then each folder's load and decode
     cmd = ["timeout", "-k", "5", str(cap), str(launcher), "-n", str(tp), "--backend", "ring",
            "--starting-port", str(free_base_port(tp)), "--", sys.executable, str(script),
-           os.pathsep.join(map(str, folders.values())), str(N), str(tp),
-           ",".join(map(str, PROMPT))]
+           str(N), str(tp), ",".join(map(str, PROMPT)), *map(str, folders.values())]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=cap + 30,
                           cwd=ROOT, start_new_session=True)
     lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
