@@ -56,8 +56,9 @@ def generate_cells(np_: int, cells: dict[str, tuple[Path, list[str]]], tmp: Path
     ``tools/mpirun`` job.
 
     ``cells``: name -> (folder, extra flags). Returns name -> (rank 0's JSON, the cell's
-    stderr, every rank's) or, for a cell with no JSON, a line saying why (the job's exit
-    and stderr's tail), so each cell's test fails naming itself.
+    stderr, every rank's) or a line saying why not (the job's exit and stderr's tail), so
+    each cell's test fails naming itself: a cell without JSON, and every cell when the
+    job's exit is not 0 after all of them ran (a job of one cell had to exit 0).
     """
     tmp.mkdir(parents=True, exist_ok=True)
     spec, paths = [], {}
@@ -79,15 +80,19 @@ def generate_cells(np_: int, cells: dict[str, tuple[Path, list[str]]], tmp: Path
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=cap + 40,
                           cwd=ROOT)
     got: dict[str, tuple[dict, str] | str] = {}
+    # a cell's own run ended well when it wrote its JSON and the job exited 0, or failed
+    # in a later cell (not in its end, which every cell shares)
+    later_failed = proc.returncode != 0 and not all(out.exists() for out, _ in paths.values())
     for name, (out, err) in paths.items():
         parts = sorted(err.parent.glob(err.name + ".*"))
         stderr = "".join(p.read_text() for p in parts)
-        if out.exists():
+        if out.exists() and (proc.returncode == 0 or later_failed):
             got[name] = json.loads(out.read_text()), stderr
-        else:
-            where = "failed in this cell" if parts else "ended before this cell"
-            got[name] = (f"{name}: the {np_}-rank job (exit {proc.returncode}) {where}; "
-                         f"its stderr: {(stderr + proc.stderr)[-3000:]}")
+            continue
+        where = ("ended badly after every cell's run" if out.exists() else
+                 "failed in this cell" if parts else "ended before this cell")
+        got[name] = (f"{name}: the {np_}-rank job (exit {proc.returncode}) {where}; "
+                     f"its stderr: {(stderr + proc.stderr)[-3000:]}")
     return got
 
 

@@ -161,7 +161,8 @@ SHARDED_TEST = "test_tp2_ring_tokens_equal_mlx_lm_sharded"
 def mlx_lm_sharded(folders: dict, tp: int, tmp: Path) -> dict[str, list[int] | str]:
     """mlx-lm's greedy tokens with each model sharded over ``tp`` ranks of MLX's ring, all
     in one ``mlx.launch`` job (the script's folders in turn): name -> tokens, or a line
-    saying why there are none."""
+    saying why there are none (every folder's when the job failed after the last: a job of
+    one folder had to exit 0)."""
     from hpcmac.bench.llm_mlx import MLX_LM
 
     tmp.mkdir(parents=True, exist_ok=True)
@@ -177,8 +178,11 @@ def mlx_lm_sharded(folders: dict, tp: int, tmp: Path) -> dict[str, list[int] | s
                           cwd=ROOT, start_new_session=True)
     lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
     by_path = {d["model"]: d["tokens"] for d in lines}
+    if proc.returncode != 0 and len(by_path) == len(folders):  # it failed in its end
+        by_path = {}
     why = f"mlx.launch exit {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"
-    return {name: by_path.get(str(folder), f"{name}: no tokens; {why}")
+    return {name: by_path.get(str(folder), f"{name}: no tokens, or the job failed after "
+                                            f"them; {why}")
             for name, folder in folders.items()}
 
 
