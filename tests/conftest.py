@@ -46,10 +46,11 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 # one file they kept one worker for minutes; the MLX matrix's cells share only their
 # family's folders and jobs (module fixtures: each folder written when a cell first asks
 # for it, each layout's job run for all the family's forms when its first cell asks), so
-# a family is a unit, and must stay one (tests/unit/generate_cells.py): 13 of 40-70 s at
-# load 30 (16 cells each), as one file a single worker's ~15 minutes. The serve files start one server per layout (a module fixture with
-# a parameter a layout): a layout's tests are a unit, so each server still starts once
-# (test_llm_serve.py as one file: over 590 s at load 20, its three servers in turn).
+# a family is a unit, and must stay one (tests/unit/generate_cells.py): 13 of 60-220 s at
+# load 13-28 in one worker (16 cells each). The serve files start one server per layout
+# (a module fixture with a parameter a layout): a layout's tests are a unit, so each
+# server still starts once (test_llm_serve.py as one file: over 590 s at load 20, its
+# three servers in turn).
 # test_stops.py's tests share nothing (each starts its own jobs): each is a unit (its 20
 # stops at np 1 took 538 s at load 22, 56 s of CPU; the 22 at np 2 as many again). So
 # with test_comm_ring.py's launcher tests (each starts its own job; as one file 1040 s at

@@ -24,9 +24,9 @@ Every cell: greedy tokens equal to the numpy backend's on the same folder at one
 (a quantized folder kept quantized there too, its own kernels), and the backend's
 ``host_syncs_per_token`` at the issue's targets where the transport is an MLX group
 (one rank: 1; tensor parallel over ring: 1 on every rank, only the leader's ids
-cross). The whole matrix is ``slow`` (208 tests, about 25 minutes at load 5-16 on
-two cores); a few cells, each layout and each
-form at least once, run always (about 45 s on a quiet machine).
+cross). The whole matrix is ``slow`` (208 tests, 26 minutes in one worker at load
+13-28 on two cores); a few cells, each layout and each form at least once, run always
+(about 45 s on a quiet machine).
 
 The mlx-lm reference (mlx-lm's own generation and its ``model.shard``, every family
 it implements): ``tests/unit/test_llm_mlx_mlxlm.py``.
