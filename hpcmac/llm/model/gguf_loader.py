@@ -217,6 +217,8 @@ class GGUFCheckpoint:
         self._cfg: ModelConfig | None = None
         self._gguf: dict[str, str] | None = None
         self._forms: dict[str, tuple] | None = None
+        #: the repack cache's entry of this file (None: off or not cached; False: not yet asked)
+        self._cache = False
 
     # -- metadata ------------------------------------------------------------
     def config(self) -> ModelConfig:
@@ -446,12 +448,21 @@ class GGUFCheckpoint:
                            _GROUP_BYTES[t.type_name]), 32
 
     def _keep(self, t, shape: tuple[int, ...]):
-        """A tensor as kept in memory: a QuantTensor for the exact types, else float32."""
-        from hpcmac.llm.model.gguf_quant import to_quant
+        """A tensor as kept in memory: a QuantTensor for the exact types (read from the
+        repack cache, :mod:`~hpcmac.llm.model.gguf_cache`, when it holds it), else float32."""
+        from hpcmac.llm.model.gguf_quant import EXACT, to_quant
 
-        qt = to_quant(t.data, t.type_name, shape)
-        if qt is None:
+        if t.type_name not in EXACT:
             return self._dequant(t)
+        if self._cache is False:
+            from hpcmac.llm.model import gguf_cache
+
+            self._cache = gguf_cache.for_file(self.path)
+        qt = self._cache.get(t.name, t.type_name, shape) if self._cache else None
+        if qt is None:
+            qt = to_quant(t.data, t.type_name, shape)
+            if self._cache:
+                self._cache.put(t.name, t.type_name, shape, qt)
         return qt
 
     def get_weight(self, name: str):
