@@ -19,7 +19,7 @@ UNIT_WORKERS ?= 2
 ALONGSIDE ?= 1
 
 .PHONY: run test test-fast test-phases venv test-unit test-unit-serial test-unit-workers test-mpi \
-  test-cluster lint clean check-tools
+  test-cluster lint clean check-tools bytecode
 
 check-tools:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null \
@@ -65,17 +65,23 @@ else
 	  '$(MAKE) --no-print-directory test-mpi test-cluster'
 endif
 
+# hpcmac's bytecode, written once before the tests: a checkout run with
+# PYTHONDONTWRITEBYTECODE=1 would otherwise compile every module in every process the
+# tests start (measured: 0.25 s of CPU per `generate` on SmolLM2, of 2.5 s)
+bytecode: | $(BIN)/python
+	@$(BIN)/python -m compileall -q hpcmac >/dev/null
+
 test-unit: $(VENV)/.test-stamp
 	@$(MAKE) --no-print-directory test-unit-serial test-unit-workers
 
-test-unit-serial: $(VENV)/.test-stamp
+test-unit-serial: $(VENV)/.test-stamp bytecode
 	@echo "==> unit tests (no MPI): the tests marked serial, alone"
 	@tools/system-deps
 	@$(BIN)/python tools/chat-templates
 	@tools/pytest-rc "tests/unit (serial)" timeout -k 10 900 $(BIN)/python -m pytest tests/unit -q \
 	  -m "serial$(if $(UNIT_MARK), and $(UNIT_MARK))"
 
-test-unit-workers: $(VENV)/.test-stamp
+test-unit-workers: $(VENV)/.test-stamp bytecode
 	@echo "==> unit tests (no MPI) in $(UNIT_WORKERS) pytest-xdist workers"
 	@tools/pytest-rc tests/unit timeout -k 10 2400 $(BIN)/python -m pytest tests/unit -q \
 	  -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
@@ -84,13 +90,13 @@ test-unit-workers: $(VENV)/.test-stamp
 # the ranks yield their core while they wait (tests/conftest.py says why; pytest there
 # starts too late to set it for the ranks it runs in)
 test-mpi: export OMPI_MCA_mpi_yield_when_idle ?= 1
-test-mpi: $(VENV)/.test-stamp
+test-mpi: $(VENV)/.test-stamp bytecode
 	@for np in $(TEST_NPS); do \
 	  echo "==> MPI tests at mpirun -np $$np"; \
 	  tools/pytest-rc "tests/mpi at np $$np" $(MPIRUN) $$np $(MPIPYTEST) tests/mpi -q $(PYTEST_MARK) || exit 1; \
 	done
 
-test-cluster: $(VENV)/.test-stamp
+test-cluster: $(VENV)/.test-stamp bytecode
 	@echo "==> cluster tests (network namespaces, Slurm)"
 	@tools/system-deps
 	@tools/pytest-rc tests/cluster timeout -k 10 1500 $(BIN)/python -m pytest tests/cluster -q -rs $(PYTEST_MARK)
