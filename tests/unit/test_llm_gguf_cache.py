@@ -75,7 +75,7 @@ def test_read_back_equals_conversion(cache, qtype):
 def test_names_outside_the_safe_set_are_hashed(cache):
     qt = converted("Q8_0")
     c = gguf_cache.for_file(cache)
-    for name in ("../../escape", ".hidden", "a/b", "x" * 400):
+    for name in ("../../escape", ".hidden", "a/b", "x" * 400, "y" * 5000):
         c.put(name, "Q8_0", SHAPE, qt)
         same(c.get(name, "Q8_0", SHAPE), qt)
     files = sorted(p.name for p in c.folder.iterdir())
@@ -84,7 +84,7 @@ def test_names_outside_the_safe_set_are_hashed(cache):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "extra", "header",
-                                    "offset"])
+                                    "offset", "shape"])
 def test_a_damaged_file_is_ignored_and_rebuilt(cache, damage):
     qt = converted("Q4_1")
     c = gguf_cache.for_file(cache)
@@ -102,12 +102,13 @@ def test_a_damaged_file_is_ignored_and_rebuilt(cache, damage):
     elif damage == "header":  # the JSON cut short
         n = int.from_bytes(data[8:12], "little")
         f.write_bytes(data[:12 + n // 2] + b"\0" * (n - n // 2) + data[12 + n:])
-    else:  # an array's offset moved past the file's end, the length unchanged
+    else:  # an array's offset moved past the file's end, or its shape made huge
         n = int.from_bytes(data[8:12], "little")
         head = data[12:12 + n].decode()
-        moved = head.replace('"words", "<u4", [6, 64], ', '"words", "<u4", [6, 64], 9')
-        assert moved != head and len(moved) == len(head) + 1
-        f.write_bytes(data[:8] + (n + 1).to_bytes(4, "little") + moved.encode() +
+        moved = head.replace('"words", "<u4", [6, 64], ', '"words", "<u4", [6, 64], 9') \
+            if damage == "offset" else head.replace("[6, 64]", "[6000000000000, 64]")
+        assert moved != head
+        f.write_bytes(data[:8] + len(moved).to_bytes(4, "little") + moved.encode() +
                       data[12 + n:])
     assert c.get("w", "Q4_1", SHAPE) is None
     c.put("w", "Q4_1", SHAPE, qt)  # what a load does after a miss

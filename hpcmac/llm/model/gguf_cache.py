@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -206,21 +207,22 @@ def _write(f, lay: str, name: str, qtype: str, shape: tuple[int, ...],
     arrays = [(k, np.ascontiguousarray(a)) for k, a in arrays]
     head = {"layout": lay, "name": name, "type": qtype, "shape": list(shape),
             "bits": qt.bits, "group": qt.group, "source": qt.source, "mode": qt.mode}
-    # offsets depend on the header's length, which depends on the offsets' digits: lay the
-    # arrays out after a header padded to a fixed room
-    room = 1024 + 64 * len(arrays)
-    start = -(-(len(_MAGIC) + 4 + room) // _ALIGN) * _ALIGN
-    table, off = [], start
-    for k, a in arrays:
-        table.append([k, a.dtype.str, list(a.shape), off])
-        off = -(-(off + a.nbytes) // _ALIGN) * _ALIGN
-    head["arrays"] = table
+
+    def laid_out(start: int) -> list:
+        out, off = [], start
+        for k, a in arrays:
+            out.append([k, a.dtype.str, list(a.shape), off])
+            off = -(-(off + a.nbytes) // _ALIGN) * _ALIGN
+        return out
+
+    # the offsets depend on the header's length, which depends on their digits: the
+    # arrays go after the room a header with wider offsets than any real one takes
+    room = len(json.dumps({**head, "arrays": laid_out(10 ** 15)}).encode())
+    head["arrays"] = laid_out(-(-(len(_MAGIC) + 4 + room) // _ALIGN) * _ALIGN)
     text = json.dumps(head).encode()
-    if len(text) > room:
-        raise OSError("gguf cache: header too long")  # a name past _SAFE is hashed: unreachable
     f.write(_MAGIC + struct.pack("<I", len(text)) + text)
     pos = len(_MAGIC) + 4 + len(text)
-    for (_, a), (_, _, _, at) in zip(arrays, table):
+    for (_, a), (_, _, _, at) in zip(arrays, head["arrays"]):
         f.write(b"\0" * (at - pos))
         f.write(memoryview(a).cast("B"))
         pos = at + a.nbytes
@@ -234,7 +236,7 @@ def _read(f, size: int, lay: str, name: str, qtype: str,
     if len(first) != len(_MAGIC) + 4 or first[:len(_MAGIC)] != _MAGIC:
         return None
     (n,) = struct.unpack("<I", first[len(_MAGIC):])
-    if n > 1 << 16:
+    if n > min(size, 1 << 20):
         return None
     head = json.loads(f.read(n).decode())
     if (head["layout"], head["name"], head["type"], tuple(head["shape"])) != \
@@ -246,9 +248,10 @@ def _read(f, size: int, lay: str, name: str, qtype: str,
                 not isinstance(at, int) or at < end or at % _ALIGN or \
                 not all(isinstance(d, int) and d >= 0 for d in ashape):
             return None
-        a = _empty(tuple(ashape), np.dtype(dtype))
-        if at + a.nbytes > size:
+        nbytes = math.prod(ashape) * np.dtype(dtype).itemsize
+        if at + nbytes > size:  # checked before allocating: a damaged shape can be huge
             return None
+        a = _empty(tuple(ashape), np.dtype(dtype))
         f.seek(at)
         if a.nbytes and f.readinto(memoryview(a).cast("B")) != a.nbytes:
             return None
