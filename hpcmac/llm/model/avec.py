@@ -1,0 +1,238 @@
+"""Explicit-SIMD one-token attention over a KV cache, as LLVM IR.
+
+A decode step's attention reads each KV head's cached keys and values once for its
+query heads (:func:`hpcmac.llm.model.fused.attend_one`). Written as numba loops, only
+the innermost loop vectorises: each score ends in a horizontal sum, and each value row
+loads and stores every output. Here the two passes keep their partial results in
+vector registers:
+
+* :func:`scores`: ``s[i, j] = q[i] . K[j]`` for the query heads ``i`` of one KV head,
+  the keys a block of ``KB = 16`` at a time (a block of 16 rows of ``d`` floats stays in
+  L1 for the queries after the first): sixteen ``<16 x float>`` accumulators, one a key,
+  summed over the head's dimensions, then reduced together (a transpose tree of
+  shuffles and adds: 15 adds for 16 keys, not 16 horizontal sums) into one vector of
+  the block's 16 scores;
+* :func:`weighted_sum`: ``o[i] += sum_j p[i, j] V[j]`` the value rows a block of ``VB``
+  at a time; per block, up to ``QB = 4`` query heads times 64 of the dimensions
+  (sixteen ``<16 x float>`` accumulators) held in registers over the block's rows, each
+  value row's 64 floats loaded once for the query heads.
+
+Both prefetch the keys or values ``PREFETCH`` bytes ahead. The head dimension must be
+a multiple of 64 (64, 128, 256: :func:`fits`); ``attend_one`` keeps its loops for
+others. Sums: each score's ``d`` products in 16 interleaved partial sums (any BLAS's
+order, within float32 summation error of the exact sum); the value sum over keys
+in key order, one FMA a key, as the loops did. Pure: no communication.
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+import numba as nb
+import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from hpcmac.llm.model.qvec import _IR, _c64, _vec
+
+#: keys a block in :func:`scores` (an accumulator each per query head: QB * KB = 16)
+KB = 4
+#: value rows a block in :func:`weighted_sum` (64 rows of 128 floats: 32 KB, in L1/L2
+#: for the query heads past the first ``QB``)
+VB = 64
+#: query heads whose scores or outputs the kernels hold in registers together
+QB = 4
+#: bytes ahead of the rows being read that are prefetched
+PREFETCH = 4096
+
+_F32, _I32 = ir.FloatType(), ir.IntType(32)
+_F16 = _vec(_F32, 16)
+
+
+def fits(d: int) -> bool:
+    """Whether a head of ``d`` dimensions takes these kernels."""
+    return d > 0 and d % 64 == 0
+
+
+def _reduce16(b, accs):
+    """Sixteen ``<16 x float>`` -> one whose lane ``k`` is the sum of ``accs[k]``: halves
+    of pairs shuffled together and added, four levels, then one permutation back into
+    key order (each level's lanes tracked as labels)."""
+    vs = [(a, [k] * 16) for k, a in enumerate(accs)]  # (vector, the key of each lane)
+    w = 16  # lanes of one key per group
+    while len(vs) > 1:
+        h = w // 2
+        nxt = []
+        for (x, lx), (y, ly) in zip(vs[0::2], vs[1::2]):
+            lo = [gi + t for gi in range(0, 16, w) for t in range(h)]
+            lo = lo + [16 + i for i in lo]
+            hi = [i + h for i in lo]
+            both = lx + ly
+            sx = b.shuffle_vector(x, y, ir.Constant(_vec(_I32, 16), lo))
+            sy = b.shuffle_vector(x, y, ir.Constant(_vec(_I32, 16), hi))
+            nxt.append((b.fadd(sx, sy), [both[i] for i in lo]))
+        vs, w = nxt, h
+    v, lab = vs[0]
+    order = [lab.index(k) for k in range(16)]
+    return b.shuffle_vector(v, v, ir.Constant(_vec(_I32, 16), order))
+
+
+def _scores_ir(context, builder, sig, args):
+    qt, ct, _, _, st = sig.args
+    qa, ca, base, L, sa = args
+    b = builder
+    h = _IR(b)
+    q = context.make_array(qt)(context, builder, qa)
+    c = context.make_array(ct)(context, builder, ca)
+    s = context.make_array(st)(context, builder, sa)
+    g, d = cgutils.unpack_tuple(b, q.shape, 2)
+    chunks = b.udiv(d, _c64(16))
+    accs = [[cgutils.alloca_once(b, _F16) for _ in range(KB)] for _ in range(QB)]
+    zero = ir.Constant(_F16, None)
+
+    def block(i0, nq, j):
+        """Scores of query heads ``i0 .. i0 + nq - 1`` against keys ``j .. j + KB - 1``:
+        each 16 floats of a key row loaded once for the ``nq`` queries."""
+        for u in range(nq):
+            for k in range(KB):
+                b.store(zero, accs[u][k])
+        with cgutils.for_range(b, chunks) as lc:
+            t = b.mul(lc.index, _c64(16))
+            kv = [h.load(c.data, b.add(b.add(base, b.mul(b.add(j, _c64(k)), d)), t), _F16)
+                  for k in range(KB)]
+            for u in range(nq):
+                qv = h.load(q.data, b.add(b.mul(b.add(i0, _c64(u)), d), t), _F16)
+                for k in range(KB):
+                    b.store(h.fma(kv[k], qv, b.load(accs[u][k])), accs[u][k])
+        vs = [b.load(accs[u][k]) for u in range(nq) for k in range(KB)]
+        out = _reduce16(b, vs + [zero] * (16 - len(vs)))  # lane u KB + k: query u, key k
+        for u in range(nq):
+            part = b.shuffle_vector(out, out, ir.Constant(_vec(_I32, KB),
+                                                          list(range(u * KB, (u + 1) * KB))))
+            dst = b.gep(s.data, [b.add(b.mul(b.add(i0, _c64(u)), L), j)])
+            b.store(part, b.bitcast(dst, _vec(_F32, KB).as_pointer()), align=1)
+
+    full = b.udiv(g, _c64(QB))
+    left = b.sub(g, b.mul(full, _c64(QB)))
+    nblk = b.udiv(L, _c64(KB))
+    with cgutils.for_range(b, nblk) as lb:
+        j = b.mul(lb.index, _c64(KB))
+        kb = b.add(base, b.mul(j, d))  # the block's first key row
+        with cgutils.for_range(b, b.mul(_c64(KB), chunks)) as lp:  # one line a 64 bytes
+            h.prefetch(c.data, b.add(kb, b.add(_c64(PREFETCH // 4), b.mul(lp.index, _c64(16)))))
+        with cgutils.for_range(b, full) as lq:
+            block(b.mul(lq.index, _c64(QB)), QB, j)
+        for nq in range(1, QB):
+            with b.if_then(b.icmp_unsigned("==", left, _c64(nq))):
+                block(b.mul(full, _c64(QB)), nq, j)
+    with cgutils.for_range(b, b.sub(L, b.mul(nblk, _c64(KB)))) as lr:  # the last keys
+        j = b.add(b.mul(nblk, _c64(KB)), lr.index)
+        kr = b.add(base, b.mul(j, d))
+        acc = accs[0][0]
+        with cgutils.for_range(b, g) as lq:
+            b.store(zero, acc)
+            with cgutils.for_range(b, chunks) as lc:
+                t = b.mul(lc.index, _c64(16))
+                qv = h.load(q.data, b.add(b.mul(lq.index, d), t), _F16)
+                kv = h.load(c.data, b.add(kr, t), _F16)
+                b.store(h.fma(kv, qv, b.load(acc)), acc)
+            b.store(h.hsum(b.load(acc)), b.gep(s.data, [b.add(b.mul(lq.index, L), j)]))
+    return context.get_dummy_value()
+
+
+def _wsum_ir(context, builder, sig, args):
+    pt, ct, _, _, ot = sig.args
+    pa, ca, base, L, oa = args
+    b = builder
+    h = _IR(b)
+    p = context.make_array(pt)(context, builder, pa)
+    c = context.make_array(ct)(context, builder, ca)
+    o = context.make_array(ot)(context, builder, oa)
+    g, d = cgutils.unpack_tuple(b, o.shape, 2)
+    accs = [[cgutils.alloca_once(b, _F16) for _ in range(4)] for _ in range(QB)]
+    nblk = b.udiv(b.add(L, _c64(VB - 1)), _c64(VB))
+    ngrp = b.udiv(d, _c64(64))
+
+    def block(i0, nq, j0, n):
+        """Query heads ``i0 .. i0 + nq - 1`` over value rows ``j0 .. j0 + n - 1``."""
+        with cgutils.for_range(b, ngrp) as lg:
+            t0 = b.mul(lg.index, _c64(64))
+            for u in range(nq):
+                for k in range(4):
+                    off = b.add(b.add(b.mul(b.add(i0, _c64(u)), d), t0), _c64(16 * k))
+                    b.store(h.load(o.data, off, _F16), accs[u][k])
+            with cgutils.for_range(b, n) as lj:
+                j = b.add(j0, lj.index)
+                row = b.add(b.add(base, b.mul(j, d)), t0)
+                h.prefetch(c.data, b.add(row, _c64(PREFETCH // 4)))
+                vs = [h.load(c.data, b.add(row, _c64(16 * k)), _F16) for k in range(4)]
+                for u in range(nq):
+                    pv = h.splat(b.load(b.gep(p.data, [b.add(b.mul(b.add(i0, _c64(u)), L),
+                                                             j)])), 16)
+                    for k in range(4):
+                        b.store(h.fma(vs[k], pv, b.load(accs[u][k])), accs[u][k])
+            for u in range(nq):
+                for k in range(4):
+                    off = b.add(b.add(b.mul(b.add(i0, _c64(u)), d), t0), _c64(16 * k))
+                    dst = b.bitcast(b.gep(o.data, [off]), _F16.as_pointer())
+                    b.store(b.load(accs[u][k]), dst, align=1)
+
+    full = b.udiv(g, _c64(QB))
+    left = b.sub(g, b.mul(full, _c64(QB)))
+    with cgutils.for_range(b, nblk) as lb:
+        j0 = b.mul(lb.index, _c64(VB))
+        n = b.sub(L, j0)
+        n = b.select(b.icmp_unsigned("<", n, _c64(VB)), n, _c64(VB))
+        with cgutils.for_range(b, full) as lq:
+            block(b.mul(lq.index, _c64(QB)), QB, j0, n)
+        i0 = b.mul(full, _c64(QB))
+        for nq in range(1, QB):
+            with b.if_then(b.icmp_unsigned("==", left, _c64(nq))):
+                block(i0, nq, j0, n)
+    return context.get_dummy_value()
+
+
+def _check(arrs):
+    if any(not isinstance(a, types.Array) or a.dtype != types.float32 or a.layout != "C"
+           for a in arrs):
+        raise TypeError("float32 C-contiguous arrays")
+
+
+@intrinsic
+def _scores(typingctx, q, cache, base, L, s):
+    _check((q, cache, s))
+    return types.void(q, cache, types.int64, types.int64, s), _scores_ir
+
+
+@intrinsic
+def _wsum(typingctx, p, cache, base, L, o):
+    _check((p, cache, o))
+    return types.void(p, cache, types.int64, types.int64, o), _wsum_ir
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def _rows(cache, slot, h, j0, L, d):
+    """The element offset of key ``j0`` of KV head ``h`` in ``slot`` of a (slots, KV,
+    max_len, d) cache, after checking the rows ``j0 .. j0 + L - 1`` lie in it."""
+    S, KV, T, dd = cache.shape
+    if dd != d or d % 64 or not (0 <= slot < S and 0 <= h < KV and 0 <= j0 and
+                                 j0 + L <= T and L >= 0):
+        raise ValueError("avec: rows outside the cache, or d not a multiple of 64")
+    return ((slot * KV + h) * T + j0) * d
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def scores(q, ck, slot, h, j0, L, s):
+    """``s[i, j] = q[i] . ck[slot, h, j0 + j]`` for q (g, d), s (g, L) float32."""
+    if s.shape[0] != q.shape[0] or s.shape[1] != L:
+        raise ValueError("avec.scores: s must be (g, L)")
+    _scores(q, ck, np.int64(_rows(ck, slot, h, j0, L, q.shape[1])), np.int64(L), s)
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def weighted_sum(p, cv, slot, h, j0, L, o):
+    """``o[i] += sum_j p[i, j] cv[slot, h, j0 + j]`` for p (g, L), o (g, d) float32."""
+    if p.shape[0] != o.shape[0] or p.shape[1] != L:
+        raise ValueError("avec.weighted_sum: p must be (g, L)")
+    _wsum(p, cv, np.int64(_rows(cv, slot, h, j0, L, o.shape[1])), np.int64(L), o)
+
