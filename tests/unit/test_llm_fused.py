@@ -145,14 +145,17 @@ def _numpy_attention(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, pos, w
     return o * be.sigmoid(gate) if gated else o
 
 
-@pytest.mark.parametrize("keys,window,sinks,gated,norm", [
-    (4096, 0, False, True, True),  # Qwen3-Next's full attention at 4k context
-    (1500, 0, False, False, False),
-    (3000, 700, True, False, False),  # gpt-oss: a window and sinks
-    (1, 0, True, True, True)])
-def test_attend_one_equals_numpy_at_many_keys(keys, window, sinks, gated, norm):
+@pytest.mark.parametrize("keys,window,sinks,gated,norm,H,d", [
+    (4096, 0, False, True, True, 8, 64),  # Qwen3-Next's full attention at 4k context
+    (1500, 0, False, False, False, 8, 64),
+    (3000, 700, True, False, False, 8, 64),  # gpt-oss: a window and sinks
+    (1, 0, True, True, True, 8, 64),
+    (4097, 0, False, True, True, 8, 128),  # heads of 128 (Qwen3-Next's own), keys past a block
+    (1029, 0, True, False, True, 14, 128),  # 7 query heads a KV head: a group of 4, then 3
+    (203, 0, True, False, False, 4, 48)])  # d not a multiple of 64: the loops
+def test_attend_one_equals_numpy_at_many_keys(keys, window, sinks, gated, norm, H, d):
     rng = np.random.default_rng(keys)
-    H, KV, d, half = 8, 2, 64, 8  # a rotary quarter of each head
+    KV, half = 2, d // 8  # a rotary quarter of each head
     qkv = rng.standard_normal((1, (2 * H if gated else H) * d + 2 * KV * d), dtype=np.float32)
     ck = rng.standard_normal((2, KV, keys + 3, d), dtype=np.float32)
     cv = rng.standard_normal((2, KV, keys + 3, d), dtype=np.float32)
@@ -176,6 +179,36 @@ def test_attend_one_equals_numpy_at_many_keys(keys, window, sinks, gated, norm):
 
 def fused_none():
     return np.empty(0, np.float32)
+
+
+def test_avec_exp_within_one_ulp():
+    """The softmax kernel's exponential (explicit SIMD, the same steps as exp32) over
+    float32's whole normal range against float64's exp: within 1 ulp; 0 below the
+    normals; a length not a multiple of 16 (the one-value tail)."""
+    from hpcmac.llm.model import avec
+
+    x = np.concatenate([np.linspace(-87.3, 88.3, 2_000_001, dtype=np.float32),
+                        np.float32([0.0, -1e-30, 1e-30, -0.3465736, 0.3465736, -87.32])])
+    ex = np.exp(x.astype(np.float64))
+    ulp = np.spacing(ex.astype(np.float32)).astype(np.float64)
+    assert (np.abs(avec.exp(x) - ex) / ulp).max() <= 1.0
+    assert not avec.exp(np.float32([-87.5, -1e4, -np.inf])).any()
+
+
+@pytest.mark.parametrize("L", [1, 15, 16, 33, 4096])
+def test_avec_softmax_equals_numpy(L):
+    """Rows of scores through avec.softmax, with and without a sink, against float64."""
+    from hpcmac.llm.model import avec
+
+    rng = np.random.default_rng(L)
+    s = (5 * rng.standard_normal((3, L))).astype(np.float32)
+    sinks = np.float32([-np.inf, 0.5, 9.0])
+    want = np.exp(np.concatenate([s, sinks[:, None]], axis=1).astype(np.float64))
+    want = (want / want.sum(axis=1, keepdims=True))[:, :L]
+    got = s.copy()
+    avec.softmax(got, sinks)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    assert np.abs(got[0].sum() - 1.0) < 1e-5
 
 
 def test_exp32_within_one_ulp():

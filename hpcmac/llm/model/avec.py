@@ -192,6 +192,117 @@ def _wsum_ir(context, builder, sig, args):
     return context.get_dummy_value()
 
 
+def _const(ty, v: float):
+    """The float32 ``v`` as a constant of ``ty`` (a float, or splatted over a vector)."""
+    c = ir.Constant(_F32, float(np.float32(v)))
+    return ir.Constant(ty, [c] * ty.count) if isinstance(ty, ir.VectorType) else c
+
+
+def _exp(b, h, x):
+    """``e^x`` of a float32 or a float32 vector ``x``: :func:`hpcmac.llm.model.fused.exp32`'s
+    range reduction and polynomial (its constants), each multiply-add one FMA (the
+    reduction's two steps then exact or rounded once, as good as exp32's, no worse)."""
+    from hpcmac.llm.model import fused as f
+
+    ty = x.type
+    vec = isinstance(ty, ir.VectorType)
+    ity = _vec(_I32, ty.count) if vec else _I32
+    suffix = f"v{ty.count}f32" if vec else "f32"
+    lo, hi = _const(ty, f._EXP_LO), _const(ty, f._EXP_HI)
+    xc = b.select(b.fcmp_ordered(">", x, hi), hi, x)
+    xc = b.select(b.fcmp_ordered("<", xc, lo), lo, xc)
+    n = b.call(h.fn(f"llvm.floor.{suffix}", ty, [ty]),
+               [h.fma(xc, _const(ty, f._LOG2E), _const(ty, f._HALF))])
+    nn = b.fneg(n)
+    r = h.fma(nn, _const(ty, f._LN2_LO), h.fma(nn, _const(ty, f._LN2_HI), xc))
+    p = _const(ty, f._C7)
+    for c in (f._C6, f._C5, f._C4, f._C3, f._C2, f._ONE, f._ONE):
+        p = h.fma(p, r, _const(ty, c))
+    bits = b.shl(b.add(b.fptosi(n, ity), ir.Constant(ity, [ir.Constant(_I32, 127)] * ty.count)
+                       if vec else ir.Constant(_I32, 127)),
+                 ir.Constant(ity, [ir.Constant(_I32, 23)] * ty.count) if vec else
+                 ir.Constant(_I32, 23))
+    e = b.fmul(p, b.bitcast(bits, ty))
+    return b.select(b.fcmp_ordered(">", xc, lo), e, _const(ty, 0.0))
+
+
+def _rowmap(b, ptr, n, body):
+    """``body(pointer, type)`` over ``n`` float32 from ``ptr``: 16 at a time, then one."""
+    nv = b.udiv(n, _c64(16))
+    with cgutils.for_range(b, nv) as lv:
+        body(b.bitcast(b.gep(ptr, [b.mul(lv.index, _c64(16))]), _F16.as_pointer()), _F16)
+    with cgutils.for_range(b, b.sub(n, b.mul(nv, _c64(16)))) as lt:
+        body(b.gep(ptr, [b.add(b.mul(nv, _c64(16)), lt.index)]), _F32)
+
+
+def _softmax_ir(context, builder, sig, args):
+    st, kt = sig.args
+    b = builder
+    h = _IR(b)
+    s = context.make_array(st)(context, builder, args[0])
+    k = context.make_array(kt)(context, builder, args[1])
+    g, L = cgutils.unpack_tuple(b, s.shape, 2)
+    mx = cgutils.alloca_once(b, _F16)
+    den = cgutils.alloca_once(b, _F16)
+    with cgutils.for_range(b, g) as lq:
+        row = b.gep(s.data, [b.mul(lq.index, L)])
+        sink = b.load(b.gep(k.data, [lq.index]))
+        b.store(h.splat(sink, 16), mx)
+
+        def top(ptr, ty):
+            x = b.load(ptr, align=1)
+            if ty is _F32:
+                x = h.splat(x, 16)
+            m = b.load(mx)
+            b.store(b.select(b.fcmp_ordered(">", x, m), x, m), mx)
+
+        _rowmap(b, row, L, top)
+        m = b.load(mx)
+        for w in (8, 4, 2, 1):  # the lanes' maximum, in every lane
+            sh = b.shuffle_vector(m, m, ir.Constant(_vec(_I32, 16), [(k + w) % 16
+                                                                      for k in range(16)]))
+            m = b.select(b.fcmp_ordered(">", sh, m), sh, m)
+        top1 = b.extract_element(m, ir.Constant(_I32, 0))
+        b.store(ir.Constant(_F16, None), den)
+
+        def ex(ptr, ty):
+            e = _exp(b, h, b.fsub(b.load(ptr, align=1), m if ty is _F16 else top1))
+            b.store(e, ptr, align=1)
+            if ty is _F32:
+                e = b.insert_element(ir.Constant(_F16, None), e, ir.Constant(_I32, 0))
+            b.store(b.fadd(b.load(den), e), den)
+
+        _rowmap(b, row, L, ex)
+        tot = h.hsum(b.load(den))
+        has = b.fcmp_ordered(">", sink, ir.Constant(_F32, float("-inf")))
+        tot = b.select(has, b.fadd(tot, _exp(b, h, b.fsub(sink, top1))), tot)
+        tot16 = h.splat(tot, 16)
+
+        def div(ptr, ty):
+            b.store(b.fdiv(b.load(ptr, align=1), tot16 if ty is _F16 else tot), ptr, align=1)
+
+        _rowmap(b, row, L, div)
+    return context.get_dummy_value()
+
+
+def _exp_ir(context, builder, sig, args):
+    xt, yt = sig.args
+    b = builder
+    h = _IR(b)
+    x = context.make_array(xt)(context, builder, args[0])
+    y = context.make_array(yt)(context, builder, args[1])
+    n = cgutils.unpack_tuple(b, x.shape, 1)[0]
+    nv = b.udiv(n, _c64(16))
+    with cgutils.for_range(b, nv) as lv:
+        off = b.mul(lv.index, _c64(16))
+        dst = b.bitcast(b.gep(y.data, [off]), _F16.as_pointer())
+        b.store(_exp(b, h, h.load(x.data, off, _F16)), dst, align=1)
+    with cgutils.for_range(b, b.sub(n, b.mul(nv, _c64(16)))) as lt:
+        off = b.add(b.mul(nv, _c64(16)), lt.index)
+        b.store(_exp(b, h, b.load(b.gep(x.data, [off]))), b.gep(y.data, [off]))
+    return context.get_dummy_value()
+
+
 def _check(arrs):
     if any(not isinstance(a, types.Array) or a.dtype != types.float32 or a.layout != "C"
            for a in arrs):
@@ -208,6 +319,40 @@ def _scores(typingctx, q, cache, base, L, s):
 def _wsum(typingctx, p, cache, base, L, o):
     _check((p, cache, o))
     return types.void(p, cache, types.int64, types.int64, o), _wsum_ir
+
+
+@intrinsic
+def _softmax(typingctx, s, sinks):
+    _check((s, sinks))
+    return types.void(s, sinks), _softmax_ir
+
+
+@intrinsic
+def _exp_into(typingctx, x, y):
+    _check((x, y))
+    return types.void(x, y), _exp_ir
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def softmax(s, sinks):
+    """Each row ``i`` of the scores ``s`` (g, L) float32 -> its softmax in place, the logit
+    ``sinks[i]`` (g,) (-inf: none) joining its denominator: numpy's order (the maximum,
+    ``e^(s - max)``, the sum, one division each), the exponential :func:`exp`, the sum in
+    16 partial sums."""
+    if sinks.shape[0] != s.shape[0]:
+        raise ValueError("avec.softmax: a sink a row")
+    _softmax(s, sinks)
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False)
+def exp(x):
+    """``e^x`` of each of ``x`` (n,) float32, as :func:`softmax` computes it: within 1 ulp
+    over float32's normal results, 0 below them (tested)."""
+    if x.ndim != 1:
+        raise ValueError("avec.exp: a vector")
+    y = np.empty_like(x)
+    _exp_into(x, y)
+    return y
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False)

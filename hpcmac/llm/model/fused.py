@@ -14,14 +14,16 @@ one thread). Here each group of them is one call:
   ``rd`` dimensions, the key and value written to the cache, the scores, the softmax
   (optionally with a sink logit per head, optionally a sliding window), the weighted
   sum of values and optionally the output gate (Qwen3-Next, Qwen3.5); each KV head's
-  keys and values read once for all its query heads;
+  keys and values read once for all its query heads (the scores, softmax and weighted
+  sum as the explicit-SIMD kernels of :mod:`~hpcmac.llm.model.avec`);
 * :func:`delta_step`: one token of each sequence through a Gated DeltaNet layer's
   mixer (the convolution and its state, the L2 norms, the delta rule on the recurrent
   state in place, the gated output norm).
 
 Same arithmetic as the numpy forms in float32, up to the order of float32 sums (a
 head's dot products with its keys are vectorised, reassociated and fused into FMAs,
-as BLAS's are) and one function: the exponential is :func:`exp32`, a range reduction
+as BLAS's are) and one function: the exponential is :func:`exp32` (the softmax's, the
+same steps in :func:`hpcmac.llm.model.avec.exp`), a range reduction
 and a polynomial that LLVM vectorises (as numpy's own float32 ``exp`` is; within 1 ulp,
 numpy's within 2.3: ``expf`` called one value at a time cost ~0.15 us a key at 4096 keys
 and 8 heads, more than reading the key). ``tests/unit/test_llm_fused.py`` checks the
@@ -172,8 +174,10 @@ def attend_one(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, slot, pos, j
     ``gated``: each head's output times the sigmoid of its gate (Qwen3-Next, Qwen3.5).
 
     Each KV head's keys and values are read once for its ``H / KV`` query heads: the
-    scores of all of them against one key row, then the softmax (:func:`_softmax_row`),
-    then one pass over the value rows adding each into the query heads' outputs.
+    scores of all of them against one key row, then the softmax
+    (:func:`~hpcmac.llm.model.avec.softmax`), then one pass over the value rows adding each
+    into the query heads' outputs; the two passes as :mod:`~hpcmac.llm.model.avec`'s
+    explicit-SIMD kernels where ``d`` is a multiple of 64, else as loops.
     """
     g = H // KV
     qd = 2 * d if gated else d
@@ -190,6 +194,7 @@ def attend_one(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, slot, pos, j
     q = np.empty((g, d), np.float32)
     s = np.empty((g, L), np.float32)
     o = np.empty((g, d), np.float32)
+    sk = np.empty(g, np.float32)  # each query head's sink logit (-inf: none)
     simd = d % 64 == 0  # avec's kernels (a multiple of 64 dimensions), else the loops
     for h in range(KV):
         for i in range(g):
@@ -205,7 +210,8 @@ def attend_one(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, slot, pos, j
                         a += q[i, t] * K[j, t]
                     s[i, j] = a
         for i in range(g):
-            _softmax_row(s[i], sinks[h * g + i] if sinks.shape[0] else np.float32(-np.inf))
+            sk[i] = sinks[h * g + i] if sinks.shape[0] else np.float32(-np.inf)
+        avec.softmax(s, sk)
         o[:] = 0.0
         if simd:
             avec.weighted_sum(s, cv, slot, h, j0, L, o)
@@ -223,25 +229,6 @@ def attend_one(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, slot, pos, j
             else:
                 out[0, hq * d:(hq + 1) * d] = o[i]
     return out
-
-
-@nb.njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc", "contract"})
-def _softmax_row(s, sink):
-    """``s`` (L,) scores -> their softmax in place; ``sink`` (-inf: none) joins the
-    denominator. numpy's order: the maximum, ``exp(s - max)``, the sum, one division
-    each."""
-    mx = sink
-    for j in range(s.shape[0]):
-        mx = max(mx, s[j])
-    den = np.float32(0.0)
-    for j in range(s.shape[0]):
-        e = exp32(s[j] - mx)
-        s[j] = e
-        den += e
-    if sink > -np.inf:
-        den += exp32(sink - mx)
-    for j in range(s.shape[0]):
-        s[j] = s[j] / den
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False, fastmath={"contract"})
