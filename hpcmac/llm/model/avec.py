@@ -164,7 +164,8 @@ def _wsum_ir(context, builder, sig, args):
             with cgutils.for_range(b, n) as lj:
                 j = b.add(j0, lj.index)
                 row = b.add(b.add(base, b.mul(j, d)), t0)
-                h.prefetch(c.data, b.add(row, _c64(PREFETCH // 4)))
+                for k in range(4):  # the 4 lines of 16 floats read from this row
+                    h.prefetch(c.data, b.add(row, _c64(PREFETCH // 4 + 16 * k)))
                 vs = [h.load(c.data, b.add(row, _c64(16 * k)), _F16) for k in range(4)]
                 for u in range(nq):
                     pv = h.splat(b.load(b.gep(p.data, [b.add(b.mul(b.add(i0, _c64(u)), L),
