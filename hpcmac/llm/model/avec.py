@@ -7,15 +7,18 @@ loads and stores every output. Here the two passes keep their partial results in
 vector registers:
 
 * :func:`scores`: ``s[i, j] = q[i] . K[j]`` for the query heads ``i`` of one KV head,
-  the keys a block of ``KB = 16`` at a time (a block of 16 rows of ``d`` floats stays in
-  L1 for the queries after the first): sixteen ``<16 x float>`` accumulators, one a key,
-  summed over the head's dimensions, then reduced together (a transpose tree of
-  shuffles and adds: 15 adds for 16 keys, not 16 horizontal sums) into one vector of
-  the block's 16 scores;
+  ``QB = 4`` query heads against ``KB = 4`` keys at a time: sixteen ``<16 x float>``
+  accumulators, each 16 floats of a key row loaded once for the 4 queries, summed over
+  the head's dimensions, then reduced together (a transpose tree of shuffles and adds:
+  15 adds for the 16 scores, not 16 horizontal sums) into one vector of the 16 scores
+  (the block's rows stay in L1 for the query heads past the first 4);
 * :func:`weighted_sum`: ``o[i] += sum_j p[i, j] V[j]`` the value rows a block of ``VB``
   at a time; per block, up to ``QB = 4`` query heads times 64 of the dimensions
   (sixteen ``<16 x float>`` accumulators) held in registers over the block's rows, each
-  value row's 64 floats loaded once for the query heads.
+  value row's 64 floats loaded once for the query heads;
+* :func:`softmax` between them: each row's maximum, ``e^(s - max)`` (:func:`exp`,
+  :func:`hpcmac.llm.model.fused.exp32`'s steps) and their sum, the division, 16 lanes
+  at a time.
 
 Both prefetch the keys or values ``PREFETCH`` bytes ahead. The head dimension must be
 a multiple of 64 (64, 128, 256: :func:`fits`); ``attend_one`` keeps its loops for
@@ -49,8 +52,9 @@ _F32, _I32 = ir.FloatType(), ir.IntType(32)
 _F16 = _vec(_F32, 16)
 
 
-def fits(d: int) -> bool:
-    """Whether a head of ``d`` dimensions takes these kernels."""
+@nb.njit(cache=True, nogil=True)
+def fits(d):
+    """Whether a head of ``d`` dimensions takes :func:`scores` and :func:`weighted_sum`."""
     return d > 0 and d % 64 == 0
 
 
@@ -361,7 +365,7 @@ def _rows(cache, slot, h, j0, L, d):
     """The element offset of key ``j0`` of KV head ``h`` in ``slot`` of a (slots, KV,
     max_len, d) cache, after checking the rows ``j0 .. j0 + L - 1`` lie in it."""
     S, KV, T, dd = cache.shape
-    if dd != d or d % 64 or not (0 <= slot < S and 0 <= h < KV and 0 <= j0 and
+    if dd != d or not fits(d) or not (0 <= slot < S and 0 <= h < KV and 0 <= j0 and
                                  j0 + L <= T and L >= 0):
         raise ValueError("avec: rows outside the cache, or d not a multiple of 64")
     return ((slot * KV + h) * T + j0) * d

@@ -195,7 +195,7 @@ def attend_one(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, slot, pos, j
     s = np.empty((g, L), np.float32)
     o = np.empty((g, d), np.float32)
     sk = np.empty(g, np.float32)  # each query head's sink logit (-inf: none)
-    simd = d % 64 == 0  # avec's kernels (a multiple of 64 dimensions), else the loops
+    simd = avec.fits(d)  # avec's kernels, else the loops
     for h in range(KV):
         for i in range(g):
             _head(row, (h * g + i) * qd, d, rd, cos, sin, qn, eps, scale, q[i])
