@@ -211,7 +211,11 @@ def attend_one(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, slot, pos, j
                     s[i, j] = a
         for i in range(g):
             sk[i] = sinks[h * g + i] if sinks.shape[0] else np.float32(-np.inf)
-        avec.softmax(s, sk)
+        if simd:
+            avec.softmax(s, sk)
+        else:  # the loops' softmax (a padded shard's small heads: its rounding as before)
+            for i in range(g):
+                _softmax_row(s[i], sk[i])
         o[:] = 0.0
         if simd:
             avec.weighted_sum(s, cv, slot, h, j0, L, o)
@@ -229,6 +233,25 @@ def attend_one(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, slot, pos, j
             else:
                 out[0, hq * d:(hq + 1) * d] = o[i]
     return out
+
+
+@nb.njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc", "contract"})
+def _softmax_row(s, sink):
+    """``s`` (L,) scores -> their softmax in place; ``sink`` (-inf: none) joins the
+    denominator. numpy's order: the maximum, ``exp(s - max)``, the sum, one division
+    each."""
+    mx = sink
+    for j in range(s.shape[0]):
+        mx = max(mx, s[j])
+    den = np.float32(0.0)
+    for j in range(s.shape[0]):
+        e = exp32(s[j] - mx)
+        s[j] = e
+        den += e
+    if sink > -np.inf:
+        den += exp32(sink - mx)
+    for j in range(s.shape[0]):
+        s[j] = s[j] / den
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False, fastmath={"contract"})
