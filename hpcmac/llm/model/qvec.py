@@ -35,7 +35,7 @@ in registers: an E2M1 nibble is looked up as twice its value, a signed integer
 in [-12, 12] (``pshufb`` on x86, a few byte operations elsewhere), so the
 scale carries the factor 1/2 (where the CPU has AVX-512F, the 16 doubled values are
 instead scaled by the chunk's factor, once, and looked up as floats by ``vpermps``:
-:meth:`_IR.fp4_scaled`); an E4M3 byte moves into the bits of an IEEE
+:meth:`_IR.nibbles_scaled`, as the affine nibbles are); an E4M3 byte moves into the bits of an IEEE
 half (sign to bit 15, exponent and mantissa shifted by 7: the value over 2^8,
 subnormals included) and widens to float32 (``vcvtph2ps``), so the scale
 carries 2^8 (where the CPU has GFNI, the half's two bytes come from two GF(2) affine
@@ -65,6 +65,9 @@ from numba.extending import intrinsic
 
 #: rows of the weight multiplied together (they share the activation loads)
 R = 2
+#: activation rows multiplied together by the float32 kernel (they share each chunk's
+#: codes, turned into floats once): R * MB * 2 vector accumulators
+MB = 4
 #: bytes ahead of the codes being read that are prefetched (measured, see above)
 PREFETCH = 16384
 #: FP8 rows multiplied together where the CPU has AVX-512 VBMI (kind 4), and the bytes
@@ -197,17 +200,18 @@ class _IR:
         neg = b.sub(c(0), b.lshr(n, c(3)))  # 0 or -1
         return b.sub(b.xor(v, neg), neg)
 
-    def fp4_scaled(self, by, f):
-        """``<16 x i8>`` bytes of E2M1 code pairs (low nibble: codes 0-15 of the chunk, high:
-        16-31) -> two ``<16 x float>`` of their values times ``f / 2`` (the chunk's factor,
-        which carries the 1/2 of the doubled table): the 16 doubled values scaled once,
-        then looked up by ``vpermps`` (it reads the low 4 bits of each index, so the
-        nibbles need no mask). Exact: a power-of-two scale times a value of at most 4 bits."""
+    def nibbles_scaled(self, by, f, values):
+        """``<16 x i8>`` bytes of 4-bit code pairs (low nibble: codes 0-15 of the chunk,
+        high: 16-31) -> two ``<16 x float>`` of their ``values`` times the chunk's factor
+        ``f``: the 16 values scaled once, then looked up by ``vpermps`` (it reads the low
+        4 bits of each index, so the nibbles need no mask): a multiply, a widening, a
+        shift and two lookups for 32 codes, against two masks, two widenings, two
+        conversions and two multiplies. Each product is ``f * value`` rounded once, as
+        the dequantized matrix's ``scale * q`` is (E2M1, doubled, with the 1/2 in ``f``:
+        exact, a power-of-two scale times a value of at most 4 bits)."""
         b = self.b
         f16, i16 = _vec(_F32, 16), _vec(_I32, 16)
-        table = ir.Constant(f16, [float(v) for v in (0, 1, 2, 3, 4, 6, 8, 12,
-                                                       0, -1, -2, -3, -4, -6, -8, -12)])
-        tbl = b.fmul(table, self.splat(f, 16))
+        tbl = b.fmul(ir.Constant(f16, [float(v) for v in values]), self.splat(f, 16))
         w = b.zext(by, i16)
         perm = self.fn("llvm.x86.avx512.permvar.sf.512", f16, [f16, i16])
         lo = b.call(perm, [tbl, w])
@@ -397,7 +401,7 @@ def _has_gfni() -> bool:
 
 def _has_avx512f() -> bool:
     """Whether numba compiles for an x86 CPU with AVX-512F (``vpermps`` over 16 floats: the
-    E2M1 lookup of :meth:`_IR.fp4_scaled`)."""
+    E2M1 lookup of :meth:`_IR.nibbles_scaled`)."""
     import llvmlite.binding as llvm
     from numba.core import config
 
@@ -427,6 +431,10 @@ _HAS_PSHUFB = _has_pshufb()
 _HAS_AVX512F = _has_avx512f()
 _HAS_F16 = _has_f16()
 _HAS_GFNI = _HAS_F16 and _has_gfni()
+#: the 16 values a nibble looks up (:meth:`_IR.nibbles_scaled`): affine 4-bit codes, and
+#: E2M1 doubled
+_NIBBLES = tuple(range(16))
+_FP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 #: where the GFNI decode leaves code j of a chunk of 32: the FP8 kernel reads the
 #: activations in this order (the middle two runs of 8 swapped, as ``vpunpck[lh]bw``
 #: interleave per 128-bit lane)
@@ -548,6 +556,9 @@ def _emit(context, builder, sig, args, int8: bool):
     accs = [cgutils.alloca_once(b, f16) for _ in range(max(R, R_FP8))]
     accs8 = [cgutils.alloca_once(b, _vec(_F32, 8)) for _ in range(R)]  # one-chunk steps
     accs2 = [cgutils.alloca_once(b, f16) for _ in range(R)]  # MXFP4's second (AVX-512F)
+    # rows_f32's accumulators: weight row r, activation row j, the chunk's two halves
+    blk = [[(cgutils.alloca_once(b, f16), cgutils.alloca_once(b, f16)) for _ in range(MB)]
+           for _ in range(R)]
     ety = _F32 if sdt == types.float32 else _I16
     done = cgutils.alloca_once(b, _I64)  # chunks filled by the vector loop
 
@@ -701,52 +712,95 @@ def _emit(context, builder, sig, args, int8: bool):
                         p8 = b.sitofp(h.dot_u8i8(codes, xv, width), _vec(_F32, 8))
                         b.store(h.fma(p8, h.splat(factor(r, c, 1), 8), b.load(accs8[r])),
                                 accs8[r])
-            else:
-                with cgutils.for_range(b, chunks) as lc:
-                    c = lc.index
-                    xo = b.add(b.mul(m, K), b.mul(c, _c64(32)))
-                    x_lo = h.load(x.data, xo, f16)
-                    x_hi = h.load(x.data, b.add(xo, _c64(16)), f16)
-                    for r in range(nr):
-                        qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
-                        h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
-                        if kind == 2 and _HAS_AVX512F:  # scaled table, two accumulators
-                            lo, hi = h.fp4_scaled(h.load(q.data, qo, _vec(_I8, 16)),
-                                                  factor(r, c, 1))
-                            b.store(h.fma(lo, x_lo, b.load(accs[r])), accs[r])
-                            b.store(h.fma(hi, x_hi, b.load(accs2[r])), accs2[r])
-                            continue
-                        if bits4_static:
-                            by = h.load(q.data, qo, _vec(_I8, 16))
-                            lo = b.and_(by, ir.Constant(_vec(_I8, 16), [15] * 16))
-                            hi = b.lshr(by, ir.Constant(_vec(_I8, 16), [4] * 16))
-                        else:
-                            lo = h.load(q.data, qo, _vec(_I8, 16))
-                            hi = h.load(q.data, b.add(qo, _c64(16)), _vec(_I8, 16))
-                        if kind == 2:
-                            lo, hi = (b.sitofp(h.fp4(v), f16) for v in (lo, hi))
-                        else:
-                            lo, hi = b.uitofp(lo, f16), b.uitofp(hi, f16)
-                        p = h.fma(lo, x_lo, b.fmul(hi, x_hi))
-                        b.store(h.fma(p, h.splat(factor(r, c, 1), 16), b.load(accs[r])),
-                                accs[r])
-            xs_row = b.gep(xs.data, [b.mul(m, G)])
             for r in range(nr):
-                o = b.add(o0, _c64(r))
                 tot = h.hsum(b.fadd(b.load(accs[r]), b.load(accs2[r])))
-                if int8:
-                    tot = b.fadd(tot, h.hsum(b.load(accs8[r])))
-                with b.if_else(derived) as (then, other):
-                    with then:
-                        bd = b.fmul(bc, h.group_dot(s.data, b.mul(o, G), sdt, xs_row, G))
-                        blk_d = b.block
-                    with other:
-                        be = h.group_dot(bb.data, b.mul(o, G), sdt, xs_row, G)
-                        blk_e = b.block
-                phi = b.phi(_F32)
-                phi.add_incoming(bd, blk_d)
-                phi.add_incoming(be, blk_e)
-                b.store(b.fadd(tot, phi), b.gep(y.data, [b.add(b.mul(m, N), o)]))
+                finish(b.add(o0, _c64(r)), m, b.fadd(tot, h.hsum(b.load(accs8[r]))))
+
+    def finish(o, m, tot):
+        """y[m, o] = tot plus the bias term of weight row o for activation row m."""
+        xs_row = b.gep(xs.data, [b.mul(m, G)])
+        with b.if_else(derived) as (then, other):
+            with then:
+                bd = b.fmul(bc, h.group_dot(s.data, b.mul(o, G), sdt, xs_row, G))
+                blk_d = b.block
+            with other:
+                be = h.group_dot(bb.data, b.mul(o, G), sdt, xs_row, G)
+                blk_e = b.block
+        phi = b.phi(_F32)
+        phi.add_incoming(bd, blk_d)
+        phi.add_incoming(be, blk_e)
+        b.store(b.fadd(tot, phi), b.gep(y.data, [b.add(b.mul(m, N), o)]))
+
+    def rows_f32(o0, nr: int, kind: int, m0, mb: int):
+        """Weight rows ``[o0, o0 + nr)`` times activation rows ``[m0, m0 + mb)``, float32
+        activations, affine or E2M1 codes: each chunk's codes become floats times their
+        chunk's factor once, in registers, and go into every activation row of the block
+        by two FMAs (one accumulator for each half of the chunk). A row's sums are the
+        same whatever ``mb`` is (the same operations in the same order), so a row's
+        product does not depend on the rows beside it."""
+        bits4_static = kind in (1, 2)
+        cb = 16 if bits4_static else 32  # code bytes per chunk
+        for r in range(nr):
+            fill(r, b.add(o0, _c64(r)), None)
+            for j in range(mb):
+                b.store(ir.Constant(f16, None), blk[r][j][0])
+                b.store(ir.Constant(f16, None), blk[r][j][1])
+        with cgutils.for_range(b, chunks) as lc:
+            c = lc.index
+            ws = []
+            for r in range(nr):
+                qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
+                h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
+                f = factor(r, c, 1)
+                if bits4_static and _HAS_AVX512F:  # the 16 values scaled, then looked up
+                    ws.append(h.nibbles_scaled(h.load(q.data, qo, _vec(_I8, 16)), f,
+                                               _FP4_DOUBLED if kind == 2 else _NIBBLES))
+                    continue
+                if bits4_static:
+                    by = h.load(q.data, qo, _vec(_I8, 16))
+                    lo = b.and_(by, ir.Constant(_vec(_I8, 16), [15] * 16))
+                    hi = b.lshr(by, ir.Constant(_vec(_I8, 16), [4] * 16))
+                else:
+                    lo = h.load(q.data, qo, _vec(_I8, 16))
+                    hi = h.load(q.data, b.add(qo, _c64(16)), _vec(_I8, 16))
+                if kind == 2:
+                    lo, hi = (b.sitofp(h.fp4(v), f16) for v in (lo, hi))
+                else:
+                    lo, hi = b.uitofp(lo, f16), b.uitofp(hi, f16)
+                fs = h.splat(f, 16)
+                ws.append((b.fmul(lo, fs), b.fmul(hi, fs)))
+            for j in range(mb):
+                xo = b.add(b.mul(b.add(m0, _c64(j)), K), b.mul(c, _c64(32)))
+                x_lo = h.load(x.data, xo, f16)
+                x_hi = h.load(x.data, b.add(xo, _c64(16)), f16)
+                for r in range(nr):
+                    a_lo, a_hi = blk[r][j]
+                    b.store(h.fma(ws[r][0], x_lo, b.load(a_lo)), a_lo)
+                    b.store(h.fma(ws[r][1], x_hi, b.load(a_hi)), a_hi)
+        for j in range(mb):
+            for r in range(nr):
+                a_lo, a_hi = blk[r][j]
+                finish(b.add(o0, _c64(r)), b.add(m0, _c64(j)),
+                       h.hsum(b.fadd(b.load(a_lo), b.load(a_hi))))
+
+    def all_rows_f32(kind: int):
+        """Blocks of MB activation rows (then one block of the rest), each block over
+        every weight row, R at a time: a block's activations stay in L1 while the
+        weight's codes stream (from L2 for a matrix of up to ~1 MB) once per block."""
+        def weight_rows(m0, mb: int):
+            nfull = b.udiv(N, _c64(R))
+            with cgutils.for_range(b, nfull) as lo:
+                rows_f32(b.mul(lo.index, _c64(R)), R, kind, m0, mb)
+            with cgutils.for_range(b, b.sub(N, b.mul(nfull, _c64(R)))) as lo:
+                rows_f32(b.add(b.mul(nfull, _c64(R)), lo.index), 1, kind, m0, mb)
+
+        nblk = b.udiv(M, _c64(MB))
+        with cgutils.for_range(b, nblk) as lm:
+            weight_rows(b.mul(lm.index, _c64(MB)), MB)
+        rest = b.sub(M, b.mul(nblk, _c64(MB)))
+        for k in range(1, MB):
+            with b.if_then(b.icmp_unsigned("==", rest, _c64(k))):
+                weight_rows(b.mul(nblk, _c64(MB)), k)
 
     def all_rows(kind: int):
         nrow = R_FP8 if kind == 4 else R
@@ -756,14 +810,20 @@ def _emit(context, builder, sig, args, int8: bool):
         with cgutils.for_range(b, b.sub(N, b.mul(nfull, _c64(nrow)))) as lo:
             rows(b.add(b.mul(nfull, _c64(nrow)), lo.index), 1, kind)
 
+    def all_kind(kind: int):
+        if int8 or kind == 3:
+            all_rows(kind)
+        else:
+            all_rows_f32(kind)
+
     def dispatch(kinds):
         if len(kinds) == 1:
-            all_rows(kinds[0])
+            all_kind(kinds[0])
             return
         with b.if_else(b.icmp_unsigned("==", kindv, ir.Constant(kindv.type, kinds[0]))) \
                 as (then, other):
             with then:
-                all_rows(kinds[0])
+                all_kind(kinds[0])
             with other:
                 dispatch(kinds[1:])
 
