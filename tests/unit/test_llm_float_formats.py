@@ -129,7 +129,8 @@ def test_gguf_mxfp4_is_the_reference_and_mlxs():
 
 
 @pytest.mark.parametrize("make", [_mxfp4, _fp8], ids=["mxfp4", "fp8"])
-@pytest.mark.parametrize("m", [1, 3, 40])  # 40: past GEMM_ROWS, the dequantized tiles
+@pytest.mark.parametrize("m", [1, 3, 40, 70])  # 40: past GEMM_ROWS (FP8's tiles),
+# 70: past BLOCK_ROWS (MXFP4's)
 def test_numpy_kernel_within_the_bound(make, m):
     rng = np.random.default_rng(m)
     t = make(rng, 130, 512)

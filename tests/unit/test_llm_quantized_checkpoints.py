@@ -135,7 +135,7 @@ def test_gguf_types_that_cannot_map_fall_back_to_float32():
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-@pytest.mark.parametrize("m", [1, 3, 9, 20, 40])  # 40: over GEMM_ROWS, the BLAS tiles
+@pytest.mark.parametrize("m", [1, 3, 9, 20, 40, 70])  # 70: over BLOCK_ROWS, the BLAS tiles
 def test_numpy_kernel_equals_dequantized_product(bits, m):
     rng = np.random.default_rng(bits + 10 * m)
     group = {2: 32, 3: 64, 4: 32, 5: 128, 6: 64, 8: 64}[bits]

@@ -7,7 +7,9 @@ turned into products in registers, never into a float32 matrix in memory.
 :func:`qmatmul` does that for few rows with the explicit-SIMD kernels of
 :mod:`hpcmac.llm.model.qvec`: per output, per group,
 ``scale * sum(q * x) + bias * sum(x)``, in one pass over the codes, the group
-sums of x computed once per call. For more rows (prefill) it dequantizes a tile
+sums of x computed once per call; with float32 activations a chunk of codes
+becomes scaled floats once for a block of up to 4 rows (short prompts'
+prefill, speculative verification). For more rows (long prefill) it dequantizes a tile
 of outputs at a time into a float32 buffer of at most 4 MiB (a small model's
 whole matrix) and hands it to BLAS, where the dequantization is paid once per
 tile and amortised over the rows; one large product runs BLAS near its peak,
@@ -56,8 +58,14 @@ from hpcmac.llm.model.quant import (
     widen_scales,
 )
 
-#: rows of x above which a product goes through dequantized tiles and BLAS
+#: rows of x above which a product goes through dequantized tiles and BLAS: 8-bit
+#: activations and FP8 codes (their kernels decode the codes again for each row), and
+#: the bfloat16 panels (:mod:`~hpcmac.llm.model.fvec`)
 GEMM_ROWS = 32
+#: the same for float32 activations on affine and MXFP4 codes, whose kernel decodes a
+#: chunk of codes once for 4 rows: measured on the whole SmolLM2 Q4_1 model, one thread
+#: (load 25), the kernel took 0.51x the tiles' time at 32 rows and 0.81x at 64
+BLOCK_ROWS = 64
 #: output rows dequantized per tile on the BLAS path: at least TILE, more while the
 #: float32 tile stays within TILE_BYTES
 TILE = 32
@@ -204,14 +212,16 @@ def qmatmul(x: np.ndarray, w: NQWeight, int8: bool = False) -> np.ndarray:
 
     ``int8``: round the activations to 8 bits per run of 32 first (see the module
     docstring); only up to ``GEMM_ROWS`` rows (decode), and affine codes only: more rows
-    (prefill) and the MXFP4 and FP8 codes multiply float32.
+    (prefill) and the MXFP4 and FP8 codes multiply float32. The kernels take up to
+    ``BLOCK_ROWS`` rows (float32 activations, affine and MXFP4 codes) or ``GEMM_ROWS``
+    (the rest); more go through dequantized tiles and BLAS.
     """
     int8 = int8 and w.kind < 2
     x = np.ascontiguousarray(x, dtype=np.float32)
     m = x.shape[0]
     kern = _compile()
     y = np.empty((m, w.n), np.float32)
-    if m <= GEMM_ROWS:
+    if m <= (GEMM_ROWS if int8 or w.kind == 3 else BLOCK_ROWS):
         kern["mv_i8" if int8 else "mv_f32"](w.q, w.scales, w.biases, x, y, w.group,
                                             w.kind, w.bias_c)
         return y

@@ -14,6 +14,13 @@ with vector types directly (``<32 x i8>``, ``<16 x float>``), so:
   group's scale into a vector accumulator that lives in a register for the
   whole row; one horizontal sum per row;
 * ``R`` rows share each load of the activations;
+* with float32 activations, ``MB`` activation rows share each chunk's codes: they
+  become floats times the chunk's factor once (4-bit codes: the 16 scaled values
+  looked up by ``vpermps`` where the CPU has AVX-512F) and go into each row by two
+  FMAs, so a row past the first costs about the FMAs alone (short prompts'
+  prefill, speculative decoding's verified rows); a row's sums are the same
+  operations in the same order whatever the block, so its product does not depend
+  on the rows beside it;
 * a software prefetch runs ``PREFETCH`` bytes ahead of the codes (measured
   here: 1.5-2x the memory throughput of the hardware prefetcher alone on a
   matrix far larger than cache);
@@ -516,7 +523,8 @@ def _emit(context, builder, sig, args, int8: bool):
     int8 : q, s, b, xq (M, K) i8, dx (M, K/32) f32, xs (M, G) f32, y, sc, bits4, bc
     ``xs``: the group sums of the activations (of the rounded ones for int8);
     ``sc`` (R, K/32) f32 scratch: each row's factor per chunk of 32 (its group's
-    scale, times the chunk's ``dx`` for int8), filled once per row, vectorised;
+    scale, times the chunk's ``dx`` for int8), filled once per weight row (and block
+    of activation rows; int8: per activation row), vectorised;
     ``bc``: the constant of derived biases (used when ``b`` is empty).
     With int8 and 4-bit codes, ``xq`` comes in pairs of chunks as the codes unpack:
     chunk c's first 16, chunk c+1's first 16, c's last 16, c+1's last 16
@@ -659,7 +667,8 @@ def _emit(context, builder, sig, args, int8: bool):
                         b.gep(y.data, [b.add(b.mul(m, N), b.add(o0, _c64(r)))]))
 
     def rows(o0, nr: int, kind: int):
-        """Rows ``[o0, o0 + nr)`` for every activation row (codes of ``kind``)."""
+        """Rows ``[o0, o0 + nr)`` for every activation row (codes of ``kind``): 8-bit
+        activations and FP8 codes (float32 activations on the others: :func:`rows_f32`)."""
         if kind == 3 and not int8:
             rows_fp8(o0, nr)
             return
