@@ -149,6 +149,24 @@ def test_numpy_kernel_equals_dequantized_product(bits, m):
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_numpy_kernel_row_does_not_depend_on_its_neighbours(bits):
+    """The float32 kernel multiplies blocks of activation rows together (qvec.MB); each
+    row's product is bit for bit the product of that row alone, for every block size
+    and remainder (7 rows: a block of 4 and one of 3; 2 weight rows at a time and the
+    odd last one)."""
+    rng = np.random.default_rng(bits)
+    w = rng.standard_normal((301, 256)).astype(np.float32)
+    t = QuantTensor(*(np.array(a) for a in mx.quantize(mx.array(w), group_size=32,
+                                                       bits=bits)), bits, 32)
+    nq = NQWeight(t)
+    x = rng.standard_normal((7, 256)).astype(np.float32)
+    y = qmatmul(x, nq)
+    for i in range(7):
+        assert np.array_equal(qmatmul(x[i:i + 1], nq)[0], y[i])
+    assert np.array_equal(qmatmul(x[2:5], nq), y[2:5])
+
+
 # -- mlx-lm checkpoints ------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["numpy", "mlx"])
