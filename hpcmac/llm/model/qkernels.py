@@ -62,8 +62,8 @@ from hpcmac.llm.model.quant import (
 #: activations and FP8 codes (their kernels decode the codes again for each row), and
 #: the bfloat16 panels (:mod:`~hpcmac.llm.model.fvec`)
 GEMM_ROWS = 32
-#: the same for float32 activations on affine and MXFP4 codes, whose kernel decodes a
-#: chunk of codes once for 4 rows: measured on the whole SmolLM2 Q4_1 model, one thread
+#: the same for float32 activations on affine and MXFP4 codes (``qvec.F32_BLOCKED``),
+#: whose kernel decodes a chunk of codes once for 4 rows: measured on the whole SmolLM2 Q4_1 model, one thread
 #: (load 25), the kernel took 0.51x the tiles' time at 32 rows and 0.81x at 64
 BLOCK_ROWS = 64
 #: output rows dequantized per tile on the BLAS path: at least TILE, more while the
@@ -103,7 +103,7 @@ def _compile():
         return _kernels
     import numba as nb
 
-    from hpcmac.llm.model.qvec import mv_f32, mv_i8, quantize_x
+    from hpcmac.llm.model.qvec import F32_BLOCKED, mv_f32, mv_i8, quantize_x
 
     opts = dict(cache=True, nogil=True, boundscheck=False)
 
@@ -125,7 +125,8 @@ def _compile():
                     for j in range(32):
                         w[o, c * 32 + j] = sc * table[np.int32(q[o, c * 32 + j])] + bi
 
-    _kernels = dict(mv_f32=mv_f32, mv_i8=mv_i8, quantize_x=quantize_x, deq=deq)
+    _kernels = dict(mv_f32=mv_f32, mv_i8=mv_i8, quantize_x=quantize_x, deq=deq,
+                    f32_blocked=F32_BLOCKED)
     return _kernels
 
 
@@ -221,7 +222,8 @@ def qmatmul(x: np.ndarray, w: NQWeight, int8: bool = False) -> np.ndarray:
     m = x.shape[0]
     kern = _compile()
     y = np.empty((m, w.n), np.float32)
-    if m <= (GEMM_ROWS if int8 or w.kind == 3 else BLOCK_ROWS):
+    blocked = not int8 and w.kind in kern["f32_blocked"]
+    if m <= (BLOCK_ROWS if blocked else GEMM_ROWS):
         kern["mv_i8" if int8 else "mv_f32"](w.q, w.scales, w.biases, x, y, w.group,
                                             w.kind, w.bias_c)
         return y

@@ -75,6 +75,10 @@ R = 2
 #: activation rows multiplied together by the float32 kernel (they share each chunk's
 #: codes, turned into floats once): R * MB * 2 vector accumulators
 MB = 4
+#: the code kinds (see above) whose float32 kernel takes MB activation rows at a time
+#: (affine and E2M1); FP8's kernels and the 8-bit-activation ones decode the codes again
+#: for each row (read by :func:`~hpcmac.llm.model.qkernels.qmatmul` for its row limit)
+F32_BLOCKED = (0, 1, 2)
 #: bytes ahead of the codes being read that are prefetched (measured, see above)
 PREFETCH = 16384
 #: FP8 rows multiplied together where the CPU has AVX-512 VBMI (kind 4), and the bytes
@@ -563,7 +567,6 @@ def _emit(context, builder, sig, args, int8: bool):
     f16 = _vec(_F32, 16)
     accs = [cgutils.alloca_once(b, f16) for _ in range(max(R, R_FP8))]
     accs8 = [cgutils.alloca_once(b, _vec(_F32, 8)) for _ in range(R)]  # one-chunk steps
-    accs2 = [cgutils.alloca_once(b, f16) for _ in range(R)]  # MXFP4's second (AVX-512F)
     # rows_f32's accumulators: weight row r, activation row j, the chunk's two halves
     blk = [[(cgutils.alloca_once(b, f16), cgutils.alloca_once(b, f16)) for _ in range(MB)]
            for _ in range(R)]
@@ -666,64 +669,56 @@ def _emit(context, builder, sig, args, int8: bool):
                 b.store(h.hsum(b.load(accs[r])),
                         b.gep(y.data, [b.add(b.mul(m, N), b.add(o0, _c64(r)))]))
 
-    def rows(o0, nr: int, kind: int):
-        """Rows ``[o0, o0 + nr)`` for every activation row (codes of ``kind``): 8-bit
-        activations and FP8 codes (float32 activations on the others: :func:`rows_f32`)."""
-        if kind == 3 and not int8:
-            rows_fp8(o0, nr)
-            return
-        if kind == 4:
-            rows_fp8_vbmi(o0, nr)
-            return
-        bits4_static = kind in (1, 2)
+    def rows_i8(o0, nr: int, kind: int):
+        """Rows ``[o0, o0 + nr)`` for every activation row, 8-bit activations on affine
+        codes (``kind`` 0 or 1)."""
+        bits4_static = kind == 1
         cb = 16 if bits4_static else 32  # code bytes per chunk
         with cgutils.for_range(b, M) as lm:
             m = lm.index
             for r in range(nr):
                 fill(r, b.add(o0, _c64(r)), m)
                 b.store(ir.Constant(f16, None), accs[r])
-                b.store(ir.Constant(f16, None), accs2[r])
                 b.store(ir.Constant(_vec(_F32, 8), None), accs8[r])
-            if int8:
-                # 4-bit codes: two chunks per 512-bit vpdpbusd (1.5-1.8x faster here);
-                # 8-bit codes: one chunk per 256-bit one (64-byte code loads ran the
-                # memory-bound Q8_0 decode ~20% slower than 32-byte ones, measured)
-                pairs = b.udiv(chunks, _c64(2)) if bits4_static else _c64(0)
-                pat = [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4 if bits4_static else \
-                    [0] * 8 + [1] * 8
-                with cgutils.for_range(b, pairs) as lp:
-                    c = b.mul(lp.index, _c64(2))
-                    xv = h.load(x.data, b.add(b.mul(m, K), b.mul(c, _c64(32))), _vec(_I8, 64))
-                    for r in range(nr):
-                        qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
-                        h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
-                        if bits4_static:
-                            by = h.load(q.data, qo, _vec(_I8, 32))
-                            lo = b.and_(by, ir.Constant(_vec(_I8, 32), [15] * 32))
-                            hi = b.lshr(by, ir.Constant(_vec(_I8, 32), [4] * 32))
-                            codes = b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 64),
-                                                                         list(range(64))))
-                        else:
-                            codes = h.load(q.data, qo, _vec(_I8, 64))
-                        p = b.sitofp(h.dot_u8i8(codes, xv, width), f16)
-                        fp = b.bitcast(b.gep(scr.data, [b.add(b.mul(_c64(r), chunks), c)]),
-                                       _vec(_F32, 2).as_pointer())
-                        f2 = b.load(fp, align=1)
-                        f = b.shuffle_vector(f2, f2, ir.Constant(_vec(_I32, 16), pat))
-                        b.store(h.fma(p, f, b.load(accs[r])), accs[r])
-                with cgutils.for_range(b, b.sub(chunks, b.mul(pairs, _c64(2)))) as lc:
-                    c = b.add(b.mul(pairs, _c64(2)), lc.index)  # one chunk, plain order
-                    xv = h.load(x.data, b.add(b.mul(m, K), b.mul(c, _c64(32))), _vec(_I8, 32))
-                    for r in range(nr):
-                        qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
-                        h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
-                        codes = h.codes32(q.data, qo, bits4_static)
-                        p8 = b.sitofp(h.dot_u8i8(codes, xv, width), _vec(_F32, 8))
-                        b.store(h.fma(p8, h.splat(factor(r, c, 1), 8), b.load(accs8[r])),
-                                accs8[r])
+            # 4-bit codes: two chunks per 512-bit vpdpbusd (1.5-1.8x faster here);
+            # 8-bit codes: one chunk per 256-bit one (64-byte code loads ran the
+            # memory-bound Q8_0 decode ~20% slower than 32-byte ones, measured)
+            pairs = b.udiv(chunks, _c64(2)) if bits4_static else _c64(0)
+            pat = [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4 if bits4_static else \
+                [0] * 8 + [1] * 8
+            with cgutils.for_range(b, pairs) as lp:
+                c = b.mul(lp.index, _c64(2))
+                xv = h.load(x.data, b.add(b.mul(m, K), b.mul(c, _c64(32))), _vec(_I8, 64))
+                for r in range(nr):
+                    qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
+                    h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
+                    if bits4_static:
+                        by = h.load(q.data, qo, _vec(_I8, 32))
+                        lo = b.and_(by, ir.Constant(_vec(_I8, 32), [15] * 32))
+                        hi = b.lshr(by, ir.Constant(_vec(_I8, 32), [4] * 32))
+                        codes = b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 64),
+                                                                     list(range(64))))
+                    else:
+                        codes = h.load(q.data, qo, _vec(_I8, 64))
+                    p = b.sitofp(h.dot_u8i8(codes, xv, width), f16)
+                    fp = b.bitcast(b.gep(scr.data, [b.add(b.mul(_c64(r), chunks), c)]),
+                                   _vec(_F32, 2).as_pointer())
+                    f2 = b.load(fp, align=1)
+                    f = b.shuffle_vector(f2, f2, ir.Constant(_vec(_I32, 16), pat))
+                    b.store(h.fma(p, f, b.load(accs[r])), accs[r])
+            with cgutils.for_range(b, b.sub(chunks, b.mul(pairs, _c64(2)))) as lc:
+                c = b.add(b.mul(pairs, _c64(2)), lc.index)  # one chunk, plain order
+                xv = h.load(x.data, b.add(b.mul(m, K), b.mul(c, _c64(32))), _vec(_I8, 32))
+                for r in range(nr):
+                    qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
+                    h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
+                    codes = h.codes32(q.data, qo, bits4_static)
+                    p8 = b.sitofp(h.dot_u8i8(codes, xv, width), _vec(_F32, 8))
+                    b.store(h.fma(p8, h.splat(factor(r, c, 1), 8), b.load(accs8[r])),
+                            accs8[r])
             for r in range(nr):
-                tot = h.hsum(b.fadd(b.load(accs[r]), b.load(accs2[r])))
-                finish(b.add(o0, _c64(r)), m, b.fadd(tot, h.hsum(b.load(accs8[r]))))
+                tot = b.fadd(h.hsum(b.load(accs[r])), h.hsum(b.load(accs8[r])))
+                finish(b.add(o0, _c64(r)), m, tot)
 
     def finish(o, m, tot):
         """y[m, o] = tot plus the bias term of weight row o for activation row m."""
@@ -742,11 +737,17 @@ def _emit(context, builder, sig, args, int8: bool):
 
     def rows_f32(o0, nr: int, kind: int, m0, mb: int):
         """Weight rows ``[o0, o0 + nr)`` times activation rows ``[m0, m0 + mb)``, float32
-        activations, affine or E2M1 codes: each chunk's codes become floats times their
-        chunk's factor once, in registers, and go into every activation row of the block
-        by two FMAs (one accumulator for each half of the chunk). A row's sums are the
-        same whatever ``mb`` is (the same operations in the same order), so a row's
-        product does not depend on the rows beside it."""
+        activations on affine or E2M1 codes (``kind`` 0, 1 or 2): each chunk's codes
+        become floats once, in registers, and go into every activation row of the block.
+        4-bit codes become floats times their chunk's factor (:meth:`_IR.nibbles_scaled`)
+        and go into a row by two FMAs, one accumulator for each half of the chunk. 8-bit
+        codes stay the exact integers: a row's chunk sums ``q * x`` first and is scaled
+        after (an FMA more a row), as the one-row kernel did, since an affine byte's code
+        is near its zero point's 128 and its bias term takes that back: scaled first,
+        each product's rounding is of ``scale * q``, not of ``scale * (q - 128)``, and
+        Q8_0 logits moved past their tolerance. A row's sums are the same whatever ``mb``
+        is (the same operations in the same order), so a row's product does not depend
+        on the rows beside it."""
         bits4_static = kind in (1, 2)
         cb = 16 if bits4_static else 32  # code bytes per chunk
         for r in range(nr):
@@ -756,87 +757,96 @@ def _emit(context, builder, sig, args, int8: bool):
                 b.store(ir.Constant(f16, None), blk[r][j][1])
         with cgutils.for_range(b, chunks) as lc:
             c = lc.index
-            ws = []
+            ws = []  # per weight row: the chunk's two halves as floats, and its factor
             for r in range(nr):
                 qo = b.add(b.mul(b.add(o0, _c64(r)), nbytes), b.mul(c, _c64(cb)))
                 h.prefetch(q.data, b.add(qo, _c64(PREFETCH)))
                 f = factor(r, c, 1)
-                if bits4_static and _HAS_AVX512F:  # the 16 values scaled, then looked up
-                    ws.append(h.nibbles_scaled(h.load(q.data, qo, _vec(_I8, 16)), f,
-                                               _FP4_DOUBLED if kind == 2 else _NIBBLES))
+                if not bits4_static:
+                    lo = b.uitofp(h.load(q.data, qo, _vec(_I8, 16)), f16)
+                    hi = b.uitofp(h.load(q.data, b.add(qo, _c64(16)), _vec(_I8, 16)), f16)
+                    ws.append((lo, hi, h.splat(f, 16)))
                     continue
-                if bits4_static:
-                    by = h.load(q.data, qo, _vec(_I8, 16))
-                    lo = b.and_(by, ir.Constant(_vec(_I8, 16), [15] * 16))
-                    hi = b.lshr(by, ir.Constant(_vec(_I8, 16), [4] * 16))
-                else:
-                    lo = h.load(q.data, qo, _vec(_I8, 16))
-                    hi = h.load(q.data, b.add(qo, _c64(16)), _vec(_I8, 16))
+                if _HAS_AVX512F:  # the 16 values scaled, then looked up
+                    ws.append(h.nibbles_scaled(h.load(q.data, qo, _vec(_I8, 16)), f,
+                                               _FP4_DOUBLED if kind == 2 else _NIBBLES)
+                              + (None,))
+                    continue
+                by = h.load(q.data, qo, _vec(_I8, 16))
+                lo = b.and_(by, ir.Constant(_vec(_I8, 16), [15] * 16))
+                hi = b.lshr(by, ir.Constant(_vec(_I8, 16), [4] * 16))
                 if kind == 2:
                     lo, hi = (b.sitofp(h.fp4(v), f16) for v in (lo, hi))
                 else:
                     lo, hi = b.uitofp(lo, f16), b.uitofp(hi, f16)
                 fs = h.splat(f, 16)
-                ws.append((b.fmul(lo, fs), b.fmul(hi, fs)))
+                ws.append((b.fmul(lo, fs), b.fmul(hi, fs), None))
             for j in range(mb):
                 xo = b.add(b.mul(b.add(m0, _c64(j)), K), b.mul(c, _c64(32)))
                 x_lo = h.load(x.data, xo, f16)
                 x_hi = h.load(x.data, b.add(xo, _c64(16)), f16)
                 for r in range(nr):
+                    w_lo, w_hi, fs = ws[r]
                     a_lo, a_hi = blk[r][j]
-                    b.store(h.fma(ws[r][0], x_lo, b.load(a_lo)), a_lo)
-                    b.store(h.fma(ws[r][1], x_hi, b.load(a_hi)), a_hi)
+                    if fs is not None:  # exact codes: the chunk's sum, then its factor
+                        p = h.fma(w_lo, x_lo, b.fmul(w_hi, x_hi))
+                        b.store(h.fma(p, fs, b.load(a_lo)), a_lo)
+                        continue
+                    b.store(h.fma(w_lo, x_lo, b.load(a_lo)), a_lo)
+                    b.store(h.fma(w_hi, x_hi, b.load(a_hi)), a_hi)
         for j in range(mb):
             for r in range(nr):
                 a_lo, a_hi = blk[r][j]
                 finish(b.add(o0, _c64(r)), b.add(m0, _c64(j)),
                        h.hsum(b.fadd(b.load(a_lo), b.load(a_hi))))
 
-    def all_rows_f32(kind: int):
+    def weight_rows(row_fn, nrow: int):
+        """``row_fn(o0, nr)`` over every weight row, ``nrow`` at a time, then the last
+        ``N % nrow`` one at a time."""
+        nfull = b.udiv(N, _c64(nrow))
+        with cgutils.for_range(b, nfull) as lo:
+            row_fn(b.mul(lo.index, _c64(nrow)), nrow)
+        with cgutils.for_range(b, b.sub(N, b.mul(nfull, _c64(nrow)))) as lo:
+            row_fn(b.add(b.mul(nfull, _c64(nrow)), lo.index), 1)
+
+    def blocks_f32(kind: int):
         """Blocks of MB activation rows (then one block of the rest), each block over
         every weight row, R at a time: a block's activations stay in L1 while the
         weight's codes stream (from L2 for a matrix of up to ~1 MB) once per block."""
-        def weight_rows(m0, mb: int):
-            nfull = b.udiv(N, _c64(R))
-            with cgutils.for_range(b, nfull) as lo:
-                rows_f32(b.mul(lo.index, _c64(R)), R, kind, m0, mb)
-            with cgutils.for_range(b, b.sub(N, b.mul(nfull, _c64(R)))) as lo:
-                rows_f32(b.add(b.mul(nfull, _c64(R)), lo.index), 1, kind, m0, mb)
+        def block(m0, mb: int):
+            weight_rows(lambda o0, nr: rows_f32(o0, nr, kind, m0, mb), R)
 
         nblk = b.udiv(M, _c64(MB))
         with cgutils.for_range(b, nblk) as lm:
-            weight_rows(b.mul(lm.index, _c64(MB)), MB)
+            block(b.mul(lm.index, _c64(MB)), MB)
         rest = b.sub(M, b.mul(nblk, _c64(MB)))
         for k in range(1, MB):
             with b.if_then(b.icmp_unsigned("==", rest, _c64(k))):
-                weight_rows(b.mul(nblk, _c64(MB)), k)
+                block(b.mul(nblk, _c64(MB)), k)
 
-    def all_rows(kind: int):
-        nrow = R_FP8 if kind == 4 else R
-        nfull = b.udiv(N, _c64(nrow))
-        with cgutils.for_range(b, nfull) as lo:
-            rows(b.mul(lo.index, _c64(nrow)), nrow, kind)
-        with cgutils.for_range(b, b.sub(N, b.mul(nfull, _c64(nrow)))) as lo:
-            rows(b.add(b.mul(nfull, _c64(nrow)), lo.index), 1, kind)
-
-    def all_kind(kind: int):
-        if int8 or kind == 3:
-            all_rows(kind)
-        else:
-            all_rows_f32(kind)
+    # the one place a code kind (see the module docstring) meets the loops that multiply
+    # it: each entry emits the whole product for its kind
+    if int8:
+        by_kind = {k: (lambda k=k: weight_rows(lambda o0, nr: rows_i8(o0, nr, k), R))
+                   for k in (1, 0)}
+    else:
+        by_kind = {k: (lambda k=k: blocks_f32(k)) for k in F32_BLOCKED}
+        by_kind[3] = lambda: weight_rows(rows_fp8, R)
+        if _HAS_VBMI:
+            by_kind[4] = lambda: weight_rows(rows_fp8_vbmi, R_FP8)
 
     def dispatch(kinds):
         if len(kinds) == 1:
-            all_kind(kinds[0])
+            by_kind[kinds[0]]()
             return
         with b.if_else(b.icmp_unsigned("==", kindv, ir.Constant(kindv.type, kinds[0]))) \
                 as (then, other):
             with then:
-                all_kind(kinds[0])
+                by_kind[kinds[0]]()
             with other:
                 dispatch(kinds[1:])
 
-    dispatch([1, 0] if int8 else [1, 0, 2, 3] + ([4] if _HAS_VBMI else []))
+    dispatch(list(by_kind))
     return context.get_dummy_value()
 
 
