@@ -26,7 +26,9 @@ number of BLAS / llama.cpp threads:
 torch), for that row; llama.cpp and the quantized rows are the Llama's only.
 
 ``--ttft`` measures instead the time to first token from a fresh process beside
-llama.cpp's (hpcmac.bench.llm_ttft).
+llama.cpp's (hpcmac.bench.llm_ttft); ``--rows 1,2,4,16,32`` the model's quantized
+products at those activation rows, kernel against dequantized tiles
+(hpcmac.bench.llm_rows).
 
 By default the model is a random float32 Llama of ~150M parameters (~490 MB read
 per token) written to a temporary folder; ``--model`` benchmarks any checkpoint (its
@@ -240,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="time to first token from a fresh process against llama.cpp, same "
                          "GGUF and prompt, 1 thread (--model: a GGUF, default smollm2; see "
                          "hpcmac.bench.llm_ttft)")
+    ap.add_argument("--rows", default=None, metavar="N,N",
+                    help="instead: the quantized products of the model (--model, default "
+                         "smollm2) at these activation rows, kernel against dequantized "
+                         "tiles and BLAS (hpcmac.bench.llm_rows), e.g. 1,2,4,16,32")
     ap.add_argument("--prompt-words", type=int, default=256,
                     help="--ttft: words in the prompt (about one token each; default 256)")
     ap.add_argument("--timeout", type=float, default=300.0,
@@ -251,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         from hpcmac.bench.llm_ttft import run as ttft
 
         return ttft(args.model, args.prompt_words, args.rounds, args.timeout, args.json)
+    if args.rows is not None:
+        if args.rounds < 1:
+            raise UsageError("--rounds must be >= 1")
+        from hpcmac.bench.llm_rows import parse_rows
+        from hpcmac.bench.llm_rows import run as rows
+
+        return rows(args.model, parse_rows(args.rows), args.rounds, args.json)
     if args.threads < 1 or args.steps < 1 or args.batch < 1 or args.rounds < 1:
         raise UsageError("--threads, --steps, --batch and --rounds must be >= 1")
     args.quant = ",".join(quant_types(args.quant))

@@ -35,6 +35,7 @@ def test_unknown_quant_type_is_a_usage_error(value):
     (["--steps", "0"], "--threads, --steps, --batch and --rounds must be >= 1"),
     (["--contexts", "64,4k"], "--contexts '64,4k': expected prompt lengths >= 1"),
     (["--family", "gpt_oss"], "--family: invalid choice: 'gpt_oss'"),
+    (["--rows", "1,x"], "--rows '1,x': expected activation row counts >= 1"),
     (["--llamacpp-native", "/nonexistent"], "--llamacpp-native /nonexistent: no "
                                             "/nonexistent/bin/python (expected a Python venv"),
     (["--llamacpp-native", sys.prefix], f"--llamacpp-native {sys.prefix}: its Python cannot "
@@ -68,3 +69,27 @@ def test_family_qwen3_next_gives_the_context_rows(tmp_path):
     med = json.loads(out.read_text())["median"]
     assert med["ctx8"] > 0 and med["ctx40"] > 0 and med["ctx8_vs_ctx8"] == 1.0
     assert not any(k.startswith(("Q8_0", "MXFP4", "FP8")) or k == "llamacpp" for k in med)
+
+
+@pytest.mark.timeout(300)
+def test_rows_times_both_paths_and_names_the_one_qmatmul_takes(tmp_path, capsys):
+    """--rows on a small Q4_0 GGUF: every quantized matrix, the kernel and the tiles timed
+    at each row count, and past BLOCK_ROWS the line says qmatmul takes the tiles."""
+    from hpcmac.bench import llm_rows
+    from hpcmac.llm.model.fixtures import write_gguf
+    from hpcmac.llm.model.qkernels import BLOCK_ROWS
+    from hpcmac.measure.llm import write_random_llama
+
+    folder = write_random_llama(tmp_path / "llama", 128, 2, 256, 256, heads=2, kv_heads=1)
+    gguf = write_gguf(folder, tmp_path / "m.gguf", "Q4_0")
+    out = tmp_path / "rows.json"
+    rows = [1, 5, BLOCK_ROWS + 1]
+    assert llm_rows.run(str(gguf), rows, 2, str(out)) == 0
+    doc = json.loads(out.read_text())
+    assert doc["matrices"] >= 2 * 4 and 1 in doc["kinds"]  # each layer's four, 4-bit
+    for p in ("kernel_ms", "tiles_ms"):
+        assert all(len(doc["times"][p][str(m)]) == 2 for m in rows)
+        assert all(v > 0 for v in doc["median"][p].values())
+    lines = capsys.readouterr().out.splitlines()
+    assert any(ln.split()[:1] == ["1"] and ln.endswith("kernel") for ln in lines)
+    assert any(ln.split()[:1] == [str(BLOCK_ROWS + 1)] and ln.endswith("tiles") for ln in lines)

@@ -63,8 +63,9 @@ from hpcmac.llm.model.quant import (
 #: the bfloat16 panels (:mod:`~hpcmac.llm.model.fvec`)
 GEMM_ROWS = 32
 #: the same for float32 activations on affine and MXFP4 codes (``qvec.F32_BLOCKED``),
-#: whose kernel decodes a chunk of codes once for 4 rows: measured on the whole SmolLM2 Q4_1 model, one thread
-#: (load 25), the kernel took 0.51x the tiles' time at 32 rows and 0.81x at 64
+#: whose kernel decodes a chunk of codes once for 4 rows: measured on the whole SmolLM2
+#: Q4_1 model, one thread (load 25), the kernel took 0.51x the tiles' time at 32 rows
+#: and 0.81x at 64 (``python -m hpcmac.bench.llm --rows``)
 BLOCK_ROWS = 64
 #: output rows dequantized per tile on the BLAS path: at least TILE, more while the
 #: float32 tile stays within TILE_BYTES
@@ -208,25 +209,28 @@ class NQWeight:
         return out
 
 
-def qmatmul(x: np.ndarray, w: NQWeight, int8: bool = False) -> np.ndarray:
-    """``x @ W.T`` for a quantized weight: x (M, in) float32 -> (M, out) float32.
-
-    ``int8``: round the activations to 8 bits per run of 32 first (see the module
-    docstring); only up to ``GEMM_ROWS`` rows (decode), and affine codes only: more rows
-    (prefill) and the MXFP4 and FP8 codes multiply float32. The kernels take up to
-    ``BLOCK_ROWS`` rows (float32 activations, affine and MXFP4 codes) or ``GEMM_ROWS``
-    (the rest); more go through dequantized tiles and BLAS.
-    """
+def row_limit(w: NQWeight, int8: bool = False) -> int:
+    """The most activation rows :func:`qmatmul` multiplies by ``w`` through the kernels:
+    ``BLOCK_ROWS`` for float32 activations on the kinds whose kernel takes blocks of rows
+    (``qvec.F32_BLOCKED``: affine and MXFP4 codes), ``GEMM_ROWS`` for the rest."""
     int8 = int8 and w.kind < 2
+    return BLOCK_ROWS if not int8 and w.kind in _compile()["f32_blocked"] else GEMM_ROWS
+
+
+def kernel_matmul(x: np.ndarray, w: NQWeight, int8: bool = False) -> np.ndarray:
+    """``x @ W.T`` through the explicit-SIMD kernels whatever the rows (see :func:`qmatmul`)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    m = x.shape[0]
-    kern = _compile()
-    y = np.empty((m, w.n), np.float32)
-    blocked = not int8 and w.kind in kern["f32_blocked"]
-    if m <= (BLOCK_ROWS if blocked else GEMM_ROWS):
-        kern["mv_i8" if int8 else "mv_f32"](w.q, w.scales, w.biases, x, y, w.group,
-                                            w.kind, w.bias_c)
-        return y
+    int8 = int8 and w.kind < 2
+    y = np.empty((x.shape[0], w.n), np.float32)
+    _compile()["mv_i8" if int8 else "mv_f32"](w.q, w.scales, w.biases, x, y, w.group,
+                                              w.kind, w.bias_c)
+    return y
+
+
+def tiled_matmul(x: np.ndarray, w: NQWeight) -> np.ndarray:
+    """``x @ W.T`` through dequantized tiles and BLAS whatever the rows (see :func:`qmatmul`)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.empty((x.shape[0], w.n), np.float32)
     tile = max(TILE, min(w.n, TILE_BYTES // (4 * w.k)))
     buf = np.empty((min(tile, w.n), w.k), np.float32)
     for lo in range(0, w.n, tile):
@@ -234,6 +238,20 @@ def qmatmul(x: np.ndarray, w: NQWeight, int8: bool = False) -> np.ndarray:
         t = w.dequantize_rows(lo, hi, buf[:hi - lo])
         np.matmul(x, t.T, out=y[:, lo:hi])
     return y
+
+
+def qmatmul(x: np.ndarray, w: NQWeight, int8: bool = False) -> np.ndarray:
+    """``x @ W.T`` for a quantized weight: x (M, in) float32 -> (M, out) float32.
+
+    ``int8``: round the activations to 8 bits per run of 32 first (see the module
+    docstring); only up to ``GEMM_ROWS`` rows (decode), and affine codes only: more rows
+    (prefill) and the MXFP4 and FP8 codes multiply float32. The kernels take up to
+    :func:`row_limit` rows (``BLOCK_ROWS`` for float32 activations on affine and MXFP4
+    codes, ``GEMM_ROWS`` for the rest); more go through dequantized tiles and BLAS.
+    """
+    if x.shape[0] <= row_limit(w, int8):
+        return kernel_matmul(x, w, int8)
+    return tiled_matmul(x, w)
 
 
 def quantize_activations(x: np.ndarray, group: int = 32):

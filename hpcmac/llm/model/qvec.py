@@ -870,6 +870,7 @@ def qgemv_i8(typingctx, q, s, b, xq, dx, xs, y, sc, bits4, bc):
 # -- invalidates them) ------------------------------------------------------------------
 
 _opts = dict(cache=True, nogil=True, boundscheck=False, fastmath=True)
+HAS_AVX512F = _HAS_AVX512F  # (printed by hpcmac.bench.llm --rows)
 HAS_GFNI = _HAS_GFNI  # (read by mv_f32 as a compile-time constant)
 HAS_VBMI = _HAS_VBMI
 
