@@ -59,9 +59,9 @@ def _stub() -> tuple[str, dict, socket.socket]:
             body, rest = _read_request(conn, b"")
             if body is None:
                 return
-            _answer(conn, body)
-            with lock:
+            with lock:  # counted before the answer leaves: the client may end on it
                 seen["answered"] += 1
+            _answer(conn, body)
             body, _ = _read_request(conn, rest)
             if body is not None:  # the next request came on the kept-alive connection
                 with lock:

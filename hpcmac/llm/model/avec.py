@@ -29,6 +29,8 @@ in key order, one FMA a key, as the loops did. Pure: no communication.
 
 from __future__ import annotations
 
+import math
+
 import llvmlite.ir as ir
 import numba as nb
 import numpy as np
@@ -197,6 +199,20 @@ def _wsum_ir(context, builder, sig, args):
     return context.get_dummy_value()
 
 
+#: e^x = 2^n e^r, n = round(x / ln 2), r = x - n ln 2 in two parts (ln 2's high part has
+#: 9 significant bits, so n * _LN2_HI is exact for |n| < 2^15), e^r by its Taylor series to
+#: r^7 (|r| <= ln 2 / 2: the first term left out, r^8 / 8!, is 5e-9 of e^r)
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.1219444005469057e-4)
+_HALF, _ONE = np.float32(0.5), np.float32(1.0)
+_C2, _C3, _C4, _C5, _C6, _C7 = (np.float32(1.0 / math.factorial(k)) for k in range(2, 8))
+#: below this e^x is under float32's smallest normal: 0 (a softmax's term that small is
+#: nothing to a sum that holds its maximum's e^0 = 1); above, 2^n would overflow: the
+#: value there (2.2e38) is returned
+_EXP_LO, _EXP_HI = np.float32(-87.33), np.float32(88.3)
+
+
 def _const(ty, v: float):
     """The float32 ``v`` as a constant of ``ty`` (a float, or splatted over a vector)."""
     c = ir.Constant(_F32, float(np.float32(v)))
@@ -207,21 +223,19 @@ def _exp(b, h, x):
     """``e^x`` of a float32 or a float32 vector ``x``: :func:`hpcmac.llm.model.fused.exp32`'s
     range reduction and polynomial (its constants), each multiply-add one FMA (the
     reduction's two steps then exact or rounded once, as good as exp32's, no worse)."""
-    from hpcmac.llm.model import fused as f
-
     ty = x.type
     vec = isinstance(ty, ir.VectorType)
     ity = _vec(_I32, ty.count) if vec else _I32
     suffix = f"v{ty.count}f32" if vec else "f32"
-    lo, hi = _const(ty, f._EXP_LO), _const(ty, f._EXP_HI)
+    lo, hi = _const(ty, _EXP_LO), _const(ty, _EXP_HI)
     xc = b.select(b.fcmp_ordered(">", x, hi), hi, x)
     xc = b.select(b.fcmp_ordered("<", xc, lo), lo, xc)
     n = b.call(h.fn(f"llvm.floor.{suffix}", ty, [ty]),
-               [h.fma(xc, _const(ty, f._LOG2E), _const(ty, f._HALF))])
+               [h.fma(xc, _const(ty, _LOG2E), _const(ty, _HALF))])
     nn = b.fneg(n)
-    r = h.fma(nn, _const(ty, f._LN2_LO), h.fma(nn, _const(ty, f._LN2_HI), xc))
-    p = _const(ty, f._C7)
-    for c in (f._C6, f._C5, f._C4, f._C3, f._C2, f._ONE, f._ONE):
+    r = h.fma(nn, _const(ty, _LN2_LO), h.fma(nn, _const(ty, _LN2_HI), xc))
+    p = _const(ty, _C7)
+    for c in (_C6, _C5, _C4, _C3, _C2, _ONE, _ONE):
         p = h.fma(p, r, _const(ty, c))
     bits = b.shl(b.add(b.fptosi(n, ity), ir.Constant(ity, [ir.Constant(_I32, 127)] * ty.count)
                        if vec else ir.Constant(_I32, 127)),

@@ -33,8 +33,6 @@ Pure: no communication.
 
 from __future__ import annotations
 
-import math
-
 import llvmlite.ir as ir
 import numba as nb
 import numpy as np
@@ -42,6 +40,24 @@ from numba import types
 from numba.extending import intrinsic
 
 from hpcmac.llm.model import avec
+
+# exp32's constants (range reduction and polynomial) live with avec's IR, which builds the
+# same steps
+from hpcmac.llm.model.avec import (
+    _C2,
+    _C3,
+    _C4,
+    _C5,
+    _C6,
+    _C7,
+    _EXP_HI,
+    _EXP_LO,
+    _HALF,
+    _LN2_HI,
+    _LN2_LO,
+    _LOG2E,
+    _ONE,
+)
 
 #: one token of one sequence takes :func:`attend_one` (at any number of keys: 2.4x faster
 #: than the numpy path at 4096, 3.7x at 64); False: the numpy path (tests compare the two)
@@ -52,18 +68,6 @@ MAX_ROWS = 4
 _opts = dict(cache=True, nogil=True, boundscheck=False)
 
 
-#: e^x = 2^n e^r, n = round(x / ln 2), r = x - n ln 2 in two parts (ln 2's high part has
-#: 9 significant bits, so n * _LN2_HI is exact for |n| < 2^15), e^r by its Taylor series to
-#: r^7 (|r| <= ln 2 / 2: the first term left out, r^8 / 8!, is 5e-9 of e^r)
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.1219444005469057e-4)
-_HALF, _ONE = np.float32(0.5), np.float32(1.0)
-_C2, _C3, _C4, _C5, _C6, _C7 = (np.float32(1.0 / math.factorial(k)) for k in range(2, 8))
-#: below this e^x is under float32's smallest normal: 0 (a softmax's term that small is
-#: nothing to a sum that holds its maximum's e^0 = 1); above, 2^n would overflow: the
-#: value there (2.2e38) is returned
-_EXP_LO, _EXP_HI = np.float32(-87.33), np.float32(88.3)
 
 
 @intrinsic
