@@ -55,9 +55,13 @@ def test_small_run_end_to_end(tmp_path):
     hidden = runs[1]["hidden"]
     fwd, back = two["batch4"]["bytes_per_token"]
     # one hidden vector + 20 bytes of metadata per token + a 16-byte header per
-    # micro-batch of 2 sequences; 4-byte ids (+ a 4-byte micro-batch id) back
-    assert fwd == pytest.approx(4 * hidden + 20 + 8)
-    assert back == pytest.approx(4 + 2)
+    # micro-batch; 4-byte ids + a 4-byte micro-batch id back. Micro-batches form from
+    # the sequences ready when a slot frees (at most ceil(4 / 2) = 2 each), so a loaded
+    # machine sometimes sends one alone: between 1/2 and 1 micro-batch per token, the
+    # same count both ways
+    per_mb = (fwd - 4 * hidden - 20) / 16
+    assert 0.5 - 1e-9 <= per_mb <= 1 + 1e-9, (fwd, hidden)
+    assert back == pytest.approx(4 + 4 * per_mb)
     assert all(r["results"]["batch4"]["decode_tok_s"] > 0 for r in runs)
     assert "estimated ceiling" in proc.stdout and "memory GB/s" in proc.stdout
 
