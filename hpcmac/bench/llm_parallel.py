@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-load", action="store_true", help="skip the loaded run")
     p.add_argument("--stream-mib", type=int, default=256, help=argparse.SUPPRESS)
+    # for the smoke test: --read-rates' sample per thread (default calibrate's, 1 GiB
+    # in all) and settle's limit (20 s: a busy machine never gets quiet)
+    p.add_argument("--read-mib", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--settle-s", type=float, default=20.0, help=argparse.SUPPRESS)
     p.add_argument("--json", type=checked_output("--json"), metavar="FILE")
     p.add_argument("--read-rates", action="store_true",
                    help="also run calibrate's read bandwidth (1 and 2 threads) before and "
@@ -131,7 +135,8 @@ def worker(args) -> int:
     if args.read_rates and world.rank == 0:
         from hpcmac.plan.calibrate import ReadProbe
 
-        probes = {k: ReadProbe(k) for k in (1, 2)}
+        per = None if args.read_mib is None else args.read_mib << 20
+        probes = {k: ReadProbe(k, per) for k in (1, 2)}
 
     def read_rates() -> dict[str, float] | None:
         """``calibrate``'s read bandwidth at 1 and 2 threads on rank 0, the other asleep."""
@@ -142,7 +147,7 @@ def worker(args) -> int:
 
     stream = _Stream(args.stream_mib)
     # loading freed memory: let the kernel's work on it end before measuring (bench.quiet)
-    settle()
+    settle(limit_s=args.settle_s)
     sleeper.sync()
     work = {"single": _prompts(cfg.vocab, 1, args.prompt_len, 1)}
     if args.batch:
@@ -227,7 +232,9 @@ def launch(args, model: str, out: str, loaded: bool) -> dict:
            "hpcmac.bench.llm_parallel", "--worker", out, "--model", model,
            "--prompt-len", str(args.prompt_len), "--new", str(args.new), "--batch",
            str(args.batch), "--repeats", str(args.repeats), "--stream-mib",
-           str(args.stream_mib)] + (["--read-rates"] if args.read_rates else [])
+           str(args.stream_mib), "--settle-s", str(args.settle_s)] \
+        + (["--read-rates"] if args.read_rates else []) \
+        + ([] if args.read_mib is None else ["--read-mib", str(args.read_mib)])
     spinner = None
     if loaded:  # another job holding one core for the whole run
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])

@@ -121,14 +121,16 @@ class ReadProbe:
     here: 15.5-16.1 against 15.1-16.9 GB/s; BLAS sgemv per panel reached 0.8x).
     Kept to be read again: allocating and freeing a
     GiB between readings sets the kernel's memory threads working beside what is
-    measured next."""
+    measured next. ``per_thread`` (bytes) replaces the past-cache size, for smoke runs
+    whose figure means nothing (``bench.llm_parallel``'s test)."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, per_thread: int | None = None):
         from hpcmac.llm.model.backend import NumpyBackend, Panels
 
         self.be = NumpyBackend()
         inp, r = 1024, self.be.panel
-        nb = _per_thread(threads, 64 << 20) // (4 * inp * r)
+        size = _per_thread(threads, 64 << 20) if per_thread is None else per_thread
+        nb = max(1, size // (4 * inp * r))
         self.weights = [Panels.of(np.ones((nb, inp, r), np.float32)) for _ in range(threads)]
         self.x = np.ones((1, inp), np.float32)
 

@@ -26,7 +26,8 @@ def test_small_run_end_to_end(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hpcmac.bench.llm_parallel", "--model",
                            str(model), "--prompt-len", "4", "--new", "3", "--batch", "3",
                            "--repeats", "1", "--no-load", "--stream-mib", "8",
-                           "--read-rates", "--json", str(out)],
+                           "--read-rates", "--read-mib", "8", "--settle-s", "0",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())["runs"]["quiet"]
