@@ -264,8 +264,13 @@ def panel_cost(nb: int = 256, heights: tuple[int, int] = (1024, 6144),
             "t_small_s": t1, "t_large_s": t2}
 
 
-def calibrate(quick: bool = False) -> dict:
-    """Every measurement of this node, as the JSON ``--calibration`` reads."""
+def calibrate(quick: bool = False, decoder: bool = True) -> dict:
+    """Every measurement of this node, as the JSON ``--calibration`` reads.
+
+    ``decoder=False`` leaves out the decoder's and the tensor runtime's figures
+    (:func:`llm_fixed_costs`, :func:`hpcmac.plan.tensor_cost.measure`), which only
+    ``plan llm`` reads: HPL's figures alone, in about half the time (quick, at load
+    8-14 on 2 cores, interleaved: 30 and 37 s against 55 and 77 s with them)."""
     t0 = time.perf_counter()
     nc = cores()
     reps = 3 if quick else 5
@@ -280,7 +285,7 @@ def calibrate(quick: bool = False) -> dict:
     sg = {b: sgemm_gflops(b, repeats=reps) for b in busy}
     panel = panel_cost(repeats=reps)
     try:
-        fixed = llm_fixed_costs()
+        fixed = llm_fixed_costs() if decoder else {}
     except ImportError:  # the llm extra is not installed: no decoder to measure
         fixed = {}
     tensor = {}
