@@ -142,6 +142,7 @@ class Stage:
             if tok.size and (tok.min() < 0 or tok.max() >= self.config.vocab):
                 raise UsageError(f"token id {int(tok.max() if tok.max() >= 0 else tok.min())} "
                                  f"is outside the vocabulary [0, {self.config.vocab})")
+            self._tokens = tok  # the next forward's Step.tokens (hash-routed experts)
         scale = self.config.embed_scale
         if be.name == "mlx":
             mx = be.mx
@@ -214,11 +215,14 @@ class Stage:
         positions = batch.token_positions()
         x = be.asarray(h)
         seqs = batch.seqs()
+        tokens, self._tokens = getattr(self, "_tokens", None), None
+        if tokens is not None and len(tokens) != batch.total:
+            tokens = None  # embedded for another step
         steps = []
         for inv_freq, att, scale in self._ropes:
             cos, sin = cos_sin(inv_freq, att, positions)
             steps.append(Step(seqs, be.asarray(cos[:, None, :]), be.asarray(sin[:, None, :]),
-                              scale, self._sum))
+                              scale, self._sum, tokens))
         for j, (layer, w) in enumerate(zip(self._blocks, self.layers)):
             cfg = self.local.at(self.start + j)  # this rank's heads (all on one rank)
             x = layer.forward(be, cfg, w, x, steps[self._rope_of[j]], cache.k[j], cache.v[j],
@@ -442,6 +446,13 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
         raise UsageError(f"layer range [{start}, {end}) is outside the model's "
                          f"{cfg.n_layers} layers")
     shard = shard or spec.full_shard(cfg)
+    fam = arch.of(cfg)
+    if shard.size > 1 and "tp" not in fam.layouts:
+        raise UsageError(f"{cfg.arch}: tensor parallelism is not supported for this family "
+                         "yet (run it whole on one rank)")
+    if (start, end) != (0, cfg.n_layers) and "pp" not in fam.layouts:
+        raise UsageError(f"{cfg.arch}: pipeline stages are not supported for this family "
+                         "yet (run it whole on one rank)")
     if shard.size > 1 and reduce is None:
         raise ValueError("load_stage: a shard of a tensor group needs reduce")
     ld = _Loader(ckpt, be, cfg, shard, keep_quantized)

@@ -43,7 +43,8 @@ from hpcmac.llm.model.quant import (
     stack,
 )
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+              "I64": np.int64}  # I64: DeepSeek-V4's token-to-expert table (read as floats)
 #: every dtype a safetensors header may declare, with its item size
 _ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
              "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -134,6 +135,10 @@ class SafetensorsCheckpoint:
                 for name in [n for n in self._file_of if n.startswith(stored)]:
                     self._stored[canon + name[len(stored):]] = name
                     self._file_of[canon + name[len(stored):]] = self._file_of.pop(name)
+        if "lm_head.weight" not in self._file_of and "head.weight" in self._file_of and \
+                "model.embed_tokens.weight" in self._file_of:  # DeepSeek-V4's reference name
+            self._stored["lm_head.weight"] = "head.weight"
+            self._file_of["lm_head.weight"] = self._file_of.pop("head.weight")
         #: gpt-oss's MXFP4 tensors: name -> (its _blocks, its _scales)
         self._mxfp4 = {n[:-len("_blocks")]: (n, n[:-len("_blocks")] + "_scales")
                        for n in self._file_of

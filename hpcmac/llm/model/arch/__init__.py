@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 NAMES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
          "minimax_m2", "glm4_moe_lite", "kimi_k25", "kimi_k2", "qwen3_next",
          "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "deepseek_v32",
-         "gemma4", "gemma4_text")
+         "gemma4", "gemma4_text", "deepseek_v4")
 
 _FAMILIES: dict[str, Family] = {}
 

@@ -24,6 +24,8 @@ class Step:
     cos, sin : (T_total, 1, rope_dim/2) rotary angles of the packed tokens
     scale : attention logit scale
     sum : the tensor group's sum of a partial result (the identity on one rank)
+    tokens : (T_total,) the packed token ids, where this stage embedded them (DeepSeek-V4's
+        hash-routed experts read them), else None
     """
 
     seqs: list
@@ -31,6 +33,7 @@ class Step:
     sin: Any
     scale: float
     sum: Callable
+    tokens: Any = None
 
 
 def _default_gguf_meta(w, cfg: ModelConfig) -> None:

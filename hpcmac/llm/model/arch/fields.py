@@ -90,6 +90,8 @@ class ModelConfig:
     by_layer_type: dict[str, dict[str, Any]] = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    #: a family's own hyper-parameters that no other family reads (DeepSeek-V4's)
+    family: dict[str, Any] = field(default_factory=dict)
 
     def check(self, where: str, max_layers: int | None = None) -> ModelConfig:
         """UsageError (one line naming ``where`` and the field) unless every size is a
