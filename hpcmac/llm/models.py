@@ -16,7 +16,8 @@ from hpcmac.llm.model.arch import families
 def _checkpoints(fam) -> list[str]:
     out = ["safetensors F32/F16/BF16"]
     out += [f"`{m}` ({how})" for m, how in fam.quant_methods.items()]
-    out.append("MLX affine" + (" (tested)" if fam.mlx_quant_tested else " (read, untested)"))
+    if fam.mlx_quant_read:
+        out.append("MLX affine" + (" (tested)" if fam.mlx_quant_tested else " (read, untested)"))
     if fam.gguf_arch:
         out.append(f"GGUF `{fam.gguf_arch}`")
     return out
@@ -52,7 +53,7 @@ def markdown() -> str:
              "|---|---|---|---|"]
     for r in rows():
         lines.append(f"| `{r['model_type']}` | {r['summary']} | "
-                     f"{'; '.join(r['checkpoints'])} | {', '.join(r['layouts'])} |")
+                     f"{'; '.join(r['checkpoints'])} | {', '.join(r['layouts']) or 'one rank'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -62,7 +63,7 @@ def text() -> str:
     for r in rows():
         out.append(f"{r['model_type']}: {r['summary'].replace('`', '')}")
         out.append(f"    checkpoints: {'; '.join(r['checkpoints']).replace('`', '')}")
-        out.append(f"    layouts: {', '.join(r['layouts'])}")
+        out.append(f"    layouts: {', '.join(r['layouts']) or 'one rank'}")
     out.append("formats:")
     out += [f"    {k}: {v}" for k, v in formats().items()]
     return "\n".join(out) + "\n"

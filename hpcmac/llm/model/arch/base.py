@@ -73,9 +73,12 @@ class Family:
     quant_methods : ``config.json`` ``quantization_config.quant_method`` values its loader
         reads, with how (e.g. ``{"mxfp4": "experts decoded to float32"}``); any other is
         refused before weights load
-    layouts : the parallel layouts it runs under (``tp``, ``pp``, ``tp+pp``)
+    layouts : the parallel layouts it runs under (``tp``, ``pp``, ``tp+pp``; none: whole on
+        one rank only, the others refused in one line by ``load_stage``)
     mlx_quant_tested : an MLX-quantized folder of it is checked by the tests (the reader is
         generic; ``models`` says which are checked)
+    mlx_quant_read : the generic reader reads its MLX-quantized folders (False: mlx-lm
+        renames its tensors in a form no reader here follows; ``models`` does not list it)
     fp8_float : the linear projections its FP8 releases keep in floats (their
         ``quantization_config.modules_to_not_convert``), by the module name's tail (e.g.
         ``linear_attn.in_proj_ba``); the embedding, the head, the norms and the routers
@@ -97,4 +100,5 @@ class Family:
     quant_methods: dict = field(default_factory=dict)
     layouts: tuple = ("tp", "pp", "tp+pp")
     mlx_quant_tested: bool = False
+    mlx_quant_read: bool = True
     fp8_float: tuple = ()

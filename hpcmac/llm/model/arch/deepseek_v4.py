@@ -518,7 +518,7 @@ FAMILY = Family(
              "by sqrt-softplus top-k or a fixed token hash, plus a shared expert (numpy, one "
              "rank)"),
     model_type="deepseek_v4", gguf_arch=None, from_hf=from_hf, from_gguf=None, layer=layer,
-    hf_class="DeepseekV4Config", layouts=(),
+    hf_class="DeepseekV4Config", layouts=(), mlx_quant_read=False,
     tiny=dict(vocab_size=97, hidden_size=32, moe_intermediate_size=12, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=20,
               partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=5,
