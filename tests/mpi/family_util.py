@@ -110,7 +110,7 @@ def run(path, tp, prompts, n_new=N_NEW, group=None, chunk=3, backend="numpy", **
                        shard=shards[groups.tp_rank], reduce=tg.allreduce if tg else None,
                        backend=backend)
     reqs = [Request(list(p), n_new) for p in prompts] if g.rank == 0 else None
-    return run_tensor_pipeline(groups, tg, stage, spec, cfg.hidden, reqs, keep_logits=True,
+    return run_tensor_pipeline(groups, tg, stage, spec, cfg.residual_width, reqs, keep_logits=True,
                                prefill_chunk=chunk, **kw)
 
 

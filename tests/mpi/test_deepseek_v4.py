@@ -1,5 +1,9 @@
-"""deepseek_v4 against transformers: the whole model on one rank (np 1); tensor parallelism
-and pipeline stages are refused in one line at any rank count (not supported yet).
+"""deepseek_v4 against transformers at any rank count: the whole model on one rank, tensor
+parallel over all ranks (query heads split, 4 over 3 ranks 2/1/1: a grouped-projection group
+split between ranks; the experts' and the shared expert's columns split; the K = V head, the
+compressors, the indexer and the hyper-connections replicated), a pipeline of all ranks (the
+hyper-connection streams cross the links), 2 x 2 and tensor 3 at four ranks. A hash-routed
+layer on a stage that does not embed is refused in one line.
 
 Odd shapes: 4 query heads of 16 over the one shared K = V head, rope on the last 8 of each
 (interleaved), a Q LoRA of 20, the grouped output projection in 2 groups of 10; hc_mult 3
@@ -63,37 +67,29 @@ def checkpoints():
 
 @pytest.fixture(scope="module")
 def long_case():
-    if world().size > 1:
-        pytest.skip("one rank: deepseek_v4 runs whole on one rank")
     with write_cases("deepseek_v4", CASES, VOCAB, build=build, lengths=(300, 40, 13)) as out:
         yield next(iter(out.values()))
 
 
 def test_matches_transformers(checkpoints):
-    if world().size > 1:
-        pytest.skip("one rank: deepseek_v4 runs whole on one rank (the refusals: below)")
     check_case("deepseek_v4", next(iter(checkpoints.values())))
 
 
 def test_long_prompt_chunked_then_decoded_together(long_case):
     """Prompts of 300, 40 and 13 tokens prefilled in chunks of 64 and decoded together in
-    three slots: each one's tokens and logits as transformers gives for it alone."""
+    three slots, tensor parallel over all ranks: each one's tokens and logits as transformers
+    gives for it alone."""
     check_together("deepseek_v4 long", long_case, chunk=64, max_batch=3)
 
 
-def test_refuses_what_it_cannot_split(checkpoints):
-    """Every rank: tensor parallel shares and pipeline stages are refused in one line."""
-    from hpcmac.llm.model.config import load_config
-    from hpcmac.llm.model.spec import make_shards
+def test_hash_layer_needs_the_embedding(checkpoints):
+    """Every rank: a stage holding the hash-routed layer 0 but not the embedding is refused
+    in one line."""
     from hpcmac.llm.model.stage import load_stage
 
     path = next(iter(checkpoints.values()))[0]
-    cfg = load_config(path)
-    shard = make_shards(cfg, [1.0, 1.0])[world().rank % 2]
-    with pytest.raises(UsageError, match="tensor parallelism is not supported"):
-        load_stage(path, 0, cfg.n_layers, shard=shard, reduce=lambda a: a)
-    with pytest.raises(UsageError, match="pipeline stages are not supported"):
-        load_stage(path, 0, 2, True, False)
+    with pytest.raises(UsageError, match="layer 0 routes by token id"):
+        load_stage(path, 0, 2, False, False)
     world().barrier()
 
 

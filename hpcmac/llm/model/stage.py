@@ -453,6 +453,12 @@ def load_stage(path_or_name: str | os.PathLike, start: int, end: int, first: boo
     if (start, end) != (0, cfg.n_layers) and "pp" not in fam.layouts:
         raise UsageError(f"{cfg.arch}: pipeline stages are not supported for this family "
                          "yet (run it whole on one rank)")
+    if not first:
+        for i in range(start, end):
+            if getattr(arch.layer(cfg, i), "needs_tokens", False):
+                raise UsageError(f"{cfg.arch}: layer {i} routes by token id (hash-routed "
+                                 "experts) and needs the stage that embeds; put it on the "
+                                 "first pipeline stage")
     if shard.size > 1 and reduce is None:
         raise ValueError("load_stage: a shard of a tensor group needs reduce")
     ld = _Loader(ckpt, be, cfg, shard, keep_quantized)

@@ -217,7 +217,7 @@ def bring_up(group: Group, placement: Placement, model: str, cfg, *, backend: st
         quantize=quantize, group_size=group_size, shard=shard if tp > 1 else None,
         reduce=reduce, int8_activations=int8_activations))
     drafter = agree(group, lambda: _drafter(draft, backend) if group.rank == 0 else None)
-    return Runtime(placement, groups, tg, stage, cfg.hidden, timeout, drafter)
+    return Runtime(placement, groups, tg, stage, cfg.residual_width, timeout, drafter)
 
 
 def tensor_reduce(tg: TensorGroup, backend: str, world: Group):

@@ -115,13 +115,13 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
             raise UsageError(f"{where}: field 'rope_parameters.main.rope_type' = "
                              f"{p['rope_type']!r}: expected 'default'")
         ropes[label] = (theta, p)
+    hc = json_int(raw, "hc_mult", where, 4)
     fam = dict(
-        hc_mult=json_int(raw, "hc_mult", where, 4),
         hc_iters=json_int(raw, "hc_sinkhorn_iters", where, 20),
         hc_eps=json_float(raw, "hc_eps", where, 1e-6),
         rates=rates, mlp_types=list(mlp), score=score, o_groups=groups,
         o_lora_rank=json_int(raw, "o_lora_rank", where, 1024), ropes=ropes)
-    if fam["hc_mult"] < 1 or fam["hc_iters"] < 1:
+    if hc < 1 or fam["hc_iters"] < 1:
         raise UsageError(f"{where}: fields 'hc_mult' and 'hc_sinkhorn_iters': expected >= 1")
     moe_i = json_int(raw, "moe_intermediate_size", where, 2048)
     cfg = ModelConfig(
@@ -138,7 +138,7 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
         q_lora_rank=json_int(raw, "q_lora_rank", where, 1024),
         index_n_heads=json_int(raw, "index_n_heads", where, 64),
         index_head_dim=json_int(raw, "index_head_dim", where, 128),
-        index_topk=json_int(raw, "index_topk", where, 512), family=fam)
+        index_topk=json_int(raw, "index_topk", where, 512), family=fam, residual_streams=hc)
     if cfg.rope_dim > cfg.index_head_dim and "compressed_sparse_attention" in types:
         raise UsageError(f"{where}: field 'index_head_dim' = {cfg.index_head_dim}: expected at "
                          f"least the rotated {cfg.rope_dim}")
@@ -225,8 +225,9 @@ def _hyper(x, fn, base, scale, n, iters, eps, norm_eps):
 
 # -- blocks --------------------------------------------------------------------------
 
-def _t(i, name, shape, kind="matrix"):
-    return TensorSpec(f"model.layers.{i}.{name}", tuple(int(s) for s in shape), kind)
+def _t(i, name, shape, kind="matrix", split=None, axis=0):
+    return TensorSpec(f"model.layers.{i}.{name}", tuple(int(s) for s in shape), kind, split,
+                      axis)
 
 
 @dataclass(frozen=True)
@@ -238,16 +239,27 @@ class SlidingAttention:
         g, R = _fam(cfg)["o_groups"], _fam(cfg)["o_lora_rank"]
         a = "attn."
         return [_t(i, a + "wq_a.weight", (r, D)), _t(i, a + "q_norm.weight", (r,), "vector"),
-                _t(i, a + "wq_b.weight", (H * d, r)), _t(i, a + "wkv.weight", (d, D)),
+                _t(i, a + "wq_b.weight", (H * d, r), split="q"), _t(i, a + "wkv.weight", (d, D)),
                 _t(i, a + "norm.weight", (d,), "vector"),
                 _t(i, a + "wo_a.weight", (g * R, H * d // g)),
-                _t(i, a + "wo_b.weight", (D, g * R)), _t(i, a + "attn_sink", (H,), "vector")]
+                _t(i, a + "wo_b.weight", (D, g * R)),
+                _t(i, a + "attn_sink", (H,), "vector", "heads")]
 
     def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
         a = f"model.layers.{i}.attn."
         for k in ("wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight", "norm.weight",
-                  "wo_a.weight", "wo_b.weight", "attn_sink"):
+                  "wo_b.weight", "attn_sink"):
             w[k] = ld.np(a + k)
+        # the grouped output projection by query head: head h (of group h // (H / g)) owns
+        # the (R, d) block of its group's columns; this rank's heads only
+        H, d = cfg.n_heads, cfg.head_dim
+        g, R = _fam(cfg)["o_groups"], _fam(cfg)["o_lora_rank"]
+        h0, h1 = ld.shard.heads if ld.shard.size > 1 else (0, H)
+        wa = ld.np(a + "wo_a.weight").reshape(g, R, H // g, d)
+        heads = np.arange(h0, h1)
+        w["o_blocks"] = np.ascontiguousarray(wa[heads // (H // g), :, heads % (H // g)])
+        w["o_group"] = heads // (H // g)
+        w["nh"] = h1 - h0
         label = "main" if type(self) is SlidingAttention else "compress"
         theta, params = _fam(cfg)["ropes"][label]
         from hpcmac.llm.model.rope import rope_frequencies
@@ -263,7 +275,7 @@ class SlidingAttention:
         return np.zeros((0, cfg.head_dim), _F32), np.zeros((x.shape[0], 0), bool)
 
     def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv, ci):
-        H, d, eps = cfg.n_heads, cfg.head_dim, cfg.norm_eps
+        H, d, eps = w["nh"], cfg.head_dim, cfg.norm_eps  # this rank's heads
         win = cfg.sliding_window
         T = x.shape[0]
         q_res = _rms(x @ w["wq_a.weight"].T, w["q_norm.weight"], eps)
@@ -294,9 +306,11 @@ class SlidingAttention:
             out[rows] = np.einsum("nhk,kd->nhd", prob, keys)
         out = _rope_tail(out, cos, -sin)
         g, R = _fam(cfg)["o_groups"], _fam(cfg)["o_lora_rank"]
-        wa = w["wo_a.weight"].reshape(g, R, -1)
-        y = np.einsum("tgi,gri->tgr", out.reshape(T, g, -1), wa).reshape(T, g * R)
-        return y @ w["wo_b.weight"].T
+        yh = np.einsum("thd,hrd->thr", out, w["o_blocks"])
+        y = np.zeros((T, g, R), _F32)
+        for gi in np.unique(w["o_group"]):
+            y[:, gi] = yh[:, w["o_group"] == gi].sum(axis=1)
+        return y.reshape(T, g * R) @ w["wo_b.weight"].T  # partial: this rank's heads
 
     def store(self, cfg, w, x, step, ci):
         pass
@@ -398,10 +412,12 @@ class HyperMoE:
         out = [_t(i, f + "gate.weight", (E, D))]
         out.append(_t(i, f + "gate.tid2eid", (cfg.vocab, k), "array") if self.hash else
                    _t(i, f + "gate.bias", (E,), "vector"))
-        out += [_t(i, f + "experts.gate", (E, I, D)), _t(i, f + "experts.up", (E, I, D)),
-                _t(i, f + "experts.down", (E, D, I))]
-        for n, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-            out.append(_t(i, f + f"shared_experts.{n}.weight", shape))
+        out += [_t(i, f + "experts.gate", (E, I, D), split="expert_ffn", axis=1),
+                _t(i, f + "experts.up", (E, I, D), split="expert_ffn", axis=1),
+                _t(i, f + "experts.down", (E, D, I), split="expert_ffn", axis=2)]
+        for n, shape, axis in (("w1", (I, D), 0), ("w3", (I, D), 0), ("w2", (D, I), 1)):
+            out.append(_t(i, f + f"shared_experts.{n}.weight", shape, split="shared_ffn",
+                          axis=axis))
         return out
 
     def load(self, ld, cfg: ModelConfig, i: int, w: dict) -> None:
@@ -452,8 +468,13 @@ class HyperLayer:
     attention: object
     ffn: object
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Its experts are hash-routed: it runs on the stage that embeds (``load_stage``)."""
+        return self.ffn.hash
+
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
-        D, n = cfg.hidden, _fam(cfg)["hc_mult"]
+        D, n = cfg.hidden, cfg.residual_streams
         out = [_t(i, "attn_norm.weight", (D,), "vector"),
                _t(i, "ffn_norm.weight", (D,), "vector")]
         for b in ("attn", "ffn"):
@@ -470,9 +491,6 @@ class HyperLayer:
     def load(self, ld, cfg: ModelConfig, i: int) -> dict:
         if ld.be.name != "numpy":
             raise UsageError("deepseek_v4 runs on the numpy backend only (--backend numpy)")
-        if ld.shard.size > 1:
-            raise UsageError("deepseek_v4: tensor parallelism is not supported yet (run it "
-                             "whole on one rank)")
         w: dict = {"first": i == 0, "last": i == cfg.n_layers - 1}
         for t in self.tensors(cfg, i):
             if ".attn." not in t.name and ".ffn." not in t.name:
@@ -484,18 +502,20 @@ class HyperLayer:
 
     def forward(self, be, cfg: ModelConfig, w: dict, x, step, ck, cv, ci=None):
         f = _fam(cfg)
-        n, eps = f["hc_mult"], cfg.norm_eps
+        n, eps = cfg.residual_streams, cfg.norm_eps
         x = np.asarray(x, _F32)
         if w["first"]:
             x = np.repeat(x[:, None, :], n, axis=1)
+        elif x.ndim == 2:  # from the previous pipeline stage, (T, n * D)
+            x = x.reshape(x.shape[0], n, cfg.hidden)
         for b, norm in (("attn", "attn_norm.weight"), ("ffn", "ffn_norm.weight")):
             h, post, comb = _hyper(x, w[f"hc_{b}_fn"], w[f"hc_{b}_base"], w[f"hc_{b}_scale"],
                                    n, f["hc_iters"], f["hc_eps"], eps)
             h = _rms(h, w[norm], eps)
             if b == "attn":
-                y = self.attention.forward(be, cfg, w, h, step, ck, cv, ci)
+                y = step.sum(self.attention.forward(be, cfg, w, h, step, ck, cv, ci))
             else:
-                y = self.ffn.forward(be, cfg, w, h, step.tokens)
+                y = step.sum(self.ffn.forward(be, cfg, w, h, step.tokens))
             x = post[:, :, None] * y[:, None, :] + np.einsum("tjk,tjd->tkd", comb, x)
         if w["last"]:
             T = x.shape[0]
@@ -518,7 +538,7 @@ FAMILY = Family(
              "by sqrt-softplus top-k or a fixed token hash, plus a shared expert (numpy, one "
              "rank)"),
     model_type="deepseek_v4", gguf_arch=None, from_hf=from_hf, from_gguf=None, layer=layer,
-    hf_class="DeepseekV4Config", layouts=(), mlx_quant_read=False,
+    hf_class="DeepseekV4Config", mlx_quant_read=False,
     tiny=dict(vocab_size=97, hidden_size=32, moe_intermediate_size=12, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=20,
               partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=5,

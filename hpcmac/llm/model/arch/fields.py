@@ -92,6 +92,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     #: a family's own hyper-parameters that no other family reads (DeepSeek-V4's)
     family: dict[str, Any] = field(default_factory=dict)
+    #: residual streams per token between layers (DeepSeek-V4's hyper-connections: hc_mult)
+    residual_streams: int = 1
 
     def check(self, where: str, max_layers: int | None = None) -> ModelConfig:
         """UsageError (one line naming ``where`` and the field) unless every size is a
@@ -175,6 +177,12 @@ class ModelConfig:
 
             cache[key] = replace(self, **over, by_layer_type={})
         return cache[key]
+
+    @property
+    def residual_width(self) -> int:
+        """Floats per token a pipeline stage hands the next: the hidden size times the
+        residual streams (DeepSeek-V4 keeps ``hc_mult`` of them)."""
+        return self.hidden * self.residual_streams
 
     @property
     def shared_width(self) -> int:
