@@ -38,9 +38,16 @@ The cache (per layer, per token): the roped K = V in the KV cache's K; for a com
 the compressors' raw projections (``wkv x``, ``wgate x``, the indexer's too) in its third
 array (:meth:`CompressedAttention.index_dim`), from which every step rebuilds the closed
 windows' entries: exact across prefill chunks, decode and sequences batched together, with
-no state to carry (prefix blocks copy it as they copy keys). Runs on the numpy backend, whole
-on one rank: tensor parallelism, pipeline stages (the streams are ``hc_mult`` times wider than
-what the pipeline sends) and MLX are refused in one line; no GGUF or quantized form.
+no state to carry (prefix blocks copy it as they copy keys).
+
+Parallel layouts: tensor parallelism splits the query heads (``wq_b`` rows, the sinks; the
+grouped output projection is read per head, so a group may split between ranks: each rank's
+partial ``wo_b`` output is summed) and the routed and shared experts' columns; the K = V head,
+the compressors, the indexer, the routers and the hyper-connections are replicated (every
+rank computes the same streams). Pipeline stages hand on all ``hc_mult`` streams
+(:attr:`~hpcmac.llm.model.arch.fields.ModelConfig.residual_width`); a hash-routed layer must
+sit on the stage that embeds (it reads the token ids: ``Step.tokens``), refused in one line
+otherwise. Numpy backend only (MLX refused in one line); no GGUF or quantized form.
 """
 
 from __future__ import annotations
@@ -535,8 +542,8 @@ FAMILY = Family(
     summary=("hyper-connected residual streams (Sinkhorn-mixed), one shared K = V head with "
              "sinks and a grouped output projection over sliding, heavily compressed and "
              "compressed sparse (lightning-indexed) attention; clamped SwiGLU experts routed "
-             "by sqrt-softplus top-k or a fixed token hash, plus a shared expert (numpy, one "
-             "rank)"),
+             "by sqrt-softplus top-k or a fixed token hash, plus a shared expert (numpy "
+             "backend; hash-routed layers on the first pipeline stage)"),
     model_type="deepseek_v4", gguf_arch=None, from_hf=from_hf, from_gguf=None, layer=layer,
     hf_class="DeepseekV4Config", mlx_quant_read=False,
     tiny=dict(vocab_size=97, hidden_size=32, moe_intermediate_size=12, num_hidden_layers=4,
