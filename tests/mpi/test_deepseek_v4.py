@@ -33,7 +33,20 @@ from hpcmac.testing import world
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
 VOCAB = 97
-CASES = {"h4-hc3-window6-csa2-hca4": (0, {})}
+CASES = {
+    "h4-hc3-window6-csa2-hca4": (0, {}),
+    # 6 heads of 12 in 3 groups (tp 4: 2/2/1/1), rope on 4, hc_mult 2, CSA at 3 keeping 4,
+    # HCA at 5, window 5, sigmoid scores, the compress rope YaRN (factor 4 over 128)
+    "h6-g3-hc2-csa3-hca5-yarn-sigmoid": (1, dict(
+        num_attention_heads=6, head_dim=12, partial_rotary_factor=1 / 3, o_groups=3,
+        o_lora_rank=7, hc_mult=2, sliding_window=5, index_topk=4, index_head_dim=6,
+        compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5},
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                     "sliding_attention", "heavily_compressed_attention"],
+        scoring_func="sigmoid",
+        rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 128})),
+}
 
 
 def build(model_type, path, seed, fields):
@@ -67,12 +80,14 @@ def checkpoints():
 
 @pytest.fixture(scope="module")
 def long_case():
-    with write_cases("deepseek_v4", CASES, VOCAB, build=build, lengths=(300, 40, 13)) as out:
+    first = dict(list(CASES.items())[:1])
+    with write_cases("deepseek_v4", first, VOCAB, build=build, lengths=(300, 40, 13)) as out:
         yield next(iter(out.values()))
 
 
-def test_matches_transformers(checkpoints):
-    check_case("deepseek_v4", next(iter(checkpoints.values())))
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_transformers(checkpoints, name):
+    check_case(f"deepseek_v4 {name}", checkpoints[name])
 
 
 def test_long_prompt_chunked_then_decoded_together(long_case):
