@@ -146,7 +146,8 @@ def test_what_v4_adds_matters(checkpoints):
 
 _RAW = {"model_type": "deepseek_v4", "vocab_size": 96, "hidden_size": 32,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
-        "head_dim": 16, "partial_rotary_factor": 0.5, "q_lora_rank": 8, "layer_types": ["sliding_attention"] * 2,
+        "head_dim": 16, "partial_rotary_factor": 0.5, "q_lora_rank": 8,
+        "layer_types": ["sliding_attention"] * 2,
         "mlp_layer_types": ["hash_moe", "moe"], "o_groups": 2, "index_head_dim": 8}
 
 
@@ -194,3 +195,33 @@ def test_planner_counts_what_the_stage_holds(checkpoints):
             with pytest.raises(UsageError, match="numpy backend only"):
                 load_stage(path, 0, n, backend="mlx")
     g.barrier()
+
+
+def test_release_fields_read_as_transformers_reads_them():
+    """The releases' older fields (compress_ratios, num_hash_layers, qk_rope_head_dim, a flat
+    YaRN rope_scaling) and the defaults give transformers' layer types and ropes."""
+    import transformers
+
+    from hpcmac.llm.model.arch import config_from_hf
+
+    base = {k: v for k, v in _RAW.items() if k not in ("layer_types", "mlp_layer_types",
+                                                       "partial_rotary_factor")}
+    yarn = {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1}
+    for raw in ({**base, "num_hidden_layers": 5, "qk_rope_head_dim": 8},
+                {**base, "num_hidden_layers": 3, "compress_ratios": [128, 0, 4],
+                 "num_hash_layers": 1, "qk_rope_head_dim": 4, "rope_scaling": yarn,
+                 "compress_rate_csa": 4, "compress_rope_theta": 5e4}):
+        cfg = config_from_hf(dict(raw))
+        hf = transformers.DeepseekV4Config(**{k: v for k, v in raw.items()
+                                              if k != "model_type"})
+        assert cfg.layer_types == hf.layer_types and cfg.family["mlp_types"] == \
+            hf.mlp_layer_types
+        assert cfg.rope_dim == hf.qk_rope_head_dim
+        for label in ("main", "compress"):
+            want = dict(hf.rope_parameters[label])
+            theta, p = cfg.family["ropes"][label]
+            assert theta == want.pop("rope_theta")
+            want.pop("partial_rotary_factor", None)
+            want.pop("type", None)  # the legacy spelling transformers keeps beside rope_type
+            assert p == want, (label, p, want)

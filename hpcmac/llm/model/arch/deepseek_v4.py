@@ -80,24 +80,41 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
     if act != "silu":
         raise UsageError(f"{where}: field 'hidden_act' = {act!r}: expected 'silu'")
     hd = f["head_dim"]
-    prf = raw.get("partial_rotary_factor")
-    if prf is None:
-        rd = json_int(raw, "qk_rope_head_dim", where, 64)
-        prf = rd / hd
-    prf = float(prf)
-    rates = dict(_KINDS)
-    for k, v in (raw.get("compress_rates") or {}).items():
-        if k not in rates or k == "sliding_attention":
+    prf = json_float(raw, "partial_rotary_factor", where,
+                     json_int(raw, "qk_rope_head_dim", where, 64) / hd)
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    given = dict(raw.get("compress_rates") or {})
+    for legacy, kind in (("compress_rate_csa", "compressed_sparse_attention"),
+                         ("compress_rate_hca", "heavily_compressed_attention")):
+        if raw.get(legacy) is not None:  # older configs' top-level rates
+            given[kind] = raw[legacy]
+    for k, v in given.items():
+        if k not in rates:
             raise UsageError(f"{where}: field 'compress_rates' key {k!r}: expected "
                              "compressed_sparse_attention or heavily_compressed_attention")
         rates[k] = json_int({k: v}, k, where)
         if rates[k] < 1:
             raise UsageError(f"{where}: field 'compress_rates.{k}' = {v}: expected >= 1")
     types = raw.get("layer_types")
+    ratios = raw.get("compress_ratios")  # the releases' per-layer 0 / 4 / 128
+    if types is None and ratios is not None:
+        by_ratio = {0: "sliding_attention", 4: "compressed_sparse_attention",
+                    128: "heavily_compressed_attention"}
+        if not isinstance(ratios, list) or any(r not in by_ratio for r in ratios):
+            raise UsageError(f"{where}: field 'compress_ratios' = {ratios!r}: expected a list "
+                             "of 0, 4 or 128")
+        types = [by_ratio[r] for r in ratios][:n]
+    if types is None:  # transformers' default: two HCA layers, then CSA / HCA in turn
+        types = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+            for i in range(max(n - 2, 0))]
     if not isinstance(types, list) or len(types) != n or any(t not in _KINDS for t in types):
         raise UsageError(f"{where}: field 'layer_types': expected a list of {n} entries, each "
                          f"{', '.join(map(repr, _KINDS))}, found {types!r}")
     mlp = raw.get("mlp_layer_types")
+    if mlp is None:  # the first num_hash_layers (3) hash-routed
+        k = json_int(raw, "num_hash_layers", where, 3)
+        mlp = ["hash_moe"] * min(n, k) + ["moe"] * max(0, n - k)
     if not isinstance(mlp, list) or len(mlp) != n or any(t not in ("hash_moe", "moe")
                                                          for t in mlp):
         raise UsageError(f"{where}: field 'mlp_layer_types': expected a list of {n} entries, "
@@ -110,18 +127,7 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
     if groups < 1 or H % groups:
         raise UsageError(f"{where}: field 'o_groups' = {groups}: expected a divisor of "
                          f"num_attention_heads ({H})")
-    rp = raw.get("rope_parameters") or {}
-    ropes = {}
-    for label, theta_key in (("main", "rope_theta"), ("compress", "compress_rope_theta")):
-        p = dict(rp.get(label) or {})
-        theta = json_float(p, "rope_theta", where, json_float(
-            raw, theta_key, where, 10000.0 if label == "main" else 160000.0))
-        p = {k: v for k, v in p.items() if k not in ("rope_theta", "partial_rotary_factor")}
-        p.setdefault("rope_type", "default")
-        if label == "main" and p["rope_type"] != "default":
-            raise UsageError(f"{where}: field 'rope_parameters.main.rope_type' = "
-                             f"{p['rope_type']!r}: expected 'default'")
-        ropes[label] = (theta, p)
+    ropes = _ropes(raw, where)
     hc = json_int(raw, "hc_mult", where, 4)
     fam = dict(
         hc_iters=json_int(raw, "hc_sinkhorn_iters", where, 20),
@@ -150,6 +156,42 @@ def from_hf(raw: dict, where: str) -> ModelConfig:
         raise UsageError(f"{where}: field 'index_head_dim' = {cfg.index_head_dim}: expected at "
                          f"least the rotated {cfg.rope_dim}")
     return cfg
+
+
+def _ropes(raw: dict, where: str) -> dict:
+    """label -> (theta, rope params) of the ``main`` (sliding layers) and ``compress``
+    (compressed layers, their compressors and indexer) ropes, as transformers reads them: a
+    nested ``rope_parameters`` as it is; otherwise the flat one (or ``rope_scaling``) is the
+    compress rope's scaling (YaRN in the releases, its attention factor 1 unless given) and
+    the main rope is the default one at ``rope_theta``."""
+    rp = raw.get("rope_parameters") or {}
+    if not isinstance(rp, dict):
+        raise UsageError(f"{where}: field 'rope_parameters': expected an object")
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, comp = dict(rp["main"]), dict(rp["compress"])
+    else:
+        flat = {**(raw.get("rope_scaling") or {}), **rp}
+        flat = {k: v for k, v in flat.items() if k not in ("main", "compress")}
+        if "type" in flat and "rope_type" not in flat:
+            flat["rope_type"] = flat.pop("type")
+        main = {"rope_type": "default",
+                "rope_theta": json_float(raw, "rope_theta", where, 10000.0)}
+        comp = {**flat, "rope_theta": json_float(raw, "compress_rope_theta", where, 160000.0)}
+        comp.setdefault("rope_type", "default")
+        if comp["rope_type"] == "yarn":
+            comp.setdefault("attention_factor", 1.0)
+    out = {}
+    for label, p in (("main", main), ("compress", comp)):
+        theta = json_float(p, "rope_theta", where, 10000.0 if label == "main" else 160000.0)
+        p = {k: v for k, v in p.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        p.setdefault("rope_type", "default")
+        if p["rope_type"] not in ("default", "yarn") or (label == "main" and
+                                                         p["rope_type"] != "default"):
+            raise UsageError(f"{where}: field 'rope_parameters.{label}.rope_type' = "
+                             f"{p['rope_type']!r}: expected 'default'"
+                             + (" or 'yarn'" if label == "compress" else ""))
+        out[label] = (theta, p)
+    return out
 
 
 # -- numerics ------------------------------------------------------------------------
