@@ -319,7 +319,7 @@ class SlidingAttention:
                              f"{att}; expected 1 (DeepSeek-V4 sets attention_factor 1.0)")
         w["inv_freq"] = inv
 
-    def compressed(self, cfg, w, x, q_res, rows, ci, slot, L, pos):
+    def compressed(self, cfg, w, x, q_res, ci, slot, L, pos):
         """Extra keys (E, d) and, per query, which are visible (n, E) bool."""
         return np.zeros((0, cfg.head_dim), _F32), np.zeros((x.shape[0], 0), bool)
 
@@ -345,7 +345,7 @@ class SlidingAttention:
             p = np.arange(pos, L)
             j = np.arange(lo, L)
             vis = (j[None, :] <= p[:, None]) & (j[None, :] > p[:, None] - win)
-            ent, evis = self.compressed(cfg, w, x[rows], q_res[rows], rows, ci, slot, L, pos)
+            ent, evis = self.compressed(cfg, w, x[rows], q_res[rows], ci, slot, L, pos)
             keys = np.concatenate([keys, ent])
             vis = np.concatenate([vis, evis], axis=1)
             logit = np.einsum("nhd,kd->nhk", q[rows], keys) * scale
@@ -419,7 +419,7 @@ class CompressedAttention(SlidingAttention):
         for slot, off, n, pos in step.seqs:
             ci[slot, pos:pos + n] = row[off:off + n]
 
-    def compressed(self, cfg, w, x, q_res, rows, ci, slot, L, pos):
+    def compressed(self, cfg, w, x, q_res, ci, slot, L, pos):
         d, m, eps = cfg.head_dim, w["rate"], cfg.norm_eps
         c = 2 * d if self.sparse else d
         src = ci[slot, :(L // m) * m]
