@@ -83,14 +83,33 @@ def _reduce16(b, accs):
     return b.shuffle_vector(v, v, ir.Constant(_vec(_I32, 16), order))
 
 
-def _scores_ir(context, builder, sig, args):
-    qt, ct, _, _, st = sig.args
-    qa, ca, base, L, sa = args
-    b = builder
-    h = _IR(b)
-    q = context.make_array(qt)(context, builder, qa)
+def _kernel_args(context, builder, sig, args):
+    """The head of :func:`_scores_ir` and :func:`_wsum_ir` (both called as ``(x, cache,
+    base, L, out)``): ``builder``, its :class:`~hpcmac.llm.model.qvec._IR` helpers, then
+    ``x``, ``cache`` and ``out`` as arrays and ``base``, ``L`` as given."""
+    xt, ct, _, _, ot = sig.args
+    xa, ca, base, L, oa = args
+    x = context.make_array(xt)(context, builder, xa)
     c = context.make_array(ct)(context, builder, ca)
-    s = context.make_array(st)(context, builder, sa)
+    o = context.make_array(ot)(context, builder, oa)
+    return builder, _IR(builder), x, c, base, L, o
+
+
+def _over_query_heads(b, g, block, *at):
+    """``block(i0, nq, *at)`` over ``g`` query heads: ``QB`` at a time, then the ``g % QB``
+    left (one branch for each count, so that ``nq`` is a constant in each block)."""
+    full = b.udiv(g, _c64(QB))
+    left = b.sub(g, b.mul(full, _c64(QB)))
+    with cgutils.for_range(b, full) as lq:
+        block(b.mul(lq.index, _c64(QB)), QB, *at)
+    i0 = b.mul(full, _c64(QB))
+    for nq in range(1, QB):
+        with b.if_then(b.icmp_unsigned("==", left, _c64(nq))):
+            block(i0, nq, *at)
+
+
+def _scores_ir(context, builder, sig, args):
+    b, h, q, c, base, L, s = _kernel_args(context, builder, sig, args)
     g, d = cgutils.unpack_tuple(b, q.shape, 2)
     chunks = b.udiv(d, _c64(16))
     accs = [[cgutils.alloca_once(b, _F16) for _ in range(KB)] for _ in range(QB)]
@@ -118,19 +137,13 @@ def _scores_ir(context, builder, sig, args):
             dst = b.gep(s.data, [b.add(b.mul(b.add(i0, _c64(u)), L), j)])
             b.store(part, b.bitcast(dst, _vec(_F32, KB).as_pointer()), align=1)
 
-    full = b.udiv(g, _c64(QB))
-    left = b.sub(g, b.mul(full, _c64(QB)))
     nblk = b.udiv(L, _c64(KB))
     with cgutils.for_range(b, nblk) as lb:
         j = b.mul(lb.index, _c64(KB))
         kb = b.add(base, b.mul(j, d))  # the block's first key row
         with cgutils.for_range(b, b.mul(_c64(KB), chunks)) as lp:  # one line a 64 bytes
             h.prefetch(c.data, b.add(kb, b.add(_c64(PREFETCH // 4), b.mul(lp.index, _c64(16)))))
-        with cgutils.for_range(b, full) as lq:
-            block(b.mul(lq.index, _c64(QB)), QB, j)
-        for nq in range(1, QB):
-            with b.if_then(b.icmp_unsigned("==", left, _c64(nq))):
-                block(b.mul(full, _c64(QB)), nq, j)
+        _over_query_heads(b, g, block, j)
     with cgutils.for_range(b, b.sub(L, b.mul(nblk, _c64(KB)))) as lr:  # the last keys
         j = b.add(b.mul(nblk, _c64(KB)), lr.index)
         kr = b.add(base, b.mul(j, d))
@@ -147,13 +160,7 @@ def _scores_ir(context, builder, sig, args):
 
 
 def _wsum_ir(context, builder, sig, args):
-    pt, ct, _, _, ot = sig.args
-    pa, ca, base, L, oa = args
-    b = builder
-    h = _IR(b)
-    p = context.make_array(pt)(context, builder, pa)
-    c = context.make_array(ct)(context, builder, ca)
-    o = context.make_array(ot)(context, builder, oa)
+    b, h, p, c, base, L, o = _kernel_args(context, builder, sig, args)
     g, d = cgutils.unpack_tuple(b, o.shape, 2)
     accs = [[cgutils.alloca_once(b, _F16) for _ in range(4)] for _ in range(QB)]
     nblk = b.udiv(b.add(L, _c64(VB - 1)), _c64(VB))
@@ -184,18 +191,11 @@ def _wsum_ir(context, builder, sig, args):
                     dst = b.bitcast(b.gep(o.data, [off]), _F16.as_pointer())
                     b.store(b.load(accs[u][k]), dst, align=1)
 
-    full = b.udiv(g, _c64(QB))
-    left = b.sub(g, b.mul(full, _c64(QB)))
     with cgutils.for_range(b, nblk) as lb:
         j0 = b.mul(lb.index, _c64(VB))
         n = b.sub(L, j0)
         n = b.select(b.icmp_unsigned("<", n, _c64(VB)), n, _c64(VB))
-        with cgutils.for_range(b, full) as lq:
-            block(b.mul(lq.index, _c64(QB)), QB, j0, n)
-        i0 = b.mul(full, _c64(QB))
-        for nq in range(1, QB):
-            with b.if_then(b.icmp_unsigned("==", left, _c64(nq))):
-                block(i0, nq, j0, n)
+        _over_query_heads(b, g, block, j0, n)
     return context.get_dummy_value()
 
 
