@@ -36,25 +36,11 @@ def parse_rows(text: str) -> list[int]:
 
 def quantized_matrices(stage) -> list:
     """Every :class:`~hpcmac.llm.model.qkernels.NQWeight` of a numpy stage's layers (each
-    expert's too); not the head's, which a prefill multiplies by its last row alone."""
+    expert's too, each once); not the head's, which a prefill multiplies by its last row
+    alone."""
     from hpcmac.llm.model.qkernels import NQWeight
 
-    found, seen = [], set()
-
-    def walk(v):
-        if isinstance(v, NQWeight):
-            if id(v) not in seen:
-                seen.add(id(v))
-                found.append(v)
-        elif isinstance(v, dict):
-            for u in v.values():
-                walk(u)
-        elif isinstance(v, (list, tuple)):
-            for u in v:
-                walk(u)
-
-    walk(stage.layers)
-    return found
+    return [v for v in stage.held(extra=False) if isinstance(v, NQWeight)]
 
 
 def _cpu_ms(fn, ws, xs) -> float:

@@ -108,6 +108,32 @@ class Stage:
         """The vocabulary rows ``[lo, hi)`` whose logits :meth:`logits` returns."""
         return self.shard.vocab
 
+    def held(self, extra: bool = True) -> list:
+        """Each object the stage's layers hold (and ``extra``: its embedding, final norm and
+        head), once by identity, in order: the dicts, lists and tuples walked into (each
+        once), None, bools, numbers and strings passed over; arrays, packed weights and
+        the rest returned as they are (a tied head that is the embedding's own object
+        appears once, a second copy twice)."""
+        seen, out = set(), []
+
+        def walk(v):
+            if id(v) in seen or isinstance(v, (bool, int, float, str)) or v is None:
+                return
+            seen.add(id(v))
+            if isinstance(v, dict):
+                for x in v.values():
+                    walk(x)
+            elif isinstance(v, (list, tuple)):
+                for x in v:
+                    walk(x)
+            else:
+                out.append(v)
+
+        walk(self.layers)
+        if extra:
+            walk(self.extra)
+        return out
+
     def new_cache(self, max_slots: int, max_len: int) -> KVCache:
         """An empty KV cache of this stage's layers (this rank's KV heads)."""
         return KVCache(self.local, self.start, self.end, max_slots, max_len, self.backend,
