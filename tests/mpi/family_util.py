@@ -6,6 +6,11 @@ and the logits of every step. ``check_case`` runs the prompts together, prefille
 of 3 tokens, as the whole model on one rank (tensor N at N ranks), a pipeline of all ranks
 and (at four ranks) 2 x 2 and tensor 3 on three of them, and asserts tokens equal and
 logits within 1e-4 of the largest.
+
+A family's test module holds its cases and what it alone checks; the skeleton they share
+is made here: ``checkpoints = cases_fixture(...)`` (and ``long_case = cases_fixture(...,
+one="long")``), ``test_matches_transformers = matches_transformers(label, CASES)``, and
+:func:`check_planner_and_mlx` for the planners' count and the MLX backend.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import tempfile
 from contextlib import contextmanager
 
 import numpy as np
+import pytest
 
 from hpcmac.testing import parallel_assert, world
 
@@ -156,3 +162,61 @@ def check_case(label: str, case) -> None:
                             f"{what}: logits differ by {err:.3g}", g)
     parallel_assert(all(len(set(t)) > 3 for t, _ in ref), f"{label}: degenerate greedy "
                     "sequence (choose another seed)", g)
+
+
+def cases_fixture(model_type: str, cases: dict, vocab: int, lengths=(9, 4),
+                  build=build_checkpoint, one: str | None = None):
+    """A module-scoped fixture (assign it to the name the tests ask for) of
+    :func:`write_cases`' checkpoints of ``cases``: name -> (folder, prompts, transformers'
+    tokens and logits); ``one``: that case's alone."""
+    @pytest.fixture(scope="module")
+    def fixture():
+        with write_cases(model_type, cases, vocab, build=build, lengths=lengths) as out:
+            yield out if one is None else out[one]
+
+    return fixture
+
+
+def matches_transformers(label: str, names):
+    """The test (assign it to ``test_matches_transformers``) of each case in ``names``
+    against transformers in every layout (:func:`check_case`), from the module's
+    ``checkpoints`` fixture."""
+    @pytest.mark.parametrize("name", list(names))
+    def test_matches_transformers(checkpoints, name):
+        check_case(f"{label} {name}", checkpoints[name])
+
+    return test_matches_transformers
+
+
+def check_planner_and_mlx(case, max_slots: int, cache: bool = False) -> None:
+    """Collective; the checks on rank 0: the planners' count (``weights.stage_nbytes``,
+    from headers) is what the stage holds, whole and as tensor rank 1 of 2 (``cache``:
+    and so is the cache's, ``cache.stage_cache_bytes``); the MLX backend, the prompts
+    together through the one-rank generator in ``max_slots`` slots (one packed prefill,
+    then batched decode), gives transformers' tokens (up to an end token, where the
+    generator stops; transformers was told not to)."""
+    from hpcmac.llm.model.cache import stage_cache_bytes
+    from hpcmac.llm.model.config import load_config
+    from hpcmac.llm.model.generate import Generator
+    from hpcmac.llm.model.spec import local_config, make_shards
+    from hpcmac.llm.model.stage import load_stage
+    from hpcmac.llm.model.weights import stage_nbytes
+
+    g = world()
+    if g.rank == 0:
+        path, prompts, ref = case
+        cfg = load_config(path)
+        n = cfg.n_layers
+        assert stage_nbytes(path, 0, n, True, True) == load_stage(path, 0, n).nbytes
+        shard = make_shards(cfg, [1.0, 1.0])[1]
+        part = load_stage(path, 1, n, False, True, shard=shard, reduce=lambda a: a)
+        assert stage_nbytes(path, 1, n, False, True, shard=shard) == part.nbytes
+        if cache:
+            assert part.new_cache(2, 32).nbytes == \
+                stage_cache_bytes(local_config(cfg, shard), 1, n, 2, 2 * 32)
+        pytest.importorskip("mlx.core")
+        b = Generator(load_stage(path, 0, n, backend="mlx"), max_len=64, max_slots=max_slots)
+        eos = set(cfg.eos_token_ids)
+        want = [next((t[:i + 1] for i, x in enumerate(t) if x in eos), t) for t, _ in ref]
+        assert [r.tokens for r in b.generate_batch(prompts, N_NEW)] == want
+    g.barrier()

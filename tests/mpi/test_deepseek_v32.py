@@ -23,7 +23,13 @@ tokens alone.
 from __future__ import annotations
 
 import pytest
-from family_util import N_NEW, check_case, check_together, run, write_cases
+from family_util import (
+    cases_fixture,
+    check_planner_and_mlx,
+    check_together,
+    matches_transformers,
+    run,
+)
 
 from hpcmac.errors import UsageError
 from hpcmac.testing import parallel_assert, world
@@ -44,22 +50,9 @@ CASES = {
 }
 LONG = {"long": (3, {**CASES["h7-e8-topk4"][1], "index_topk": 8})}
 
-
-@pytest.fixture(scope="module")
-def checkpoints():
-    with write_cases("deepseek_v32", CASES, VOCAB) as out:
-        yield out
-
-
-@pytest.fixture(scope="module")
-def long_case():
-    with write_cases("deepseek_v32", LONG, VOCAB, lengths=(40, 40, 13)) as out:
-        yield out["long"]
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_transformers(checkpoints, name):
-    check_case(f"deepseek_v32 {name}", checkpoints[name])
+checkpoints = cases_fixture("deepseek_v32", CASES, VOCAB)
+long_case = cases_fixture("deepseek_v32", LONG, VOCAB, lengths=(40, 40, 13), one="long")
+test_matches_transformers = matches_transformers("deepseek_v32", CASES)
 
 
 def test_long_prompt_chunked_then_decoded_together(long_case):
@@ -76,27 +69,7 @@ def test_mlx_backend_and_planner(checkpoints, name):
     where the generator stops); the planners' count
     (weights.stage_nbytes, from headers) is what the stage holds, whole and as tensor rank 1
     of 2 (the indexer replicated)."""
-    from hpcmac.llm.model.config import load_config
-    from hpcmac.llm.model.generate import Generator
-    from hpcmac.llm.model.spec import make_shards
-    from hpcmac.llm.model.stage import load_stage
-    from hpcmac.llm.model.weights import stage_nbytes
-
-    g = world()
-    if g.rank == 0:
-        path, prompts, ref = checkpoints[name]
-        cfg = load_config(path)
-        n = cfg.n_layers
-        assert stage_nbytes(path, 0, n, True, True) == load_stage(path, 0, n).nbytes
-        shard = make_shards(cfg, [1.0, 1.0])[1]
-        part = load_stage(path, 1, n, False, True, shard=shard, reduce=lambda a: a)
-        assert stage_nbytes(path, 1, n, False, True, shard=shard) == part.nbytes
-        pytest.importorskip("mlx.core")
-        b = Generator(load_stage(path, 0, n, backend="mlx"), max_len=64, max_slots=2)
-        eos = set(cfg.eos_token_ids)  # the generator stops there (transformers was told not to)
-        want = [next((t[:i + 1] for i, x in enumerate(t) if x in eos), t) for t, _ in ref]
-        assert [r.tokens for r in b.generate_batch(prompts, N_NEW)] == want
-    g.barrier()
+    check_planner_and_mlx(checkpoints[name], max_slots=2)
 
 
 def test_sparsity_matters(checkpoints):

@@ -29,7 +29,12 @@ import json
 
 import numpy as np
 import pytest
-from family_util import N_NEW, check_case, check_together, write_cases
+from family_util import (
+    cases_fixture,
+    check_planner_and_mlx,
+    check_together,
+    matches_transformers,
+)
 
 from hpcmac.errors import UsageError
 from hpcmac.testing import world
@@ -67,23 +72,11 @@ CASES = {
 _COMMON = dict(hidden_size_per_layer_input=0, max_position_embeddings=512)
 LONG = {"long": (3, {**CASES["h5-kv1-keqv-window8-cap10"][1], **_COMMON})}
 
-
-@pytest.fixture(scope="module")
-def checkpoints():
-    cases = {n: (seed, {**f, **_COMMON}) for n, (seed, f) in CASES.items()}
-    with write_cases("gemma4_text", cases, VOCAB, lengths=(23, 9, 17)) as out:
-        yield out
-
-
-@pytest.fixture(scope="module")
-def long_case():
-    with write_cases("gemma4_text", LONG, VOCAB, lengths=(300, 40, 13)) as out:
-        yield out["long"]
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_transformers(checkpoints, name):
-    check_case(f"gemma4 {name}", checkpoints[name])
+checkpoints = cases_fixture("gemma4_text", {n: (seed, {**f, **_COMMON})
+                                            for n, (seed, f) in CASES.items()},
+                            VOCAB, lengths=(23, 9, 17))
+long_case = cases_fixture("gemma4_text", LONG, VOCAB, lengths=(300, 40, 13), one="long")
+test_matches_transformers = matches_transformers("gemma4", CASES)
 
 
 def test_long_prompt_chunked_then_decoded_together(long_case):
@@ -129,30 +122,7 @@ def test_mlx_backend_and_planner(checkpoints, name):
     holds, whole and as tensor rank 1 of 2 (the full layers' own KV heads), and so is the
     cache's; the MLX backend, the prompts together through the one-rank generator (one
     packed prefill, then batched decode), gives transformers' tokens."""
-    from hpcmac.llm.model.cache import stage_cache_bytes
-    from hpcmac.llm.model.config import load_config
-    from hpcmac.llm.model.generate import Generator
-    from hpcmac.llm.model.spec import local_config, make_shards
-    from hpcmac.llm.model.stage import load_stage
-    from hpcmac.llm.model.weights import stage_nbytes
-
-    g = world()
-    if g.rank == 0:
-        path, prompts, ref = checkpoints[name]
-        cfg = load_config(path)
-        n = cfg.n_layers
-        assert stage_nbytes(path, 0, n, True, True) == load_stage(path, 0, n).nbytes
-        shard = make_shards(cfg, [1.0, 1.0])[1]
-        part = load_stage(path, 1, n, False, True, shard=shard, reduce=lambda a: a)
-        assert stage_nbytes(path, 1, n, False, True, shard=shard) == part.nbytes
-        assert part.new_cache(2, 32).nbytes == \
-            stage_cache_bytes(local_config(cfg, shard), 1, n, 2, 2 * 32)
-        pytest.importorskip("mlx.core")
-        b = Generator(load_stage(path, 0, n, backend="mlx"), max_len=64, max_slots=3)
-        eos = set(cfg.eos_token_ids)  # the generator stops there (transformers was told not to)
-        want = [next((t[:i + 1] for i, x in enumerate(t) if x in eos), t) for t, _ in ref]
-        assert [r.tokens for r in b.generate_batch(prompts, N_NEW)] == want
-    g.barrier()
+    check_planner_and_mlx(checkpoints[name], max_slots=3, cache=True)
 
 
 def test_released_folder_is_the_same_model(checkpoints, tmp_path_factory):

@@ -13,7 +13,7 @@ with two prompts run together, prefilled in chunks of 3 tokens.
 from __future__ import annotations
 
 import pytest
-from family_util import check_case, write_cases
+from family_util import cases_fixture, matches_transformers
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600)]
 
@@ -38,13 +38,5 @@ CASES = {
                              partial_rotary_factor=0.25))),
 }
 
-
-@pytest.fixture(scope="module")
-def checkpoints():
-    with write_cases("glm4_moe", CASES, VOCAB) as out:
-        yield out
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_transformers(checkpoints, name):
-    check_case(f"glm4_moe {name}", checkpoints[name])
+checkpoints = cases_fixture("glm4_moe", CASES, VOCAB)
+test_matches_transformers = matches_transformers("glm4_moe", CASES)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from family_util import N_NEW, check_case, write_cases
+from family_util import N_NEW, matches_transformers, write_cases
 
 from hpcmac.errors import UsageError
 from hpcmac.testing import world
@@ -95,9 +95,7 @@ def checkpoints():
         yield {**a, **b, **c}
 
 
-@pytest.mark.parametrize("name", [*CASES, "gguf-mxfp4-experts"])
-def test_matches_transformers(checkpoints, name):
-    check_case(f"gpt_oss {name}", checkpoints[name])
+test_matches_transformers = matches_transformers("gpt_oss", [*CASES, "gguf-mxfp4-experts"])
 
 
 def test_window_and_sinks_matter(checkpoints):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from family_util import N_NEW, check_case, check_together, write_cases
+from family_util import N_NEW, cases_fixture, check_together, matches_transformers
 
 from hpcmac.errors import UsageError
 from hpcmac.testing import world
@@ -49,22 +49,9 @@ CASES = {
 }
 LONG = {"long": (1, {**CASES["k2v6-kv1-moe"][1], "max_position_embeddings": 512})}
 
-
-@pytest.fixture(scope="module")
-def checkpoints():
-    with write_cases("qwen3_next", CASES, VOCAB) as out:
-        yield out
-
-
-@pytest.fixture(scope="module")
-def long_case():
-    with write_cases("qwen3_next", LONG, VOCAB, lengths=(300, 300, 41)) as out:
-        yield out["long"]
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_transformers(checkpoints, name):
-    check_case(f"qwen3_next {name}", checkpoints[name])
+checkpoints = cases_fixture("qwen3_next", CASES, VOCAB)
+long_case = cases_fixture("qwen3_next", LONG, VOCAB, lengths=(300, 300, 41), one="long")
+test_matches_transformers = matches_transformers("qwen3_next", CASES)
 
 
 def test_long_prompt_chunked_then_decoded_together(long_case):
