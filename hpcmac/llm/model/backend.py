@@ -12,6 +12,7 @@ import mmap
 import numpy as np
 
 from hpcmac.errors import UsageError
+from hpcmac.llm.model.qkernels import NQWeight, qmatmul
 from hpcmac.llm.model.quant import (
     BF16,
     BITS,
@@ -104,8 +105,6 @@ class NumpyBackend:
         if isinstance(w, RowBlocks):
             return Blocks([self.weight(p) for p in w])
         if isinstance(w, QuantTensor):
-            from hpcmac.llm.model.qkernels import NQWeight
-
             return [NQWeight(w[e]) for e in range(w.shape[0])] if w.ndim == 3 else NQWeight(w)
         if isinstance(w, BF16):  # bfloat16 panels, 2 bytes a weight
             return Panels(w.bits, self.panel)
@@ -151,12 +150,10 @@ class NumpyBackend:
 
     def linear(self, x: np.ndarray, w: Panels) -> np.ndarray:
         """``x @ W.T`` for a packed weight: x (M, in) -> (M, out)."""
+        if isinstance(w, NQWeight):  # kept quantized (first: decode's most calls)
+            return qmatmul(x, w, self.int8)
         if isinstance(w, Blocks):
             return np.concatenate([self.linear(x, p) for p in w], axis=-1)
-        if not isinstance(w, Panels):  # NQWeight: kept quantized
-            from hpcmac.llm.model.qkernels import qmatmul
-
-            return qmatmul(x, w, int8=self.int8)
         m = x.shape[0]
         nb, _, r = w.p.shape
         if w.p.dtype == np.uint16:  # bfloat16 panels: widened in registers (few rows), or a

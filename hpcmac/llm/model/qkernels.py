@@ -156,9 +156,12 @@ class NQWeight:
     affine (bytes, nibbles), 2 MXFP4, 3 FP8."""
 
     __slots__ = ("q", "scales", "biases", "bias_c", "bits", "group", "n", "k", "source",
-                 "kind")
+                 "kind", "limits")
 
     def __init__(self, t: QuantTensor):
+        #: :func:`row_limit` for float32 and for 8-bit activations, set by the first
+        #: :func:`qmatmul` (None until then): the choice made once a weight, not a call
+        self.limits = None
         if t.ndim != 2:
             raise ValueError("NQWeight: expected a 2-D weight")
         self.n, self.k = t.shape
@@ -249,7 +252,10 @@ def qmatmul(x: np.ndarray, w: NQWeight, int8: bool = False) -> np.ndarray:
     :func:`row_limit` rows (``BLOCK_ROWS`` for float32 activations on affine and MXFP4
     codes, ``GEMM_ROWS`` for the rest); more go through dequantized tiles and BLAS.
     """
-    if x.shape[0] <= row_limit(w, int8):
+    lim = w.limits
+    if lim is None:
+        lim = w.limits = (row_limit(w), row_limit(w, True))
+    if x.shape[0] <= lim[1 if int8 else 0]:
         return kernel_matmul(x, w, int8)
     return tiled_matmul(x, w)
 
