@@ -209,8 +209,21 @@ def attend_one(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, slot, pos, j
             avec.scores(q, ck, slot, h, j0, L, s)
             avec.softmax(s, sk)
             avec.weighted_sum(s, cv, slot, h, j0, L, o)
-        else:
-            _attend_loops(q, ck[slot, h, j0:pos + 1], cv[slot, h, j0:pos + 1], sk, s, o)
+        else:  # the loops (a padded shard's small heads: the loops' softmax, its rounding)
+            K, V = ck[slot, h, j0:pos + 1], cv[slot, h, j0:pos + 1]  # (L, d) each
+            for j in range(L):
+                for i in range(g):
+                    a = np.float32(0.0)
+                    for t in range(d):
+                        a += q[i, t] * K[j, t]
+                    s[i, j] = a
+            for i in range(g):
+                _softmax_row(s[i], sk[i])
+            for j in range(L):
+                for i in range(g):
+                    p = s[i, j]
+                    for t in range(d):
+                        o[i, t] += p * V[j, t]
         for i in range(g):
             hq = h * g + i
             if gated:
@@ -218,29 +231,6 @@ def attend_one(qkv, H, KV, d, cos, sin, scale, qn, kn, eps, ck, cv, slot, pos, j
             else:
                 out[0, hq * d:(hq + 1) * d] = o[i]
     return out
-
-
-@nb.njit(inline="always")
-def _attend_loops(q, K, V, sk, s, o):
-    """:func:`attend_one`'s three passes as loops, for heads :mod:`~hpcmac.llm.model.avec`
-    does not fit: the scores ``s`` (g, L) = ``q`` (g, d) against the keys ``K`` (L, d),
-    each row's softmax with its sink ``sk`` (g,) (:func:`_softmax_row`: a padded shard's
-    small heads keep its rounding), ``o`` (g, d) += ``s`` times the values ``V`` (L, d).
-    Inlined into attend_one by numba, so compiled under its fastmath flags."""
-    g, d = q.shape
-    for j in range(K.shape[0]):
-        for i in range(g):
-            a = np.float32(0.0)
-            for t in range(d):
-                a += q[i, t] * K[j, t]
-            s[i, j] = a
-    for i in range(g):
-        _softmax_row(s[i], sk[i])
-    for j in range(V.shape[0]):
-        for i in range(g):
-            p = s[i, j]
-            for t in range(d):
-                o[i, t] += p * V[j, t]
 
 
 @nb.njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc", "contract"})
