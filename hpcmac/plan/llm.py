@@ -259,7 +259,7 @@ def predict(cluster: Cluster, shape: ModelShape, case: LlmCase) -> LlmPrediction
     def hops(b: int) -> float:
         if pp == 1:
             return 0.0
-        msg = b * shape.hidden * case.act_bytes
+        msg = b * shape.link_width * case.act_bytes
         t = 0.0
         for s in range(pp):
             nxt = (s + 1) % pp

@@ -49,6 +49,14 @@ class ModelShape:
     #: bits per weight of the embedding and head where they differ from ``bits``: the
     #: loader keeps them in a checkpoint's bfloat16 (``hpcmac.llm.model.spec.BF16_KEPT``)
     edge_bits: float | None = None
+    #: floats per token one pipeline stage hands the next (0: the hidden size;
+    #: DeepSeek-V4's ``hc_mult`` residual streams: the config's ``residual_width``)
+    residual: int = 0
+
+    @property
+    def link_width(self) -> int:
+        """Floats per token on a pipeline hop."""
+        return self.residual or self.hidden
 
     @property
     def table_bits(self) -> float:
@@ -149,7 +157,7 @@ def from_config(cfg, name: str, bits: float, source_bits: str,
                       embed=emb, head=emb, kv_per_token_layer=_kv_elements(cfg),
                       layer_cache=_layer_cache(cfg), bits=bits,
                       source_bits=source_bits, tied=bool(cfg.tie_embeddings),
-                      edge_bits=edge_bits)
+                      edge_bits=edge_bits, residual=cfg.residual_width)
 
 
 _DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "float8_e4m3fn": 8}

@@ -96,3 +96,23 @@ def test_hpcmac_plan_counts_the_same_bytes(name):
     mem = [llm.predict(cl, shape, llm.LlmCase(batch=b, context=LEN, kv_bytes=4)).memory_gb
            for b in (1, SLOTS)]
     assert (mem[1] - mem[0]) * 1e9 == pytest.approx(cache.nbytes * (SLOTS - 1) / SLOTS)
+
+
+def test_hpcmac_plan_hops_carry_the_residual_streams():
+    """A pipeline hop carries what the runtime sends (``cfg.residual_width``): DeepSeek-V4's
+    ``hc_mult`` residual streams, the hidden size elsewhere; on a slow link the hops of
+    the wider message cost the prediction the extra bytes' time."""
+    from dataclasses import replace
+
+    c, plain = tiny("deepseek_v4"), tiny("llama")
+    shape = from_config(c, "deepseek_v4", 32.0, "float32")
+    assert shape.link_width == c.residual_width == 3 * c.hidden
+    assert from_config(plain, "llama", 32.0, "float32").link_width == plain.hidden
+    rates = mc.Rates("x", cores=8, memory_gb=512, dgemm={1: 50.0, 8: 400.0},
+                     mem_bw={1: 400.0, 8: 400.0}, flops_fp32=20000.0)
+    nodes = tuple(clmod.Node(f"n{i}", rates) for i in range(2))
+    cl = clmod.Cluster(nodes, mc.LINKS["10gbe"])
+    case = llm.LlmCase(pp=2, batch=64, context=LEN, act_bytes=4, kv_bytes=4)
+    wide = llm.predict(cl, shape, case).decode_tok_s
+    narrow = llm.predict(cl, replace(shape, residual=c.hidden), case).decode_tok_s
+    assert wide < narrow
