@@ -7,10 +7,10 @@ values. BLAS ``sgemv`` per panel (numpy's matmul over the stack) reaches 11-12 G
 of the 16 GB/s a one-thread BLAS ``sdot`` streams here (measured in a decode step of
 the 623 MB Llama of ``hpcmac.bench.llm``). The kernel here streams the panel once, in
 order, with a software prefetch ``PREFETCH`` bytes ahead into L2 (as
-:mod:`~hpcmac.llm.model.qvec` does for the FP8 codes; into L1 for the others), and keeps the ``r``
-outputs of each activation row in vector registers: per input ``i``, ``x[i]``
-broadcast times the panel's row ``i`` added into ``UNROLL`` independent pairs of
-``<16 x float>`` accumulators (enough in flight to cover the FMA latency), summed once
+:mod:`~hpcmac.llm.model.qvec` does for the FP8 codes, further ahead; into L1 for the
+others), and keeps the ``r`` outputs of each activation row in vector registers: per
+input ``i``, ``x[i]`` broadcast times the panel's row ``i`` added into ``UNROLL``
+independent pairs of ``<16 x float>`` accumulators (enough in flight to cover the FMA latency), summed once
 per panel.
 
 bfloat16 panels (a ``uint16`` view of the bits; a bfloat16 checkpoint's weights kept
@@ -36,10 +36,15 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hpcmac.llm.model.qvec import _IR, PREFETCH, _c64, _vec
+from hpcmac.llm.model.qvec import _IR, _c64, _vec
 
 #: inputs per step of the panel loop, each with its own pair of accumulators
 UNROLL = 4
+#: bytes ahead of the panel being read that are prefetched: on an AMD EPYC Zen 4, a 64 MB
+#: float32 matrix, 1 thread, thread CPU time, one process per distance interleaved (load 5):
+#: 2 KB 33.2, 4 KB 28.9-33.6, 8 KB 21.1-23.4, 16 KB (qvec's) 20.5-24.1, 32 KB 22.7 GB/s, BLAS
+#: sdot 26-29; FP8 codes (qvec.PREFETCH_FP8, two rows a pass) keep 32 KB: 4 KB ran 1.5x slower
+PREFETCH = 4096
 #: the prefetch's cache level: into L2 (measured on a 131 MB matrix, 1 thread, interleaved:
 #: 15.5-16.1 GB/s against 14.9 into L1, with sdot at 15.1-16.9)
 LOCALITY = 2
