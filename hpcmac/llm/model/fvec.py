@@ -10,8 +10,8 @@ order, with a software prefetch ``PREFETCH`` bytes ahead into L2 (as
 :mod:`~hpcmac.llm.model.qvec` does for the FP8 codes, further ahead; into L1 for the
 others), and keeps the ``r`` outputs of each activation row in vector registers: per
 input ``i``, ``x[i]`` broadcast times the panel's row ``i`` added into ``UNROLL``
-independent pairs of ``<16 x float>`` accumulators (enough in flight to cover the FMA latency), summed once
-per panel.
+independent pairs of ``<16 x float>`` accumulators (enough in flight to cover the FMA
+latency), summed once per panel.
 
 bfloat16 panels (a ``uint16`` view of the bits; a bfloat16 checkpoint's weights kept
 in their 2 bytes) widen in registers: bfloat16 is the high half of a float32, so a
