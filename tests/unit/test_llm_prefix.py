@@ -106,8 +106,9 @@ def test_capacity_by_the_largest_rank_and_the_refusal():
     c = llama()
     p = place(c, Sizes(c), cluster(2, gib=2.0), LayoutFlags(pp=2), kv_tokens=1024)
     per = X.block_bytes(c, p)
-    # one token: 2 (K, V) x 4 KV heads x 8 dims x 4 bytes a layer, times each stage's layers
-    assert per == [16 * 256 * s.n_layers for s in p.stages]
+    # one token: 2 (K, V) x 4 KV heads x 8 dims x 4 bytes a layer; a block of X.BLOCK
+    # tokens, times each stage's layers
+    assert per == [X.BLOCK * 256 * s.n_layers for s in p.stages]
     n, line = X.capacity(c, p, 0.001)
     assert n == int(0.001 * GIB // max(per)) and line.startswith("prefix cache: ")
     assert X.capacity(c, p, 0) == (0, "prefix cache: off (--prefix-cache-gb 0)")

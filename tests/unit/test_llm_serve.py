@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from ports import free_port
 
+from hpcmac.llm.parallel.prefix import BLOCK
+
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
@@ -245,7 +247,6 @@ def _concurrent_streams(server, n_uniq: int) -> None:
 
 CHAT = ["Name a fruit.", "And a vegetable?", "Which is sweeter?", "Name a colour.",
         "And another one?", "Say hello."]
-BLOCK = 16  # hpcmac.llm.parallel.prefix.BLOCK
 
 
 def test_a_chat_reuses_its_earlier_turns(server):

@@ -74,7 +74,7 @@ from hpcmac.llm.model.cache import LOAD, SAVE
 from hpcmac.llm.model.sampling import Sampler, SamplingParams
 from hpcmac.llm.parallel.link import Link, Watchdog
 from hpcmac.llm.parallel.plan import StageSpec
-from hpcmac.llm.parallel.prefix import BLOCK, ROOT, PrefixIndex
+from hpcmac.llm.parallel.prefix import BLOCK, ROOT, SAVE_RUN, PrefixIndex
 from hpcmac.llm.parallel.results import PipelineResult, RankStats, SeqResult
 from hpcmac.llm.parallel.tags import TAG_FWD, TAG_LOGP, TAG_RET
 from hpcmac.llm.parallel.tensor import GATHER, MAXLOC, logit_rows, step_phase
@@ -714,10 +714,16 @@ class _Scheduler:
             s.pending = px.key(s.chain[-1] if s.chain else ROOT, s.req.prompt[i * b:(i + 1) * b])
             px.pending.setdefault(s.pending, s.idx)
 
-    def save(self, s: _Seq) -> None:
+    def save(self, s: _Seq, final: bool = False) -> None:
         """Store the whole blocks ``s`` has fed since the last time (after issuing them:
-        the instruction follows them down every link)."""
+        the instruction follows them down every link). Blocks that hold generated tokens
+        wait until they cover :data:`~.prefix.SAVE_RUN` tokens, or the sequence ends
+        (``final``): one instruction every few decode steps, not one per block."""
         px, b = self.prefix, self.prefix.block
+        new = s.fed // b - len(s.chain)
+        if not final and new > 0 and s.fed // b * b > s.n_prompt and new * b < SAVE_RUN:
+            self.expect(s)
+            return
         while not s.nosave and (len(s.chain) + 1) * b <= s.fed:
             i = len(s.chain)
             got = px.add(s.chain[-1] if s.chain else ROOT, s.tokens[i * b:(i + 1) * b])
@@ -968,6 +974,7 @@ class _Scheduler:
 
     def retire(self, s: _Seq, t: float) -> None:
         if self.prefix is not None:
+            self.save(s, final=True)  # its last whole blocks (the slot's values outlive its free)
             s.nosave = True
             self.expect(s)  # what it was prefilling is no longer coming
         s.t_done = t

@@ -28,8 +28,13 @@ from dataclasses import dataclass
 
 from hpcmac.errors import UsageError
 
-#: tokens per block (vLLM's default); a prompt reuses whole blocks only
-BLOCK = 16
+#: tokens per block; a prompt reuses whole blocks only, so a repeated prompt recomputes up
+#: to BLOCK tokens besides its last (vLLM's 16 left 6 of a 38-token chat prompt to prefill,
+#: 4 leaves 2: docs/serve.md, "TTFT at one client")
+BLOCK = 4
+#: blocks holding generated tokens are saved once they cover this many tokens (or their
+#: sequence ends): one SAVE instruction, riding a control message, every few decode steps
+SAVE_RUN = 16
 #: --prefix-cache-gb when not given: this much, at most half what the weights leave
 DEFAULT_GB = 1.0
 GIB = 1 << 30
