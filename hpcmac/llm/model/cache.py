@@ -246,22 +246,33 @@ class KVCache:
         """Write blocks ``bids`` one after another into ``slot`` from position 0; the
         slot then holds their tokens."""
         self._no_states()
-        be, pos = self.backend, 0
-        for bid in bids:
-            blk = self.blocks[bid]
-            if pos + blk.n > self.max_len:
-                raise RuntimeError(f"prefix blocks overflow the context of {self.max_len}")
-            for arrs, parts in ((self.k, blk.k), (self.v, blk.v)):
-                for a, part in zip(arrs, parts):
-                    if self.mla:
-                        a[slot, pos:pos + blk.n] = be.asarray(part)
-                    else:
-                        a[slot, :, pos:pos + blk.n] = be.asarray(part)
-            for a, part in zip(self.index, blk.index or ()):
-                if a is not None:
-                    a[slot, pos:pos + blk.n] = be.asarray(part)
-            pos += blk.n
+        be = self.backend
+        blks = [self.blocks[bid] for bid in bids]
+        pos = sum(blk.n for blk in blks)
+        if pos > self.max_len:
+            raise RuntimeError(f"prefix blocks overflow the context of {self.max_len}")
+        if not blks:
+            self.lengths[slot] = 0
+            return
+
+        def joined(parts, axis):  # one write a layer, not one a block (small blocks)
+            return be.asarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis))
+
+        for li, a in enumerate(self.k):
+            self._put(a, slot, pos, joined([blk.k[li] for blk in blks], 0 if self.mla else 1))
+        for li, a in enumerate(self.v):
+            self._put(a, slot, pos, joined([blk.v[li] for blk in blks], 0 if self.mla else 1))
+        for li, a in enumerate(self.index):
+            if a is not None and blks[0].index is not None:
+                a[slot, :pos] = joined([blk.index[li] for blk in blks], 0)
         self.lengths[slot] = pos
+
+    def _put(self, a, slot: int, n: int, data) -> None:
+        """Write ``data`` as tokens ``[0, n)`` of ``slot`` in one layer's array."""
+        if self.mla:
+            a[slot, :n] = data
+        else:
+            a[slot, :, :n] = data
 
     def _no_states(self) -> None:
         if self.recurrent:  # capacity() turns the prefix cache off for such families
