@@ -70,7 +70,7 @@ def runtime(path: str, tp: int):
     return _RUNTIMES[tp]
 
 
-def serve(rt, turns, blocks: int):
+def serve(rt, turns, blocks: int, n_new: int = N_NEW):
     """Collective: run ``turns`` (a callable (done so far) -> next request's prompt, or
     None) one request after another through a live source; (prompt, tokens, cached) of
     each on every rank, and the prefix cache's counters."""
@@ -92,7 +92,7 @@ def serve(rt, turns, blocks: int):
                 else:
                     submit(nxt)
 
-            req = LiveRequest(prompt=list(prompt), max_tokens=N_NEW, on_token=toks.append,
+            req = LiveRequest(prompt=list(prompt), max_tokens=n_new, on_token=toks.append,
                               on_finish=on_finish)
             source.submit(req)
 
@@ -103,11 +103,11 @@ def serve(rt, turns, blocks: int):
     return g.bcast_obj(done, 0), res.prefix
 
 
-def chat(done, chats: int = 1):
-    """The next turn of ``chats`` interleaved chats of 6 turns in all: the last prompt of
-    its chat, its answer, 6 new tokens."""
+def chat(done, chats: int = 1, turns: int = 6):
+    """The next turn of ``chats`` interleaved chats of ``turns`` turns in all: the last
+    prompt of its chat, its answer, 6 new tokens."""
     k = len(done)
-    if k == 6:
+    if k == turns:
         return None
     rng = np.random.default_rng(k)
     mine = done[k % chats::chats] if k >= chats else []
@@ -147,6 +147,34 @@ def test_chat_same_tokens_with_the_cache_on_off_and_evicting(checkpoint):
                                                       f"{tiny[k][1]} != {off2[k][1]}", g)
         parallel_assert(tiny_stats["evictions"] > 0 and tiny_stats["hits"] > 0
                         and tiny_stats["blocks"] <= 5, f"{what}: {tiny_stats}", g)
+
+
+def test_answers_saved_while_they_decode(checkpoint):
+    """Answers of 35 tokens: the blocks holding generated tokens are saved every SAVE_RUN
+    (16) tokens while the answer decodes, and the rest when it ends; the next turn reuses
+    every whole block fed, and its tokens are the cache-off ones (3 turns)."""
+    from hpcmac.llm.parallel.prefix import SAVE_RUN
+
+    g = world()
+    n_new = 2 * SAVE_RUN + 3
+
+    def three(done):
+        return chat(done, turns=3)
+
+    for name, tp in layouts(g.size).items():
+        rt = runtime(checkpoint, tp)
+        off, _ = serve(rt, three, 0, n_new)
+        on, stats = serve(rt, three, 64, n_new)
+        what = f"np={g.size} {name}"
+        for k in range(3):
+            parallel_assert(on[k][1] == off[k][1] and len(on[k][1]) == n_new,
+                            f"{what} turn {k + 1}: on {on[k][1]}, off {off[k][1]}", g)
+        for k in range(1, 3):
+            prompt, (prev, prev_toks, _) = on[k][0], on[k - 1]
+            want = min(len(prev) + len(prev_toks) - 1, len(prompt) - 1) // BLOCK * BLOCK
+            parallel_assert(on[k][2] == want, f"{what} turn {k + 1}: cached {on[k][2]}, "
+                                              f"expected {want}", g)
+        parallel_assert(stats["hits"] == 2, f"{what}: {stats}", g)
 
 
 def together(rt, prompts, blocks: int):
