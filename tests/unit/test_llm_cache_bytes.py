@@ -5,11 +5,12 @@ checkpoint: the families' tiny configs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from hpcmac.llm.model import arch
 from hpcmac.llm.model.backend import get_backend
-from hpcmac.llm.model.cache import KVCache
+from hpcmac.llm.model.cache import LOAD, SAVE, KVCache
 from hpcmac.llm.model.spec import local_config
 from hpcmac.llm.parallel.placement import Cluster, LayoutFlags, place
 from hpcmac.llm.parallel.plan import GIB
@@ -47,7 +48,7 @@ def allocated(c, start: int, end: int, shard=None) -> KVCache:
                    [arch.layer(c, i) for i in range(start, end)])
 
 
-FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "gpt_oss"]
+FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "gpt_oss", "deepseek_v4"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -80,6 +81,30 @@ def test_the_states_are_per_slot_and_do_not_grow(name):
     # a longer context grows only the full-attention layers' KV
     full = [j for j in range(c.n_layers) if j not in cache.recurrent]
     assert longer - one == sum(cache.k[j].nbytes + cache.v[j].nbytes for j in full) // SLOTS
+
+
+def test_a_layer_that_keeps_no_v_allocates_none():
+    """DeepSeek-V4's K = V head: its K and third array alone, as both planners count, and
+    prefix blocks save and load without a V; a family that keeps V still allocates it."""
+    c = tiny("deepseek_v4")
+    cache = allocated(c, 0, c.n_layers)
+    assert cache.v == [None] * c.n_layers
+    assert cache.nbytes == sum(a.nbytes for a in cache.k) + sum(
+        a.nbytes for a in cache.index if a is not None)
+    assert cache.k[0].shape == (SLOTS, 1, LEN, c.head_dim)
+    rng = np.random.default_rng(0)
+    for a in (*cache.k, *(a for a in cache.index if a is not None)):
+        a[...] = rng.standard_normal(a.shape, dtype=np.float32)
+    cache.apply([(SAVE, 0, 0, 5, 7), (SAVE, 0, 5, 4, 8), (LOAD, 2, 7, 8)])
+    assert cache.lengths[2] == 9 and cache.blocks[7].v == [None] * c.n_layers
+    for a in cache.k:
+        assert np.array_equal(a[2, :, :9], a[0, :, :9])
+    for a in cache.index:
+        assert a is None or np.array_equal(a[2, :9], a[0, :9])
+    assert cache.block_nbytes == sum(
+        a.nbytes for b in cache.blocks.values() for a in (*b.k, *(b.index or ())) if a is not None)
+    other = allocated(tiny("gpt_oss"), 0, 2)
+    assert all(v is not None and v.shape == k.shape for k, v in zip(other.k, other.v))
 
 
 @pytest.mark.parametrize("name", FAMILIES)

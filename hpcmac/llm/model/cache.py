@@ -17,6 +17,9 @@ A latent-attention layer with DeepSeek-V3.2's lightning indexer also keeps the i
 per token, :attr:`KVCache.index` (slots, max_len, index_head_dim), the backend's float32
 array, saved and loaded with the prefix blocks.
 
+A layer whose attention says ``keeps_v = False`` (DeepSeek-V4: its one K = V head) keeps
+no V: its entry in :attr:`KVCache.v` is None, and :func:`layer_bytes` counts its K alone.
+
 All values are local to a rank: each pipeline stage holds only its own layers.
 
 Prefix blocks (:mod:`hpcmac.llm.parallel.prefix`): a rank also keeps copies of runs of
@@ -46,7 +49,8 @@ SAVE, LOAD = 0, 1
 class KVBlock:
     """A copy of ``n`` consecutive tokens of one slot, every layer of this rank (local).
 
-    ``k``, ``v``: per layer, the cache's arrays for those tokens (numpy).
+    ``k``, ``v``: per layer, the cache's arrays for those tokens (numpy; ``v`` None for a
+    layer that keeps no V).
     ``state``: for a model with linear-attention layers, their recurrent states after
     the block's last token (:meth:`KVCache.snapshot`), to be put back with the block
     (:meth:`KVCache.restore`); None for attention alone. Not filled yet: such a family
@@ -63,7 +67,8 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        return int(sum(a.nbytes for a in self.k)
+                   + sum(a.nbytes for a in self.v if a is not None)
                    + sum(getattr(a, "nbytes", 0) for a in self.state or ())
                    + sum(getattr(a, "nbytes", 0) for a in self.index or ()))
 
@@ -72,6 +77,12 @@ def _has_state(layer) -> bool:
     """Whether a layer's blocks keep a recurrent state (their attention has
     ``state_shapes``: linear attention), as :class:`KVCache` lays it out."""
     return hasattr(getattr(layer, "attention", None), "state_shapes")
+
+
+def _keeps_v(layer) -> bool:
+    """Whether a layer's cache has a V array: its attention's ``keeps_v`` (True unless
+    it says otherwise; DeepSeek-V4's K = V head says False)."""
+    return bool(getattr(getattr(layer, "attention", None), "keeps_v", True))
 
 
 def recurrent_layers(cfg: ModelConfig) -> list[int]:
@@ -86,7 +97,8 @@ def recurrent_layers(cfg: ModelConfig) -> list[int]:
 def layer_bytes(cfg: ModelConfig, layer) -> tuple[int, int]:
     """(bytes each token adds, fixed bytes per sequence) of one layer's cache, as
     :class:`KVCache` allocates it for ``cfg`` (a rank's local config under tensor
-    parallelism): per-token K and V (or MLA's latent and rotary key) plus the indexer's
+    parallelism): per-token K and V (K alone where the attention says ``keeps_v =
+    False``; or MLA's latent and rotary key) plus the indexer's
     key where the attention has one (``index_dim``), or, for a layer whose attention keeps
     ``state_shapes`` (linear attention), its conv and recurrent states, which do not grow.
     ``layer``: the layer's blocks (:func:`hpcmac.llm.model.arch.layer`). Every array is
@@ -95,7 +107,7 @@ def layer_bytes(cfg: ModelConfig, layer) -> tuple[int, int]:
     if _has_state(layer):
         return 0, 4 * sum(math.prod(s) for s in att.state_shapes(cfg))
     per = cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.mla else \
-        2 * cfg.n_kv_heads * cfg.head_dim
+        (2 if _keeps_v(layer) else 1) * cfg.n_kv_heads * cfg.head_dim
     dim = getattr(att, "index_dim", None)
     return 4 * (per + (dim(cfg) if dim is not None else 0)), 0
 
@@ -120,7 +132,8 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, start: int, end: int, max_slots: int, max_len: int,
                  backend, blocks=None):
         """``blocks``: each layer's blocks (:class:`~hpcmac.llm.model.arch.blocks.Layer`);
-        a layer whose attention has ``state_shapes`` keeps those states (None: all KV)."""
+        a layer whose attention has ``state_shapes`` keeps those states, one whose
+        attention says ``keeps_v = False`` no V (None: all K and V)."""
         self.start, self.end = start, end
         self.max_slots, self.max_len = int(max_slots), int(max_len)
         self.lengths = np.zeros(self.max_slots, dtype=np.int64)  # tokens held per slot
@@ -152,7 +165,7 @@ class KVCache:
                 if not cfg.mla:
                     kv = ((max_slots, lc.n_kv_heads, max_len, lc.head_dim),) * 2
                 self.k.append(zeros(kv[0]))
-                self.v.append(zeros(kv[1]))
+                self.v.append(zeros(kv[1]) if not blocks or _keeps_v(blocks[j]) else None)
 
     @staticmethod
     def token_bytes(cfg: ModelConfig) -> int:
@@ -168,8 +181,8 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by this cache (all layers, all slots)."""
-        return int(sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
-                   + sum(a.nbytes for a in self.index if a is not None))
+        return int(sum(a.nbytes for a in self.k)
+                   + sum(a.nbytes for a in (*self.v, *self.index) if a is not None))
 
     def free(self, slot: int) -> None:
         """Forget the sequence in ``slot`` so a new one can use it (its recurrent states
@@ -234,7 +247,8 @@ class KVCache:
                                f"outside the context of {self.max_len}")
         self._no_states()
         be = self.backend
-        take = lambda a: np.array(be.to_numpy(self._tokens(a, slot, start, start + n)))  # noqa: E731
+        take = lambda a: None if a is None else np.array(  # noqa: E731
+            be.to_numpy(self._tokens(a, slot, start, start + n)))
         index = None
         if any(a is not None for a in self.index):
             index = [None if a is None else np.array(be.to_numpy(a[slot, start:start + n]))
@@ -261,7 +275,9 @@ class KVCache:
         for li, a in enumerate(self.k):
             self._put(a, slot, pos, joined([blk.k[li] for blk in blks], 0 if self.mla else 1))
         for li, a in enumerate(self.v):
-            self._put(a, slot, pos, joined([blk.v[li] for blk in blks], 0 if self.mla else 1))
+            if a is not None:  # a layer that keeps no V
+                self._put(a, slot, pos, joined([blk.v[li] for blk in blks],
+                                               0 if self.mla else 1))
         for li, a in enumerate(self.index):
             if a is not None and blks[0].index is not None:
                 a[slot, :pos] = joined([blk.index[li] for blk in blks], 0)

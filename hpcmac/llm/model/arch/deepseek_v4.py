@@ -34,7 +34,8 @@ The math (transformers 5.25's ``modeling_deepseek_v4``, run here in numpy float3
   ``gate.tid2eid`` table (``hash_moe`` layers); weights the chosen scores renormalised, times
   ``routed_scaling_factor``.
 
-The cache (per layer, per token): the roped K = V in the KV cache's K; for a compressed layer
+The cache (per layer, per token): the roped K = V in the KV cache's K, and no V
+(``keeps_v``: none allocated, none counted by the planners); for a compressed layer
 the compressors' raw projections (``wkv x``, ``wgate x``, the indexer's too) in its third
 array (:meth:`CompressedAttention.index_dim`), from which every step rebuilds the closed
 windows' entries: exact across prefill chunks, decode and sequences batched together, with
@@ -282,6 +283,9 @@ def _t(i, name, shape, kind="matrix", split=None, axis=0):
 @dataclass(frozen=True)
 class SlidingAttention:
     """The attention every kind shares (module docstring); the sliding window alone."""
+
+    #: its K = V head is cached once, in the KV cache's K: no V array (:mod:`.cache`)
+    keeps_v = False
 
     def tensors(self, cfg: ModelConfig, i: int) -> list[TensorSpec]:
         D, H, d, r = cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
