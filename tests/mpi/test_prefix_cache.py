@@ -27,17 +27,19 @@ N_NEW = 5
 VOCAB = 96
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
+@pytest.fixture(scope="module", params=["llama", "deepseek_v4"])
+def checkpoint(request):
+    """A random model: llama (K and V), and deepseek_v4 (a K = V head: no V in its cache,
+    and compressor projections in its third array, all copied with the blocks)."""
     from hpcmac.llm.model.fixtures import random_checkpoint
 
-    g = world()
+    g, fam = world(), request.param
     root = g.bcast_obj(tempfile.mkdtemp(prefix="hpcmac-prefix-") if g.rank == 0 else None, 0)
     if g.rank == 0:
-        random_checkpoint("llama", f"{root}/llama", seed=11, num_hidden_layers=4,
+        random_checkpoint(fam, f"{root}/{fam}", seed=11, num_hidden_layers=4,
                           initializer_range=0.2)
     g.barrier()
-    yield f"{root}/llama"
+    yield f"{root}/{fam}"
     g.barrier()
     if g.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -55,19 +57,20 @@ _RUNTIMES: dict = {}
 
 
 def runtime(path: str, tp: int):
-    """Collective: the job's ranks brought up as ``tp`` x ``size / tp`` (kept per layout)."""
+    """Collective: the job's ranks brought up as ``tp`` x ``size / tp`` (kept per model and
+    layout)."""
     from hpcmac.llm.model.config import load_config
     from hpcmac.llm.parallel import plan as S
     from hpcmac.llm.parallel.placement import fixed
     from hpcmac.llm.parallel.runtime import bring_up
 
-    if tp not in _RUNTIMES:
+    if (path, tp) not in _RUNTIMES:
         g = world()
         cfg = load_config(path)
         hosts = g.allgather_obj(__import__("socket").gethostname())
         pl = fixed(cfg, hosts, tp, S.even_counts(cfg.n_layers, g.size // tp))
-        _RUNTIMES[tp] = bring_up(g, pl, path, cfg)
-    return _RUNTIMES[tp]
+        _RUNTIMES[path, tp] = bring_up(g, pl, path, cfg)
+    return _RUNTIMES[path, tp]
 
 
 def serve(rt, turns, blocks: int, n_new: int = N_NEW):
