@@ -12,7 +12,7 @@ equal and logits within 1e-4 of the largest, two prompts together, prefilled in 
 from __future__ import annotations
 
 import pytest
-from family_util import check_case, write_cases
+from family_util import cases_fixture, matches_transformers
 
 from hpcmac.errors import UsageError
 
@@ -41,15 +41,8 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoints():
-    with write_cases("glm4_moe_lite", CASES, VOCAB) as out:
-        yield out
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_transformers(checkpoints, name):
-    check_case(f"glm4_moe_lite {name}", checkpoints[name])
+checkpoints = cases_fixture("glm4_moe_lite", CASES, VOCAB)
+test_matches_transformers = matches_transformers("glm4_moe_lite", CASES)
 
 
 def test_dense_layers_from_mlp_layer_types():

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from family_util import check_case, write_cases
+from family_util import cases_fixture, matches_transformers
 
 from hpcmac.errors import UsageError
 
@@ -75,15 +75,8 @@ def build_kimi(model_type, path, seed, fields):
         path, dtype=torch.float32, experts_implementation="eager").eval()
 
 
-@pytest.fixture(scope="module")
-def checkpoints():
-    with write_cases("kimi_k25", CASES, VOCAB, build=build_kimi) as out:
-        yield out
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_transformers(checkpoints, name):
-    check_case(f"kimi_k25 {name}", checkpoints[name])
+checkpoints = cases_fixture("kimi_k25", CASES, VOCAB, build=build_kimi)
+test_matches_transformers = matches_transformers("kimi_k25", CASES)
 
 
 def test_config_from_nested_text_config():

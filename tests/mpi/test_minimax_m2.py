@@ -13,7 +13,7 @@ largest, two prompts together, prefilled in chunks of 3.
 from __future__ import annotations
 
 import pytest
-from family_util import check_case, write_cases
+from family_util import cases_fixture, matches_transformers
 
 from hpcmac.errors import UsageError
 
@@ -35,15 +35,8 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoints():
-    with write_cases("minimax_m2", CASES, VOCAB) as out:
-        yield out
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_transformers(checkpoints, name):
-    check_case(f"minimax_m2 {name}", checkpoints[name])
+checkpoints = cases_fixture("minimax_m2", CASES, VOCAB)
+test_matches_transformers = matches_transformers("minimax_m2", CASES)
 
 
 def test_rotary_dim_maps_to_partial_rotary():

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 import pytest
-from family_util import check_case, write_cases
+from family_util import matches_transformers, write_cases
 
 from hpcmac.errors import UsageError
 
@@ -120,9 +120,8 @@ def checkpoints():
         yield {**a, **b, **c, **d}
 
 
-@pytest.mark.parametrize("name", [*CASES["qwen3_5"], *CASES["qwen3_5_moe"], *TEXT_ONLY, *GGUF])
-def test_matches_transformers(checkpoints, name):
-    check_case(f"qwen3_5 {name}", checkpoints[name])
+test_matches_transformers = matches_transformers(
+    "qwen3_5", [*CASES["qwen3_5"], *CASES["qwen3_5_moe"], *TEXT_ONLY, *GGUF])
 
 
 def test_mlx_backend_matches_transformers(checkpoints):
