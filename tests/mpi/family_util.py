@@ -188,34 +188,43 @@ def matches_transformers(label: str, names):
     return test_matches_transformers
 
 
-def check_planner_and_mlx(case, max_slots: int, cache: bool = False) -> None:
-    """Collective; the checks on rank 0: the planners' count (``weights.stage_nbytes``,
-    from headers) is what the stage holds, whole and as tensor rank 1 of 2 (``cache``:
-    and so is the cache's, ``cache.stage_cache_bytes``); the MLX backend, the prompts
-    together through the one-rank generator in ``max_slots`` slots (one packed prefill,
-    then batched decode), gives transformers' tokens (up to an end token, where the
-    generator stops; transformers was told not to)."""
+def planner_counts_the_stage(path: str, cache: bool = True):
+    """Rank 0's checks: the planners' count (``weights.stage_nbytes``, from headers) is what
+    the stage holds, whole and as tensor rank 1 of 2 (``cache``: and so is the cache's,
+    ``cache.stage_cache_bytes``). The checkpoint's config, for what the caller checks next."""
     from hpcmac.llm.model.cache import stage_cache_bytes
     from hpcmac.llm.model.config import load_config
-    from hpcmac.llm.model.generate import Generator
     from hpcmac.llm.model.spec import local_config, make_shards
     from hpcmac.llm.model.stage import load_stage
     from hpcmac.llm.model.weights import stage_nbytes
 
+    cfg = load_config(path)
+    n = cfg.n_layers
+    assert stage_nbytes(path, 0, n, True, True) == load_stage(path, 0, n).nbytes
+    shard = make_shards(cfg, [1.0, 1.0])[1]
+    part = load_stage(path, 1, n, False, True, shard=shard, reduce=lambda a: a)
+    assert stage_nbytes(path, 1, n, False, True, shard=shard) == part.nbytes
+    if cache:
+        assert part.new_cache(2, 32).nbytes == \
+            stage_cache_bytes(local_config(cfg, shard), 1, n, 2, 2 * 32)
+    return cfg
+
+
+def check_planner_and_mlx(case, max_slots: int, cache: bool = False) -> None:
+    """Collective; the checks on rank 0: :func:`planner_counts_the_stage`; the MLX
+    backend, the prompts together through the one-rank generator in ``max_slots`` slots
+    (one packed prefill, then batched decode), gives transformers' tokens (up to an end
+    token, where the generator stops; transformers was told not to)."""
+    from hpcmac.llm.model.generate import Generator
+    from hpcmac.llm.model.stage import load_stage
+
     g = world()
     if g.rank == 0:
         path, prompts, ref = case
-        cfg = load_config(path)
-        n = cfg.n_layers
-        assert stage_nbytes(path, 0, n, True, True) == load_stage(path, 0, n).nbytes
-        shard = make_shards(cfg, [1.0, 1.0])[1]
-        part = load_stage(path, 1, n, False, True, shard=shard, reduce=lambda a: a)
-        assert stage_nbytes(path, 1, n, False, True, shard=shard) == part.nbytes
-        if cache:
-            assert part.new_cache(2, 32).nbytes == \
-                stage_cache_bytes(local_config(cfg, shard), 1, n, 2, 2 * 32)
+        cfg = planner_counts_the_stage(path, cache)
         pytest.importorskip("mlx.core")
-        b = Generator(load_stage(path, 0, n, backend="mlx"), max_len=64, max_slots=max_slots)
+        b = Generator(load_stage(path, 0, cfg.n_layers, backend="mlx"), max_len=64,
+                      max_slots=max_slots)
         eos = set(cfg.eos_token_ids)
         want = [next((t[:i + 1] for i, x in enumerate(t) if x in eos), t) for t, _ in ref]
         assert [r.tokens for r in b.generate_batch(prompts, N_NEW)] == want

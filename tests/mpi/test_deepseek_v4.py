@@ -25,7 +25,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from family_util import build_checkpoint, check_case, check_together, write_cases
+from family_util import (
+    build_checkpoint,
+    check_case,
+    check_together,
+    planner_counts_the_stage,
+    write_cases,
+)
 
 from hpcmac.errors import UsageError
 from hpcmac.testing import world
@@ -172,28 +178,17 @@ def test_planner_counts_what_the_stage_holds(checkpoints):
     """Rank 0: the planners' byte count (weights.stage_nbytes, from headers) is what the
     stage reads, whole and as tensor rank 1 of 2 of layers 1-3, and so is the cache's
     (stage_cache_bytes: the K = V head per token, the compressors' projections)."""
-    from hpcmac.llm.model.cache import stage_cache_bytes
-    from hpcmac.llm.model.config import load_config
-    from hpcmac.llm.model.spec import local_config, make_shards
     from hpcmac.llm.model.stage import load_stage
-    from hpcmac.llm.model.weights import stage_nbytes
 
     g = world()
     if g.rank == 0:
         path = next(iter(checkpoints.values()))[0]
-        cfg = load_config(path)
-        n = cfg.n_layers
-        assert stage_nbytes(path, 0, n, True, True) == load_stage(path, 0, n).nbytes
-        shard = make_shards(cfg, [1.0, 1.0])[1]
-        part = load_stage(path, 1, n, False, True, shard=shard, reduce=lambda a: a)
-        assert stage_nbytes(path, 1, n, False, True, shard=shard) == part.nbytes
-        assert part.new_cache(2, 32).nbytes == \
-            stage_cache_bytes(local_config(cfg, shard), 1, n, 2, 2 * 32)
+        cfg = planner_counts_the_stage(path)
         import importlib.util
 
         if importlib.util.find_spec("mlx") is not None:  # MLX is refused in one line
             with pytest.raises(UsageError, match="numpy backend only"):
-                load_stage(path, 0, n, backend="mlx")
+                load_stage(path, 0, cfg.n_layers, backend="mlx")
     g.barrier()
 
 
