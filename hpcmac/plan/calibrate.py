@@ -179,8 +179,7 @@ def sgemm_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
 BIG_PAIRS = 5
 
 
-def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24,
-                    probe: ReadProbe | None = None) -> dict[str, float]:
+def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24) -> dict[str, float]:
     """hpcmac's decoder (numpy backend, one thread) on random Llamas.
 
     Two tiny ones whose weights sit in cache: the time per decode step against
@@ -190,9 +189,7 @@ def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24,
     taken off is the weights streamed, so bytes read over that time is the
     bandwidth the decoder's matrix-vector products reach (``decode_bw_gbs``), and
     over :class:`ReadProbe`'s one-core rate read next to each decode, how much of
-    its kernel's rate the whole step streams at (``stream_eff``). ``probe``: that
-    one-core :class:`ReadProbe` when the caller has one (``calibrate``'s, already read
-    once: its GiB is not allocated and touched again), else a new one.
+    its kernel's rate the whole step streams at (``stream_eff``).
     """
     import tempfile
     from pathlib import Path
@@ -225,7 +222,7 @@ def llm_fixed_costs(layers: tuple[int, int] = (2, 10), steps: int = 24,
         # the big model's decode and the kernel alone on one core, in turn: each
         # decode's streaming rate over the reading next to it (the one-core read of a
         # shared VM moves 20-40% between minutes), the median of five such pairs
-        probe, rates, effs = ReadProbe(1) if probe is None else probe, [], []
+        probe, rates, effs = ReadProbe(1), [], []
         for _ in range(BIG_PAIRS):
             rate = read / max(1.0 / decode_rate(big, 1, steps) - fixed, 1e-9) / 1e9
             rates.append(rate)
@@ -284,19 +281,13 @@ def calibrate(quick: bool = False, decoder: bool = True) -> dict:
     dgemm = {b: rates[(b, 1024)] for b in busy}
     dgemm_k = {k: min(1.0, rates[(1, k)] / rates[(1, 1024)]) for k in ks}
     bw = {b: copy_gbs(b) for b in busy}
-    rd, probe = {}, None
-    for b in busy:  # the one-core probe is kept for the decoder's stream_eff below
-        p = ReadProbe(b)
-        rd[b] = p.gbs()
-        probe = p if b == 1 and decoder else probe
-        del p
+    rd = {b: read_gbs(b) for b in busy}
     sg = {b: sgemm_gflops(b, repeats=reps) for b in busy}
     panel = panel_cost(repeats=reps)
     try:
-        fixed = llm_fixed_costs(probe=probe) if decoder else {}
+        fixed = llm_fixed_costs() if decoder else {}
     except ImportError:  # the llm extra is not installed: no decoder to measure
         fixed = {}
-    del probe
     tensor = {}
     if fixed:
         from hpcmac.plan.tensor_cost import measure
