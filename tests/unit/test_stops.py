@@ -122,7 +122,8 @@ class Job:
             try:
                 c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
                 c.request("POST", "/v1/completions", json.dumps(
-                    {"prompt": "Once upon a time", "max_tokens": 200, "stream": True}),
+                    {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
+                     "stream": True}),
                     {"Content-Type": "application/json"})
                 r = c.getresponse()
                 r.read(1)
