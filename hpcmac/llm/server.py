@@ -258,7 +258,11 @@ def bind(host: str, port: int):
     except socket.gaierror as exc:
         raise UsageError(f"--host {host}: cannot resolve ({exc.strerror})") from None
     family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on a connection whose socket says
+    # so (its proto, inherited from this one at accept). With proto 0, Nagle held each
+    # stream's first chunk behind the unacknowledged headers until the client's delayed
+    # ACK (~40 ms): every TTFT carried it
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
