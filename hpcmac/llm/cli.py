@@ -250,8 +250,8 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
         sequences=len(reqs), slots=slots, quantize=args.quantize, group_size=args.q_group_size,
         draft=draft_of(args),
         predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
-    blocks, block_bytes, cache_line = agree_prefix_cache(group, cfg, placement,
-                                                         args.prefix_cache_gb)
+    blocks, block_bytes, state_cost, cache_line = agree_prefix_cache(
+        group, cfg, placement, args.prefix_cache_gb)
     rt = bring_up(group, placement, args.model, cfg, backend=args.backend,
                   quantize=args.quantize, group_size=args.q_group_size,
                   int8_activations=args.int8_activations, timeout=args.timeout,
@@ -275,7 +275,7 @@ def run_generate(args: argparse.Namespace, group=None, out=None) -> int:
         micro_batches=args.micro_batches or None, max_batch=slots,
         prefill_chunk=args.prefill_chunk or None, max_len=shape[1],
         on_token=show.token if show else None, stop_check=stop_check,
-        prefix_blocks=blocks, prefix_bytes=block_bytes,
+        prefix_blocks=blocks, prefix_bytes=block_bytes, prefix_state=state_cost,
     )
     from hpcmac.io.outputs import OutputError, write_atomic
 

@@ -479,8 +479,8 @@ def run_serve(args, group=None) -> int:
         sequences=slots, quantize=args.quantize, group_size=args.q_group_size,
         draft=draft_of(args),
         predicted=(best.tp, best.pp, plan_job.why_chosen(preds)) if best else None)
-    blocks, block_bytes, cache_line = agree_prefix_cache(group, cfg, placement,
-                                                         args.prefix_cache_gb)
+    blocks, block_bytes, state_cost, cache_line = agree_prefix_cache(
+        group, cfg, placement, args.prefix_cache_gb)
     if channel and group.rank == 0:  # the survive front's /health: "reloading" from here
         from hpcmac.llm.survive.channel import LOADING
 
@@ -538,7 +538,8 @@ def run_serve(args, group=None) -> int:
                      max_len=context,
                      on_token=source.token if source else None,
                      stop_check=source.stop_check if source else None,
-                     prefix_blocks=blocks, prefix_bytes=block_bytes, busy=busy)
+                     prefix_blocks=blocks, prefix_bytes=block_bytes,
+                     prefix_state=state_cost, busy=busy)
     finally:
         if group.rank == 0:
             alive.clear()

@@ -124,22 +124,78 @@ def test_capacity_by_the_largest_rank_and_the_refusal():
     assert X.capacity(c, p, fits)[0] > 0  # what it says fits does fit
 
 
-def test_a_family_with_recurrent_state_gets_no_prefix_cache():
-    """Qwen3-Next's Gated DeltaNet layers keep a state, not per-token KV: refused in one
-    line (and a block save on such a cache raises, should anything get that far)."""
+def test_a_family_with_recurrent_state_keeps_it_in_its_blocks():
+    """Qwen3-Next's Gated DeltaNet layers keep a state, not per-token KV: the cache is on,
+    a block holding the states costs state_cost blocks more (the states' bytes over a
+    block's, rounded up); a block saved with the states and loaded into another slot puts
+    them back with the attention layers' KV, and one saved without them cannot end a
+    loaded prefix; states asked where the slot is not are refused."""
     from hpcmac.llm.model import arch
     from hpcmac.llm.model.backend import get_backend
-    from hpcmac.llm.model.cache import KVCache
+    from hpcmac.llm.model.cache import LOAD, SAVE, KVCache
 
     c = arch.config_from_hf({"model_type": "qwen3_next", **arch.family("qwen3_next", "").tiny})
     p = place(c, Sizes(c), cluster(1), kv_tokens=16)
-    n, line = X.capacity(c, p, 1.0)
-    assert n == 0 and "recurrent state" in line and "\n" not in line, line
-    cache = KVCache(c, 0, c.n_layers, 1, 8, get_backend("numpy"),
+    n, line = X.capacity(c, p, 0.01)
+    cost = X.state_cost(c, p)
+    states = p.state_bytes(c, 0)
+    assert states > 0 and cost == -(-states // max(X.block_bytes(c, p))), (states, cost)
+    assert n > 0 and f"takes {cost} more" in line and "\n" not in line, line
+    cache = KVCache(c, 0, c.n_layers, 2, 16, get_backend("numpy"),
                     [arch.layer(c, i) for i in range(c.n_layers)])
-    assert cache.recurrent
-    with pytest.raises(RuntimeError, match="recurrent states"):
-        cache.save(0, 0, 4, 0)
+    rec = set(cache.recurrent)
+    assert rec and len(rec) < c.n_layers
+    rng = np.random.default_rng(0)
+    for a in cache.k + cache.v:
+        a[0] = rng.standard_normal(a.shape[1:])
+    cache.lengths[0] = 8
+    # a SAVE with states and the slot freed by the same message: saved first
+    cache.apply([(SAVE, 0, 0, 4, 3, 0), (SAVE, 0, 4, 4, 4, 1)], frees=[0])
+    assert cache.lengths[0] == 0 and not any(cache.k[j][0].any() for j in rec)
+    assert cache.blocks[3].state is None and cache.blocks[4].state is not None
+    cache.apply([(LOAD, 1, 3, 4)])
+    assert cache.lengths[1] == 8
+    for j, (k, v) in enumerate(zip(cache.k, cache.v)):
+        if j in rec:  # the states after token 7, from block 4
+            assert np.array_equal(k[1], cache.blocks[4].state[2 * sorted(rec).index(j)])
+            assert k[1].any() and v[1].any()
+        else:
+            assert np.array_equal(k[1, :, :8], k[0, :, :8])  # the KV outlived the free
+    with pytest.raises(RuntimeError, match="without the recurrent states"):
+        cache.load(0, [3])
+    with pytest.raises(RuntimeError, match="holds 8"):
+        cache.save(1, 0, 4, 5, state=True)
+
+
+def test_a_lookup_needing_states_stops_at_the_last_block_holding_them():
+    """Needing the states, a reused prefix ends at a block that holds the states; a block
+    with them costs 1 + state_cost of the capacity (evicting for it), an existing block
+    without them gets them when offered (its own id, to store again), and a block whose
+    states do not fit is still kept without them."""
+    ix = X.PrefixIndex(capacity=15, block=2, needs_state=True, state_cost=3)
+    a = list(range(12))
+    chain = []
+    for i in range(5):  # blocks 0..4, the states kept with blocks 1 and 3
+        node, bid = ix.add(chain[-1] if chain else X.ROOT, a[2 * i:2 * i + 2], i in (1, 3))
+        chain.append(node)
+    assert ix.used == 5 + 2 * 3
+    assert ix.usable(ix.match(a, 11)) == chain[:4]
+    assert ix.usable(ix.match(a[:6] + [99] * 6, 11)) == chain[:2]
+    other, _ = ix.add(X.ROOT, [50, 51])
+    node, bid = ix.add(chain[3], a[8:10], True)  # block 4 offered its states: 15 of 15
+    assert node == chain[4] and bid == ix.bid(node) and ix.used == 15
+    assert ix.usable(ix.match(a, 11)) == chain and ix.evictions == 0
+    # a new block with states (4) evicts the least recent leaves until it fits
+    new, _ = ix.add(X.ROOT, [60, 61], True)
+    assert ix.evictions == 2 and not ix.alive(other) and not ix.alive(chain[4])
+    assert ix.used == 15 - 1 - 4 + 4 and ix.usable(ix.match(a, 11)) == chain[:4]
+    small = X.PrefixIndex(capacity=3, block=2, needs_state=True, state_cost=5)
+    got = small.add(X.ROOT, [1, 2], True)
+    assert got is not None and not small._nodes[got[0]].state and small.used == 1
+    assert small.usable(small.match([1, 2, 3], 2)) == []
+    plain = X.PrefixIndex(capacity=4, block=2)
+    n0, _ = plain.add(X.ROOT, [1, 2], True)  # no states needed: ignored
+    assert plain.used == 1 and plain.usable(plain.match([1, 2, 3], 2)) == [n0]
 
 
 def test_indexer_keys_are_counted_and_travel_with_prefix_blocks():

@@ -40,8 +40,10 @@ if TYPE_CHECKING:
     from hpcmac.llm.model.arch.fields import ModelConfig
 
 #: prefix-block instructions (rank 0 -> every rank, in order): ``(SAVE, slot, start, n,
-#: block id)`` copies tokens ``[start, start + n)`` of ``slot`` into the block;
-#: ``(LOAD, slot, id, id, ...)`` writes the blocks one after another from position 0
+#: block id[, state])`` copies tokens ``[start, start + n)`` of ``slot`` into the block,
+#: with ``state`` 1 also the slot's recurrent states (the slot must then hold exactly
+#: ``start + n`` tokens); ``(LOAD, slot, id, id, ...)`` writes the blocks one after
+#: another from position 0, and the last one's recurrent states
 SAVE, LOAD = 0, 1
 
 
@@ -50,12 +52,11 @@ class KVBlock:
     """A copy of ``n`` consecutive tokens of one slot, every layer of this rank (local).
 
     ``k``, ``v``: per layer, the cache's arrays for those tokens (numpy; ``v`` None for a
-    layer that keeps no V).
-    ``state``: for a model with linear-attention layers, their recurrent states after
-    the block's last token (:meth:`KVCache.snapshot`), to be put back with the block
-    (:meth:`KVCache.restore`); None for attention alone. Not filled yet: such a family
-    gets no prefix cache (:func:`recurrent_layers`), until the scheduler cuts prefill
-    chunks at block ends so that the state there exists to be snapshot.
+    layer that keeps no V, both None for a linear-attention layer).
+    ``state``: for a model with linear-attention layers, their conv and recurrent states
+    after the block's last token, in layer order (conv, recurrent, conv, ...), put back
+    when the block ends a loaded prefix; None when the block was saved without them
+    (their values at its end were gone: the scheduler then never ends a reuse there).
     """
 
     n: int
@@ -87,8 +88,7 @@ def _keeps_v(layer) -> bool:
 
 def recurrent_layers(cfg: ModelConfig) -> list[int]:
     """Global layers that keep a recurrent state instead of per-token KV: a prefix block
-    must then hold that state at its end (:attr:`KVBlock.state`, from
-    :meth:`KVCache.snapshot`), which the prefix cache does not do yet."""
+    that ends a reused prefix must then hold that state at its end (:attr:`KVBlock.state`)."""
     from hpcmac.llm.model import arch
 
     return [i for i in range(cfg.n_layers) if _has_state(arch.layer(cfg, i))]
@@ -237,29 +237,39 @@ class KVCache:
         """The view of tokens ``[lo, hi)`` of ``slot`` in one layer's array."""
         return a[slot, lo:hi] if self.mla else a[slot, :, lo:hi]
 
-    def save(self, slot: int, start: int, n: int, bid: int) -> None:
-        """Copy tokens ``[start, start + n)`` of ``slot`` into block ``bid`` (replacing it).
+    def save(self, slot: int, start: int, n: int, bid: int, state: bool = False) -> None:
+        """Copy tokens ``[start, start + n)`` of ``slot`` into block ``bid`` (replacing it);
+        with ``state`` also the slot's recurrent states, which must be those after token
+        ``start + n - 1`` (the slot holds exactly ``start + n`` tokens).
 
-        The slot may have been freed in the same control message (its sequence ended
-        after feeding them): freeing forgets its length, not its values."""
+        The slot may be freed by the same control message (its sequence ended after
+        feeding them): :meth:`apply` saves before it frees."""
         if not 0 <= start < start + n <= self.max_len:
             raise RuntimeError(f"prefix block {bid}: tokens [{start}, {start + n}) are "
                                f"outside the context of {self.max_len}")
-        self._no_states()
         be = self.backend
-        take = lambda a: None if a is None else np.array(  # noqa: E731
+        rec = set(self.recurrent)
+        take = lambda j, a: None if a is None or j in rec else np.array(  # noqa: E731
             be.to_numpy(self._tokens(a, slot, start, start + n)))
         index = None
         if any(a is not None for a in self.index):
             index = [None if a is None else np.array(be.to_numpy(a[slot, start:start + n]))
                      for a in self.index]
-        self.blocks[bid] = KVBlock(n, [take(a) for a in self.k], [take(a) for a in self.v],
+        states = None
+        if state and self.recurrent:
+            if int(self.lengths[slot]) != start + n:
+                raise RuntimeError(f"prefix block {bid}: its states are asked after token "
+                                   f"{start + n} of slot {slot}, which holds "
+                                   f"{int(self.lengths[slot])}")
+            states = [np.array(be.to_numpy(a[slot])) for j in self.recurrent
+                      for a in (self.k[j], self.v[j])]
+        self.blocks[bid] = KVBlock(n, [take(j, a) for j, a in enumerate(self.k)],
+                                   [take(j, a) for j, a in enumerate(self.v)], state=states,
                                    index=index)
 
     def load(self, slot: int, bids) -> None:
         """Write blocks ``bids`` one after another into ``slot`` from position 0; the
-        slot then holds their tokens."""
-        self._no_states()
+        slot then holds their tokens, and the last block's recurrent states."""
         be = self.backend
         blks = [self.blocks[bid] for bid in bids]
         pos = sum(blk.n for blk in blks)
@@ -268,14 +278,25 @@ class KVCache:
         if not blks:
             self.lengths[slot] = 0
             return
+        if self.recurrent:
+            if blks[-1].state is None:
+                raise RuntimeError(f"prefix block {bids[-1]} ends a loaded prefix without "
+                                   "the recurrent states after it")
+            it = iter(blks[-1].state)
+            for j in self.recurrent:
+                self.k[j][slot] = be.asarray(next(it))
+                self.v[j][slot] = be.asarray(next(it))
 
         def joined(parts, axis):  # one write a layer, not one a block (small blocks)
             return be.asarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis))
 
+        rec = set(self.recurrent)
         for li, a in enumerate(self.k):
-            self._put(a, slot, pos, joined([blk.k[li] for blk in blks], 0 if self.mla else 1))
+            if li not in rec:
+                self._put(a, slot, pos, joined([blk.k[li] for blk in blks],
+                                               0 if self.mla else 1))
         for li, a in enumerate(self.v):
-            if a is not None:  # a layer that keeps no V
+            if a is not None and li not in rec:  # not a layer that keeps no V
                 self._put(a, slot, pos, joined([blk.v[li] for blk in blks],
                                                0 if self.mla else 1))
         for li, a in enumerate(self.index):
@@ -290,20 +311,25 @@ class KVCache:
         else:
             a[slot, :, :n] = data
 
-    def _no_states(self) -> None:
-        if self.recurrent:  # capacity() turns the prefix cache off for such families
-            raise RuntimeError("prefix blocks of layers with recurrent states are not "
-                               "supported yet")
-
-    def apply(self, ops) -> None:
-        """Rank 0's prefix-block instructions (:data:`SAVE`, :data:`LOAD`), in order."""
+    def apply(self, ops, frees=()) -> None:
+        """Rank 0's prefix-block instructions (:data:`SAVE`, :data:`LOAD`), in order, with
+        the slots its control message frees: each is freed just before the first LOAD
+        into it, else after the instructions, so that a block saved from a sequence that
+        just ended still finds its slot's recurrent states (its KV outlives a free)."""
+        pending = {int(slot) for slot in frees}
         for op in ops:
             if op[0] == SAVE:
-                self.save(int(op[1]), int(op[2]), int(op[3]), int(op[4]))
+                self.save(int(op[1]), int(op[2]), int(op[3]), int(op[4]),
+                          len(op) > 5 and bool(op[5]))
             elif op[0] == LOAD:
+                if int(op[1]) in pending:
+                    pending.discard(int(op[1]))
+                    self.free(int(op[1]))
                 self.load(int(op[1]), [int(b) for b in op[2:]])
             else:
                 raise RuntimeError(f"unknown prefix-block instruction {op[0]!r}")
+        for slot in sorted(pending):
+            self.free(slot)
 
     @property
     def block_nbytes(self) -> int:

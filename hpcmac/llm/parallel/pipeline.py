@@ -70,7 +70,7 @@ import numpy as np
 
 from hpcmac.comm.base import Group
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.cache import LOAD, SAVE
+from hpcmac.llm.model.cache import LOAD, SAVE, recurrent_layers
 from hpcmac.llm.model.sampling import Sampler, SamplingParams
 from hpcmac.llm.parallel.link import Link, Watchdog
 from hpcmac.llm.parallel.plan import StageSpec
@@ -192,6 +192,7 @@ class _Plan:
     prefix_blocks: int = 0  # prefix-cache blocks (0: no prefix cache), see .prefix
     prefix_block: int = BLOCK  # tokens per prefix block
     prefix_bytes: int = 0  # bytes of one block on the rank holding the most (stats)
+    prefix_state: int = 0  # blocks a block's linear-attention states take besides (0: none)
     lone_chunk: int = 0  # serve's default: the chunk while nothing decodes (0: chunk always)
 
 
@@ -214,15 +215,17 @@ class _StageState:
     def apply_ctrl(self, ctrl: dict) -> None:
         if self.tensor is not None:
             self.tensor.send_ctrl(ctrl)
+        frees = []  # freed by the cache with its prefix-block instructions, below
         for idx, slot in ctrl.get("free", ()):
             if slot in self.used_slots:
-                self.cache.free(slot)
+                frees.append(slot)
                 self.used_slots.discard(slot)
             self.samplers.pop(idx, None)
         kv = ctrl.get("kv", ())
-        if kv:  # after the frees: a slot freed and given to a new sequence gets its blocks
-            self.cache.apply(kv)
-            self.used_slots.update(int(op[1]) for op in kv if op[0] == LOAD)
+        # a slot freed and given to a new sequence gets its blocks after its free; a block
+        # saved from a slot being freed reads it first (KVCache.apply)
+        self.cache.apply(kv, frees)
+        self.used_slots.update(int(op[1]) for op in kv if op[0] == LOAD)
         if self.spec.last:
             for idx, prompt, params in ctrl.get("add", ()):
                 self.samplers[idx] = _SeqSampler(prompt, params, self.plan.isolate)
@@ -598,8 +601,10 @@ class _Scheduler:
         self.on_token, self.stop_check = on_token, stop_check
         plan = st.plan
         #: rank 0's prefix-cache index (None: no prefix cache); its counters are stats
-        self.prefix = PrefixIndex(plan.prefix_blocks, plan.prefix_block, plan.prefix_bytes) \
-            if plan.prefix_blocks > 0 else None
+        self.prefix = PrefixIndex(
+            plan.prefix_blocks, plan.prefix_block, plan.prefix_bytes,
+            needs_state=bool(recurrent_layers(st.stage.config)),
+            state_cost=plan.prefix_state) if plan.prefix_blocks > 0 else None
         if source is not None:
             source.prefix = self.prefix
         self.mb_id = 0
@@ -681,7 +686,7 @@ class _Scheduler:
             return []
         prompt, b = s.req.prompt, px.block
         limit = len(prompt) - 1  # the last prompt token is always computed: its logits
-        hit = px.match(prompt, limit)
+        hit = px.usable(px.match(prompt, limit))
         if (len(hit) + 1) * b <= limit:
             key = px.key(hit[-1] if hit else ROOT, prompt[len(hit) * b:(len(hit) + 1) * b])
             if px.pending.get(key, s.idx) != s.idx:
@@ -726,13 +731,15 @@ class _Scheduler:
             return
         while not s.nosave and (len(s.chain) + 1) * b <= s.fed:
             i = len(s.chain)
-            got = px.add(s.chain[-1] if s.chain else ROOT, s.tokens[i * b:(i + 1) * b])
+            # the recurrent states exist at the block's end only if it is what was fed
+            state = px.needs_state and (i + 1) * b == s.fed
+            got = px.add(s.chain[-1] if s.chain else ROOT, s.tokens[i * b:(i + 1) * b], state)
             if got is None:  # no room, or its previous block was evicted meanwhile
                 s.nosave = True
                 break
             node, bid = got
             if bid is not None:
-                self.ctrl["kv"].append((SAVE, s.slot, i * b, b, bid))
+                self.ctrl["kv"].append((SAVE, s.slot, i * b, b, bid, int(state)))
             s.chain.append(node)
         self.expect(s)
 
@@ -752,10 +759,17 @@ class _Scheduler:
             # ~50 ms a chunk for SmolLM2 Q4_1 at one thread)
             budget = max(budget, plan.lone_chunk)
         out, used = [], 0
+        cut = self.prefix is not None and self.prefix.needs_state
         for s in sorted((s for s in self.active if s.ready), key=lambda s: s.last_mb):
             if len(out) >= cap or used >= budget:
                 break
             n = min(len(s.tokens) - s.fed, budget - used)
+            if cut and s.fed < s.n_prompt:
+                # a prompt chunk that crosses a block boundary ends at the last one it
+                # crosses: the linear-attention states exist there, to be kept with it
+                b = self.prefix.block
+                end = (s.fed + n) // b * b
+                n = end - s.fed if end > s.fed else n
             out.append((s, n))
             used += n
         return out
@@ -1085,6 +1099,7 @@ def run_pipeline(
     prefix_blocks: int = 0,
     prefix_bytes: int = 0,
     prefix_block: int = BLOCK,
+    prefix_state: int = 0,
     drafter=None,
     on_step: Callable[[float, float], None] | None = None,
 ) -> PipelineResult:
@@ -1122,6 +1137,9 @@ def run_pipeline(
         blocks reuses their KV on every rank and prefills only the rest.
     prefix_bytes : one block's bytes on the rank holding the most (rank 0; stats).
     prefix_block : tokens per prefix block (rank 0).
+    prefix_state : blocks of ``prefix_blocks`` that a block's linear-attention states
+        take besides its KV (rank 0; :func:`~hpcmac.llm.parallel.prefix.state_cost`; 0: the
+        model has none).
     drafter : speculative decoding (rank 0, the first stage's leader): a
         :class:`~hpcmac.llm.model.speculative.ModelDrafter` or ``NgramDrafter``
         proposing each request's ``draft_k`` tokens per step; the last stage
@@ -1141,7 +1159,8 @@ def run_pipeline(
                      chunk=max(1, prefill_chunk or STREAM_CHUNK),
                      lone_chunk=0 if prefill_chunk or p > 1 else LONE_CHUNK,
                      keep_logits=False, isolate=True, prefix_blocks=prefix_blocks,
-                     prefix_bytes=prefix_bytes, prefix_block=prefix_block)
+                     prefix_bytes=prefix_bytes, prefix_block=prefix_block,
+                     prefix_state=prefix_state)
     elif group.rank == 0:
         reqs = list(requests or [])
         if not reqs:
@@ -1154,7 +1173,7 @@ def run_pipeline(
             micro_batches=max(1, micro_batches or p),
             chunk=max(1, prefill_chunk or default_chunk(sum(len(r.prompt) for r in reqs), p)),
             keep_logits=keep_logits, prefix_blocks=prefix_blocks, prefix_bytes=prefix_bytes,
-            prefix_block=prefix_block,
+            prefix_block=prefix_block, prefix_state=prefix_state,
         )
     plan = group.bcast_obj(plan, 0)
     if tensor is not None and tensor.size > 1:

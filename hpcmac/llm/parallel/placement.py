@@ -162,6 +162,13 @@ class Placement:
         st = self.stages[s]
         return _cache_bytes(cfg, st.start, st.end, 1, 0, self.shards[s][t])
 
+    def state_bytes(self, cfg, r: int) -> int:
+        """Bytes of one sequence's linear-attention states on world rank ``r`` (its
+        stage's layers, its value heads; 0 for attention alone)."""
+        s, t = divmod(r, self.tp)
+        st = self.stages[s]
+        return _cache_bytes(cfg, st.start, st.end, 0, 1, self.shards[s][t])
+
     def describe(self, why: bool = False) -> str:
         """The line generate and serve print (rank 0) for several ranks (``why``: a
         pipeline's line says why this layout too, as a tensor layout's always does)."""

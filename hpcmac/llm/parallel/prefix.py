@@ -16,6 +16,15 @@ message is sent per token.
 Bounded by blocks (the byte budget over the largest rank's block, see
 :func:`capacity`); eviction takes the least recently used *leaf* (a block no
 other cached block continues), so a chain is never cut in the middle.
+
+A model with linear-attention layers (Qwen3-Next, Qwen3.5) cannot rebuild their
+recurrent state from a prefix of the KV: a block is usable as the end of a reused
+prefix only if it also holds the states after its last token (``state``), which
+exist only at the moment the sequence has been fed exactly to that token. The
+scheduler saves them where they exist (the end of each prefill chunk, which it cuts
+at a block boundary, and the last block of each run of generated blocks), a lookup
+stops at the last block of the match that holds them, and such a block costs
+``state_cost`` blocks more of the budget (the states' bytes over a block's).
 Pure: nothing here communicates.
 """
 
@@ -46,6 +55,7 @@ class _Node:
     bid: int
     key: tuple
     children: int = 0
+    state: bool = False  # its block holds the recurrent states after its last token
 
 
 class PrefixIndex:
@@ -54,10 +64,17 @@ class PrefixIndex:
     capacity : blocks at most (global: every rank holds the same block ids).
     block : tokens per block.
     block_bytes : bytes one block takes on the rank holding the most (stats only).
+    needs_state : a reused prefix must end at a block holding the recurrent states (a
+        model with linear-attention layers).
+    state_cost : blocks of the budget those states take besides a block's KV.
     """
 
-    def __init__(self, capacity: int, block: int = BLOCK, block_bytes: int = 0):
+    def __init__(self, capacity: int, block: int = BLOCK, block_bytes: int = 0,
+                 needs_state: bool = False, state_cost: int = 0):
         self.capacity, self.block, self.block_bytes = int(capacity), int(block), block_bytes
+        self.needs_state = bool(needs_state)
+        self.state_cost = int(state_cost) if self.needs_state else 0
+        self.used = 0  # of the capacity: a block 1, its states state_cost more
         self._by_key: dict[tuple, int] = {}
         self._nodes: dict[int, _Node] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
@@ -89,6 +106,16 @@ class PrefixIndex:
             parent = node
         return out
 
+    def usable(self, nodes: list[int]) -> list[int]:
+        """The longest start of a matched chain that a sequence can resume from: all of
+        it, or with recurrent states up to its last block that holds them."""
+        if not self.needs_state:
+            return nodes
+        n = len(nodes)
+        while n and not self._nodes[nodes[n - 1]].state:
+            n -= 1
+        return nodes[:n]
+
     def touch(self, nodes) -> None:
         """Used now: the chain's end first, so that its start stays the more recent."""
         for n in reversed(nodes):
@@ -106,33 +133,53 @@ class PrefixIndex:
 
     # -- writing ---------------------------------------------------------------------
 
-    def add(self, parent: int, tokens) -> tuple[int, int | None] | None:
+    def add(self, parent: int, tokens, state: bool = False) -> tuple[int, int | None] | None:
         """The node of block ``tokens`` after ``parent``: an existing one (block id None:
         nothing to store), or a new one with the block id to store it in (evicting the
-        least recently used leaf when full, never ``parent``); None when there is no room."""
+        least recently used leaf when full, never ``parent``); None when there is no room.
+        ``state``: the block can be stored with the recurrent states after it (a model that
+        needs them): a new node keeps them, and an existing node without them gets them
+        (its own block id returned: store the block again)."""
         key = self.key(parent, tokens)
         node = self._by_key.get(key)
+        state = state and self.needs_state
         if node is not None:
             self._lru.move_to_end(node)
+            nd = self._nodes[node]
+            if state and not nd.state and self._room(self.state_cost, (parent, node)):
+                nd.state = True
+                self.used += self.state_cost
+                return node, nd.bid
             return node, None
         if not self.alive(parent) or self.capacity <= 0:
             return None
-        if not self._free and not self._evict(exclude=parent):
-            return None
+        cost = 1 + (self.state_cost if state else 0)
+        if not self._room(cost, (parent,)):
+            if not state or not self._room(1, (parent,)):
+                return None
+            state, cost = False, 1  # the KV alone still continues the chain
         node, self._next = self._next, self._next + 1
         bid = self._free.pop()
-        self._nodes[node] = _Node(bid, key)
+        self._nodes[node] = _Node(bid, key, state=state)
         self._by_key[key] = node
         self._lru[node] = None
+        self.used += cost
         if parent != ROOT:
             self._nodes[parent].children += 1
         self.saved += 1
         return node, bid
 
-    def _evict(self, exclude: int) -> bool:
+    def _room(self, cost: int, exclude: tuple) -> bool:
+        """Evict until ``cost`` more fits (and a block id is free); False if it cannot."""
+        while self.used + cost > self.capacity or not self._free:
+            if not self._evict(exclude):
+                return False
+        return True
+
+    def _evict(self, exclude: tuple) -> bool:
         for node in self._lru:
             nd = self._nodes[node]
-            if nd.children == 0 and node != exclude:
+            if nd.children == 0 and node not in exclude:
                 break
         else:
             return False
@@ -141,6 +188,7 @@ class PrefixIndex:
         if parent != ROOT:
             self._nodes[parent].children -= 1
         self._free.append(nd.bid)
+        self.used -= 1 + (self.state_cost if nd.state else 0)
         self.evictions += 1
         return True
 
@@ -149,7 +197,7 @@ class PrefixIndex:
     def stats(self) -> dict:
         """What the cache holds and has saved (rank 0; plain numbers, for logs and metrics)."""
         return {"blocks": len(self._nodes), "capacity_blocks": self.capacity,
-                "block_tokens": self.block, "bytes_used": len(self._nodes) * self.block_bytes,
+                "block_tokens": self.block, "bytes_used": self.used * self.block_bytes,
                 "capacity_bytes": self.capacity * self.block_bytes, "lookups": self.lookups,
                 "hits": self.hits, "tokens_reused": self.tokens_reused, "saved": self.saved,
                 "evictions": self.evictions}
@@ -164,6 +212,15 @@ def block_bytes(cfg, placement, block: int = BLOCK) -> list[int]:
     return [block * placement.kv_token_bytes(cfg, r) for r in range(placement.size)]
 
 
+def state_cost(cfg, placement, block: int = BLOCK) -> int:
+    """Blocks of the budget that one block's recurrent states take besides its KV (pure,
+    global): the most any rank's states take, in blocks of the rank holding the most
+    (:func:`capacity`'s unit), rounded up; 0 for a model of attention layers alone."""
+    states = max(placement.state_bytes(cfg, r) for r in range(placement.size))
+    per = max(block_bytes(cfg, placement, block))
+    return -(-states // per) if states and per else 0
+
+
 def capacity(cfg, placement, gb: float | None, block: int = BLOCK) -> tuple[int, str]:
     """(blocks the prefix cache holds, a line saying so or why it is off) (pure, global).
 
@@ -171,17 +228,10 @@ def capacity(cfg, placement, gb: float | None, block: int = BLOCK) -> tuple[int,
     :data:`DEFAULT_GB` at most half of what the weights and slots leave on the tightest
     rank; 0: off). A ``gb`` larger than what some rank has left after its weights and KV
     cache is a UsageError naming that rank. A family whose layers carry a recurrent state
-    gets no prefix cache (one line says so): its blocks would need that state too.
+    keeps it in some blocks too (:func:`state_cost` blocks more each; the line says so).
     """
-    from hpcmac.llm.model.cache import recurrent_layers
-
     if gb is not None and gb == 0:
         return 0, "prefix cache: off (--prefix-cache-gb 0)"
-    rec = recurrent_layers(cfg)
-    if rec:
-        return 0, (f"prefix cache: off ({cfg.arch}: {len(rec)} of {cfg.n_layers} layers keep "
-                   "a recurrent state (linear attention), which prefix blocks do not hold "
-                   "yet)")
     per = block_bytes(cfg, placement, block)
     left = [b - n for b, n in zip(placement.budgets, placement.need)]
     if gb is None:
@@ -204,8 +254,13 @@ def capacity(cfg, placement, gb: float | None, block: int = BLOCK) -> tuple[int,
                                  f"{fits:.2f}")
     if n == 0:
         return 0, "prefix cache: off (no room for one block)"
-    return n, (f"prefix cache: {n} blocks of {block} tokens, {n * max(per) / GIB:.2f} GiB "
-               "at most per rank")
+    line = (f"prefix cache: {n} blocks of {block} tokens, {n * max(per) / GIB:.2f} GiB "
+            "at most per rank")
+    cost = state_cost(cfg, placement, block)
+    if cost:
+        line += (f"; a block that holds the linear-attention states takes {cost} more "
+                 f"({n // (1 + cost)} such blocks at most)")
+    return n, line
 
 
 def note(line: str) -> None:

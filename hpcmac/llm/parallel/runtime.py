@@ -102,16 +102,18 @@ def draft_bytes(draft: str | None, kv_tokens: int, slots: int) -> int:
 
 
 def agree_prefix_cache(group: Group, cfg, placement: Placement,
-                       gb: float | None) -> tuple[int, int, str]:
-    """Collective: (blocks, one block's bytes on the rank holding the most, the line
-    saying so) of the prefix cache under ``--prefix-cache-gb gb``
-    (:func:`~.prefix.capacity`), or every rank raises the same UsageError, before any
+                       gb: float | None) -> tuple[int, int, int, str]:
+    """Collective: (blocks, one block's bytes on the rank holding the most, the blocks a
+    block's linear-attention states take besides (0: none), the line saying so) of the
+    prefix cache under ``--prefix-cache-gb gb`` (:func:`~.prefix.capacity`,
+    :func:`~.prefix.state_cost`), or every rank raises the same UsageError, before any
     weights load."""
     from hpcmac.llm.parallel import prefix
 
     def size():
         n, line = prefix.capacity(cfg, placement, gb)
-        return n, max(prefix.block_bytes(cfg, placement)), line
+        return (n, max(prefix.block_bytes(cfg, placement)),
+                prefix.state_cost(cfg, placement), line)
 
     return agree(group, size, ranks="root")
 

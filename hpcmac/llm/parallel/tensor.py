@@ -422,9 +422,7 @@ def follow(tg: TensorGroup, stage, first: bool, last: bool, hidden: int, max_slo
                 kv = [[int(v) for v in op] for op in msg.get("kv", [])]
             except (ValueError, TypeError, KeyError) as exc:
                 raise RuntimeError(f"malformed tensor-group control message: {exc}") from None
-            for slot in slots:
-                cache.free(slot)
-            cache.apply(kv)  # after the frees, as the leader does
+            cache.apply(kv, slots)  # with the frees, as the leader does
             continue
         meta = tg._recv(np.empty((n, META), dtype=np.int32), TAG_STEP, 0, "to send a step")
         if first:
