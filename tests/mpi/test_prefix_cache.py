@@ -244,3 +244,30 @@ def test_two_requests_sharing_a_system_prompt(checkpoint):
         # the second waited for the first's blocks: all 3 whole blocks of the 13 shared
         parallel_assert([on[i][1] for i in range(2)] == [0, 12],
                         f"{what}: cached {[on[i][1] for i in range(2)]}", g)
+
+
+def test_a_prompt_reuses_part_of_a_block(checkpoint):
+    """A prompt run again reuses all but its last token, and one that leaves a cached
+    prompt inside a block reuses that block's first tokens too (its KV is the prompt's
+    own), as llama.cpp reuses a slot token by token; tokens as with the cache off. With
+    linear attention a reuse ends at a block boundary that holds the states."""
+    g = world()
+    rng = np.random.default_rng(9)
+    a = [int(t) for t in rng.integers(0, VOCAB, 13)]
+    b = a[:10] + [int(t) for t in rng.integers(0, VOCAB, 3)]
+    prompts = [a, a, b]
+
+    def three(done):
+        return prompts[len(done)] if len(done) < 3 else None
+
+    want = [0, 12, 8] if checkpoint.endswith("qwen3_next") else [0, 12, 10]
+    for name, tp in layouts(g.size).items():
+        rt = runtime(checkpoint, tp)
+        off, _ = serve(rt, three, 0)
+        on, _ = serve(rt, three, 64)
+        what = f"np={g.size} {name}"
+        for k in range(3):
+            parallel_assert(on[k][1] == off[k][1], f"{what} request {k + 1}: {on[k][1]} != "
+                                                   f"{off[k][1]}", g)
+        parallel_assert([c for _, _, c in on] == want,
+                        f"{what}: cached {[c for _, _, c in on]}, expected {want}", g)

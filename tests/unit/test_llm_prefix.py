@@ -220,3 +220,25 @@ def test_indexer_keys_are_counted_and_travel_with_prefix_blocks():
     assert cache.lengths[1] == 4
     for a in cache.k + cache.v + cache.index:
         assert np.array_equal(a[1, :4], a[0, :4]) and not a[1, 4:].any()
+
+
+def test_partial_finds_the_longest_start_of_a_cached_next_block():
+    ix = X.PrefixIndex(capacity=8, block=4)
+    save_all(ix, [1, 2, 3, 4, 5, 6, 7, 8])
+    save_all(ix, [1, 2, 3, 4, 5, 6, 9, 9])
+    first = ix.match([1, 2, 3, 4], 4)
+    assert len(first) == 1
+    node, m = ix.partial(first[0], [5, 6, 9])
+    assert m == 3 and ix._nodes[node].key[1] == (5, 6, 9, 9)
+    assert ix.partial(first[0], [5, 0, 0])[1] == 1
+    assert ix.partial(first[0], [0]) is None and ix.partial(first[0], []) is None
+    assert ix.partial(X.ROOT, [1, 2])[1] == 2  # the first block too
+    # evicted blocks are not offered
+    ix2 = X.PrefixIndex(capacity=1, block=2)
+    save_all(ix2, [1, 2])
+    save_all(ix2, [3, 4])
+    assert ix2.partial(X.ROOT, [1]) is None and ix2.partial(X.ROOT, [3])[1] == 1
+    # nor with recurrent states: they exist at a block's end only
+    ix3 = X.PrefixIndex(capacity=4, block=2, needs_state=True)
+    save_all(ix3, [1, 2])
+    assert ix3.partial(X.ROOT, [1]) is None

@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 #: block id[, state])`` copies tokens ``[start, start + n)`` of ``slot`` into the block,
 #: with ``state`` 1 also the slot's recurrent states (the slot must then hold exactly
 #: ``start + n`` tokens); ``(LOAD, slot, id, id, ...)`` writes the blocks one after
-#: another from position 0, and the last one's recurrent states
-SAVE, LOAD = 0, 1
+#: another from position 0, and the last one's recurrent states; ``(TRUNC, slot, n)`` keeps
+#: the slot's first ``n`` tokens (a prompt that reuses part of a block)
+SAVE, LOAD, TRUNC = 0, 1, 2
 
 
 @dataclass
@@ -312,7 +313,8 @@ class KVCache:
             a[slot, :, :n] = data
 
     def apply(self, ops, frees=()) -> None:
-        """Rank 0's prefix-block instructions (:data:`SAVE`, :data:`LOAD`), in order, with
+        """Rank 0's prefix-block instructions (:data:`SAVE`, :data:`LOAD`, :data:`TRUNC`),
+        in order, with
         the slots its control message frees: each is freed just before the first LOAD
         into it, else after the instructions, so that a block saved from a sequence that
         just ended still finds its slot's recurrent states (its KV outlives a free)."""
@@ -326,6 +328,8 @@ class KVCache:
                     pending.discard(int(op[1]))
                     self.free(int(op[1]))
                 self.load(int(op[1]), [int(b) for b in op[2:]])
+            elif op[0] == TRUNC:
+                self.truncate(int(op[1]), int(op[2]))
             else:
                 raise RuntimeError(f"unknown prefix-block instruction {op[0]!r}")
         for slot in sorted(pending):
@@ -337,6 +341,7 @@ class KVCache:
         return sum(b.nbytes for b in self.blocks.values())
     def truncate(self, slot: int, n: int) -> None:
         """Keep the first ``n`` tokens of ``slot`` (speculative decoding's rejected
-        drafts, written by the step that verified them, are dropped; their keys and
-        values are overwritten by the next tokens)."""
+        drafts, written by the step that verified them, are dropped, as are the tokens of
+        a loaded block past what a prompt shares with it; their keys and values are
+        overwritten by the next tokens)."""
         self.lengths[slot] = min(int(self.lengths[slot]), int(n))

@@ -70,7 +70,7 @@ import numpy as np
 
 from hpcmac.comm.base import Group
 from hpcmac.errors import UsageError
-from hpcmac.llm.model.cache import LOAD, SAVE, recurrent_layers
+from hpcmac.llm.model.cache import LOAD, SAVE, TRUNC, recurrent_layers
 from hpcmac.llm.model.sampling import Sampler, SamplingParams
 from hpcmac.llm.parallel.link import Link, Watchdog
 from hpcmac.llm.parallel.plan import StageSpec
@@ -695,15 +695,21 @@ class _Scheduler:
 
     def reuse(self, s: _Seq, hit: list[int]) -> None:
         """``s`` (just given its slot) starts from the cached blocks ``hit``."""
-        px = self.prefix
+        px, b = self.prefix, self.prefix.block
         px.lookups += 1
-        if hit:
-            px.touch(hit)
+        # and the first tokens of a cached block after them, up to the last prompt token
+        lo = len(hit) * b
+        part = px.partial(hit[-1] if hit else ROOT, s.req.prompt[lo:min(lo + b, s.n_prompt - 1)])
+        if hit or part:
+            px.touch(hit + [part[0]] if part else hit)
             s.chain = list(hit)
-            s.fed = s.cached = len(hit) * px.block
+            s.fed = s.cached = lo + (part[1] if part else 0)
             px.hits += 1
             px.tokens_reused += s.cached
-            self.ctrl["kv"].append((LOAD, s.slot, *(px.bid(n) for n in hit)))
+            self.ctrl["kv"].append((LOAD, s.slot, *(px.bid(n) for n in hit),
+                                    *((px.bid(part[0]),) if part else ())))
+            if part:
+                self.ctrl["kv"].append((TRUNC, s.slot, s.cached))
         self.expect(s)
 
     def expect(self, s: _Seq) -> None:

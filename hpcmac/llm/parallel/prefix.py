@@ -78,6 +78,7 @@ class PrefixIndex:
         self._by_key: dict[tuple, int] = {}
         self._nodes: dict[int, _Node] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._kids: dict[int, set[int]] = {}  # node -> the cached blocks continuing it
         self._free = list(range(self.capacity))[::-1]
         self._next = ROOT + 1
         #: keys of blocks an admitted prompt is prefilling now -> that sequence
@@ -115,6 +116,25 @@ class PrefixIndex:
         while n and not self._nodes[nodes[n - 1]].state:
             n -= 1
         return nodes[:n]
+
+    def partial(self, parent: int, tokens) -> tuple[int, int] | None:
+        """A cached block after ``parent`` whose first ``m`` tokens are the first of
+        ``tokens`` (fewer than a block: what the prompt has left before its last token),
+        the longest such, as (node, m); None when none starts with ``tokens[0]``. Its KV
+        for those ``m`` tokens is the prompt's own (a token's keys and values depend on
+        the tokens before it alone), so a prompt reuses them too, as llama.cpp reuses a
+        slot token by token. Not with recurrent states: they exist at a block's end only."""
+        if self.needs_state or not tokens:
+            return None
+        best, most = None, 0
+        for node in self._kids.get(parent, ()):
+            have = self._nodes[node].key[1]
+            m = 0
+            while m < min(len(tokens), len(have)) and have[m] == tokens[m]:
+                m += 1
+            if m > most:
+                best, most = node, m
+        return (best, most) if best is not None else None
 
     def touch(self, nodes) -> None:
         """Used now: the chain's end first, so that its start stays the more recent."""
@@ -164,6 +184,7 @@ class PrefixIndex:
         self._by_key[key] = node
         self._lru[node] = None
         self.used += cost
+        self._kids.setdefault(parent, set()).add(node)
         if parent != ROOT:
             self._nodes[parent].children += 1
         self.saved += 1
@@ -185,6 +206,9 @@ class PrefixIndex:
             return False
         del self._lru[node], self._nodes[node], self._by_key[nd.key]
         parent = nd.key[0]
+        self._kids[parent].discard(node)
+        if not self._kids[parent]:
+            del self._kids[parent]
         if parent != ROOT:
             self._nodes[parent].children -= 1
         self._free.append(nd.bid)
