@@ -99,7 +99,7 @@ def test_a_prompt_alone_takes_the_lone_chunk():
 
     def form(active, lone):
         plan = NS(micro_batches=1, chunk=STREAM_CHUNK, lone_chunk=lone)
-        return [n for _, n in _Scheduler.form(NS(st=NS(plan=plan), active=active))]
+        return [n for _, n in _Scheduler.form(NS(st=NS(plan=plan), active=active, prefix=None))]
 
     prompt = seq(700, 0, 700)
     assert form([prompt], LONE_CHUNK) == [LONE_CHUNK]
