@@ -113,6 +113,18 @@ def serve(rt, turns, blocks: int, n_new: int = N_NEW):
     return g.bcast_obj(done, 0), res.prefix
 
 
+def on_and_off(rt, turns, blocks: int, what: str, n_new: int = N_NEW):
+    """Collective: ``turns`` with the cache off and with ``blocks``; each request's tokens
+    must be the same. (the cache-on results, the cache-off ones, the cache's counters)."""
+    g = world()
+    off, _ = serve(rt, turns, 0, n_new)
+    on, stats = serve(rt, turns, blocks, n_new)
+    for k in range(len(off)):
+        parallel_assert(on[k][1] == off[k][1], f"{what} request {k + 1}: on {on[k][1]}, "
+                                               f"off {off[k][1]}", g)
+    return on, off, stats
+
+
 def chat(done, chats: int = 1, turns: int = 6):
     """The next turn of ``chats`` interleaved chats of ``turns`` turns in all: the last
     prompt of its chat, its answer, 6 new tokens."""
@@ -148,12 +160,8 @@ def test_chat_same_tokens_with_the_cache_on_off_and_evicting(checkpoint):
     g = world()
     for name, tp in layouts(g.size).items():
         rt = runtime(checkpoint, tp)
-        off, _ = serve(rt, chat, 0)
-        on, stats = serve(rt, chat, 64)
         what = f"np={g.size} {name}"
-        for k in range(6):
-            parallel_assert(on[k][1] == off[k][1], f"{what} turn {k + 1}: on {on[k][1]}, "
-                                                   f"off {off[k][1]}", g)
+        on, off, stats = on_and_off(rt, chat, 64, what)
         for k in range(1, 6):
             prompt, (prev, prev_toks, _) = on[k][0], on[k - 1]
             fed = len(prev) + len(prev_toks) - 1  # the last token sampled is never fed
@@ -162,11 +170,7 @@ def test_chat_same_tokens_with_the_cache_on_off_and_evicting(checkpoint):
         parallel_assert(on[0][2] == 0 and all(c == 0 for _, _, c in off), f"{what}", g)
         parallel_assert(stats["hits"] == 5 and stats["evictions"] == 0, f"{what}: {stats}", g)
         # two chats taking turns in a cache of 5 blocks: each evicts the other's leaves
-        off2, _ = serve(rt, two_chats, 0)
-        tiny, tiny_stats = serve(rt, two_chats, 5)
-        for k in range(6):
-            parallel_assert(tiny[k][1] == off2[k][1], f"{what} two chats, request {k + 1}: "
-                                                      f"{tiny[k][1]} != {off2[k][1]}", g)
+        tiny, _, tiny_stats = on_and_off(rt, two_chats, 5, f"{what} two chats")
         parallel_assert(tiny_stats["evictions"] > 0 and tiny_stats["hits"] > 0
                         and tiny_stats["blocks"] <= 5, f"{what}: {tiny_stats}", g)
 
@@ -185,12 +189,10 @@ def test_answers_saved_while_they_decode(checkpoint):
 
     for name, tp in layouts(g.size).items():
         rt = runtime(checkpoint, tp)
-        off, _ = serve(rt, three, 0, n_new)
-        on, stats = serve(rt, three, 64, n_new)
         what = f"np={g.size} {name}"
+        on, _, stats = on_and_off(rt, three, 64, what, n_new)
         for k in range(3):
-            parallel_assert(on[k][1] == off[k][1] and len(on[k][1]) == n_new,
-                            f"{what} turn {k + 1}: on {on[k][1]}, off {off[k][1]}", g)
+            parallel_assert(len(on[k][1]) == n_new, f"{what} turn {k + 1}: {on[k][1]}", g)
         for k in range(1, 3):
             prompt, (prev, prev_toks, _) = on[k][0], on[k - 1]
             check_cached(f"{what} turn {k + 1}", checkpoint, on[k][2], prev,
@@ -263,11 +265,7 @@ def test_a_prompt_reuses_part_of_a_block(checkpoint):
     want = [0, 12, 8] if checkpoint.endswith("qwen3_next") else [0, 12, 10]
     for name, tp in layouts(g.size).items():
         rt = runtime(checkpoint, tp)
-        off, _ = serve(rt, three, 0)
-        on, _ = serve(rt, three, 64)
         what = f"np={g.size} {name}"
-        for k in range(3):
-            parallel_assert(on[k][1] == off[k][1], f"{what} request {k + 1}: {on[k][1]} != "
-                                                   f"{off[k][1]}", g)
+        on, _, _ = on_and_off(rt, three, 64, what)
         parallel_assert([c for _, _, c in on] == want,
                         f"{what}: cached {[c for _, _, c in on]}, expected {want}", g)

@@ -262,8 +262,7 @@ class KVCache:
                 raise RuntimeError(f"prefix block {bid}: its states are asked after token "
                                    f"{start + n} of slot {slot}, which holds "
                                    f"{int(self.lengths[slot])}")
-            states = [np.array(be.to_numpy(a[slot])) for j in self.recurrent
-                      for a in (self.k[j], self.v[j])]
+            states = [a for pair in self.snapshot(slot)["states"] for a in pair]
         self.blocks[bid] = KVBlock(n, [take(j, a) for j, a in enumerate(self.k)],
                                    [take(j, a) for j, a in enumerate(self.v)], state=states,
                                    index=index)
@@ -284,9 +283,7 @@ class KVCache:
                 raise RuntimeError(f"prefix block {bids[-1]} ends a loaded prefix without "
                                    "the recurrent states after it")
             it = iter(blks[-1].state)
-            for j in self.recurrent:
-                self.k[j][slot] = be.asarray(next(it))
-                self.v[j][slot] = be.asarray(next(it))
+            self.restore(slot, {"length": pos, "states": list(zip(it, it))})
 
         def joined(parts, axis):  # one write a layer, not one a block (small blocks)
             return be.asarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis))
